@@ -1,0 +1,551 @@
+"""Reference backend: dispatch and combine written with torch.distributed point-to-point exchanges and index
+arithmetic. It runs on any process group (gloo on CPU, NCCL on GPU) and is the oracle of the CUDA backend.
+
+Shape legend: N = this rank's tokens, K = top-k slots, R = ranks, L = local experts, E = global experts,
+M = rows of the non-expand receive layout, P = rows of the dispatch output, C = per-peer block capacity.
+
+How a dispatch runs (the same steps a kernel takes, in plain tensors):
+1. Layout (local): which ranks each token goes to (`send_pos_NR`), rows and expert counts per rank.
+2. Count exchange: each rank sends every peer `[rows for it, per-expert counts, error flags]`.
+   With a CPU sync the counts are read on the host and every buffer is sized exactly; without one, every
+   block has the worst-case capacity (`num_max_tokens_per_rank` rows) and nothing is read on the host.
+3. Metadata exchange: per row the source token index, the local expert ids and weights.
+   From it the receiver builds every layout tensor of the handle (expand positions, return positions).
+4. Data exchange: the rows themselves (x, or FP8 data and scales). This is the only step that is left
+   in flight when `async_with_compute_stream=True` on CPU; its finalizer writes the outputs.
+Rows travel as raw bytes (`_RowCodec`), so every dtype, FP8 included, moves bit for bit.
+
+The receive order is always deterministic: source ranks ascending, then source token index ascending.
+Combine sends every row back to its source and reduces there in the order of DESIGN 2.2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import quant
+from ..event import EventOverlap
+from ..handle import EPHandle
+
+# Error flag bits carried by the count exchange.
+FLAG_OUT_OF_RANGE = 1
+FLAG_DUPLICATE = 2
+
+
+@dataclass(frozen=True)
+class RefLayout:
+    """Routing state of the reference backend, kept in `EPHandle.layout`.
+
+    send_pos_NR: `[N, R]` row of each token inside the block it is sent to, -1 if not sent to that rank.
+    send_splits / recv_splits: rows per peer block in the send / receive buffer (capacities without sync).
+    src_rank_M: `[M]` source rank of each received row.
+    expand_row_MK: `[M, K]` output row of each (received row, local slot) in expand mode, else None.
+    return_pos_MK: `[M, K]` row of each (received row, local slot) in the expand combine's return buffer.
+    return_send_splits / return_recv_splits: rows per peer of the expand combine's return exchange.
+    slot_return_pos_NK: `[N, K]` row of each of this rank's slots in the expand combine's receive buffer.
+    """
+
+    send_pos_NR: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    src_rank_M: torch.Tensor
+    expand_row_MK: Optional[torch.Tensor] = None
+    return_pos_MK: Optional[torch.Tensor] = None
+    return_send_splits: Optional[list[int]] = None
+    return_recv_splits: Optional[list[int]] = None
+    slot_return_pos_NK: Optional[torch.Tensor] = None
+
+
+class _RowCodec:
+    """Packs several per-row tensors into one `[rows, width]` uint8 tensor, each field 16-byte aligned."""
+
+    def __init__(self, fields: Sequence[tuple[str, torch.dtype, int]]) -> None:
+        self.fields = []
+        offset = 0
+        for name, dtype, numel in fields:
+            nbytes = numel * dtype.itemsize
+            self.fields.append((name, dtype, numel, offset, nbytes))
+            offset += -(-nbytes // 16) * 16
+        self.width = max(offset, 16)
+
+    def pack_into(self, out: torch.Tensor, rows: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Write row i of every field to `out[rows[i]]`."""
+        packed = torch.zeros(rows.numel(), self.width, dtype=torch.uint8, device=out.device)
+        for name, _, _, offset, nbytes in self.fields:
+            t = tensors[name]
+            packed[:, offset:offset + nbytes] = t.contiguous().view(torch.uint8).reshape(rows.numel(), nbytes)
+        out.index_copy_(0, rows, packed)
+
+    def unpack(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = buf.shape[0]
+        return {name: buf[:, offset:offset + nbytes].contiguous().view(dtype).reshape(rows, numel)
+                for name, dtype, numel, offset, nbytes in self.fields}
+
+
+def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for v in values:
+        out.append(acc)
+        acc += v
+    return out
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+class TorchRefBackend:
+    """The reference implementation behind `Buffer(backend="torch")`."""
+
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = device
+        self.timeout_secs = num_cpu_timeout_secs
+        self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
+        self.pending_flags = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
+
+    # ------------------------------------------------------------------------------------------------
+    # Transport
+    # ------------------------------------------------------------------------------------------------
+    def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv: torch.Tensor,
+                  recv_splits: Sequence[int], phase: str) -> list[tuple[object, str]]:
+        """Send `send`'s row block p to rank p and receive rank p's block into `recv` (all-to-all-v).
+
+        Returns the in-flight works with a description naming rank, phase and peer for timeout errors.
+        Zero-row blocks are skipped on both sides (both know the size).
+        """
+        send_offsets, recv_offsets = _exclusive_cumsum(send_splits), _exclusive_cumsum(recv_splits)
+        me = self.rank
+        recv[recv_offsets[me]:recv_offsets[me] + recv_splits[me]] = \
+            send[send_offsets[me]:send_offsets[me] + send_splits[me]]
+        ops, descriptions = [], []
+        for peer in range(self.num_ranks):
+            if peer == me:
+                continue
+            global_peer = dist.get_global_rank(self.group, peer)
+            if recv_splits[peer]:
+                block = recv[recv_offsets[peer]:recv_offsets[peer] + recv_splits[peer]]
+                ops.append(dist.P2POp(dist.irecv, block, global_peer, self.group))
+                descriptions.append(f"rank {me} {phase}: receive from peer {peer}")
+            if send_splits[peer]:
+                block = send[send_offsets[peer]:send_offsets[peer] + send_splits[peer]]
+                ops.append(dist.P2POp(dist.isend, block, global_peer, self.group))
+                descriptions.append(f"rank {me} {phase}: send to peer {peer}")
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return list(zip(works, descriptions))
+
+    def _wait(self, works: list[tuple[object, str]]) -> None:
+        """Block until `works` are done (CPU), or make the current stream wait for them (CUDA)."""
+        if self.comm_stream is None:
+            EventOverlap(works=works, timeout_secs=self.timeout_secs).current_stream_wait()
+            return
+        for work, _ in works:
+            work.wait()
+
+    def _run(self, body: Callable[[], tuple], previous_event: Optional[EventOverlap],
+             async_with_compute_stream: bool, inputs: Sequence[torch.Tensor]):
+        """Stream control around one operation.
+
+        `body` returns `(outputs, works, finalizers)`: outputs are allocated, works are the data exchange in
+        flight, finalizers fill the outputs once the works are done. Returns `(outputs, event)`.
+        """
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        if self.comm_stream is None:
+            outputs, works, finalizers = body()
+            event = EventOverlap(works=works, finalizers=finalizers, timeout_secs=self.timeout_secs)
+            if not async_with_compute_stream:
+                event.current_stream_wait()
+            return outputs, event
+        # CUDA: everything is stream-ordered on the comm stream; the host never waits.
+        compute_stream = torch.cuda.current_stream(self.device)
+        self.comm_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self.comm_stream):
+            outputs, works, finalizers = body()
+            self._wait(works)
+            for finalize in finalizers:
+                finalize()
+        for t in inputs:
+            t.record_stream(self.comm_stream)
+        for t in _flatten_tensors(outputs):
+            t.record_stream(compute_stream)
+        cuda_event = torch.cuda.Event()
+        cuda_event.record(self.comm_stream)
+        event = EventOverlap(event=cuda_event, extra_tensors=tuple(inputs))
+        if not async_with_compute_stream:
+            event.current_stream_wait()
+        return outputs, event
+
+    # ------------------------------------------------------------------------------------------------
+    # Value checks
+    # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def sanitize_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop invalid slots to -1 and return `(clean_idx, flags)`; flags is a 0-d int64 tensor."""
+        out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+        valid = (topk_idx >= 0) & ~out_of_range
+        # A slot repeating an expert of an earlier slot of its row is a duplicate.
+        same = (topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)) & valid.unsqueeze(2) & valid.unsqueeze(1)
+        duplicate = torch.tril(same, diagonal=-1).any(dim=2)
+        clean = torch.where(out_of_range | duplicate, torch.full_like(topk_idx, -1), topk_idx)
+        flags = out_of_range.any().to(torch.int64) * FLAG_OUT_OF_RANGE + \
+            duplicate.any().to(torch.int64) * FLAG_DUPLICATE
+        return clean, flags
+
+    @staticmethod
+    def describe_bad_topk(topk_idx: torch.Tensor, num_experts: int) -> str:
+        """Host-side detail of this rank's first invalid slot (error path only)."""
+        clean, _ = TorchRefBackend.sanitize_topk_idx(topk_idx, num_experts)
+        bad = (clean != topk_idx).nonzero()
+        if bad.numel() == 0:
+            return ""
+        t, j = bad[0].tolist()
+        row = topk_idx[t].tolist()
+        return f"first bad slot: topk_idx[{t}, {j}]={row[j]} in row {row}"
+
+    def raise_for_flags(self, flags_per_rank: list[int], topk_idx: Optional[torch.Tensor], num_experts: int,
+                        what: str) -> None:
+        if not any(flags_per_rank):
+            return
+        problems = []
+        for bit, text in ((FLAG_OUT_OF_RANGE, f"entries outside [-1, {num_experts})"),
+                          (FLAG_DUPLICATE, "duplicate experts in a row")):
+            ranks = [r for r, f in enumerate(flags_per_rank) if f & bit]
+            if ranks:
+                problems.append(f"{text} on rank(s) {ranks}")
+        detail = ""
+        if topk_idx is not None and flags_per_rank[self.rank]:
+            detail = "; " + self.describe_bad_topk(topk_idx, num_experts)
+        raise ValueError(f"topk_idx is invalid{what}: " + ", ".join(problems) + detail)
+
+    def check_inputs_up_front(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+        """MOE_COMM_CHECK_INPUTS=1: agree on every rank's flags before any data moves, then raise everywhere."""
+        _, flags = self.sanitize_topk_idx(topk_idx, num_experts)
+        flags_per_rank = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
+        flags_per_rank[self.rank] = flags
+        work = dist.all_reduce(flags_per_rank, group=self.group, async_op=True)
+        self._wait([(work, f"rank {self.rank} input check all-reduce")])
+        self.raise_for_flags(flags_per_rank.tolist(), topk_idx, num_experts, "")
+
+    def check_pending_errors(self) -> None:
+        """Raise (on every rank alike) for invalid slots that an earlier dispatch without CPU sync dropped."""
+        flags = self.pending_flags.tolist()
+        if any(flags):
+            self.pending_flags.zero_()
+            self.raise_for_flags(flags, None, -1, " in an earlier dispatch without CPU sync (slots dropped)")
+
+    # ------------------------------------------------------------------------------------------------
+    # Dispatch
+    # ------------------------------------------------------------------------------------------------
+    def dispatch(self, c) -> tuple:
+        """Run a validated `DispatchCall` (see `moe_comm.buffer`)."""
+        inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
+        body = (lambda: self._cached_dispatch_body(c)) if c.handle is not None else (lambda: self._dispatch_body(c))
+        outputs, event = self._run(body, c.previous_event, c.async_with_compute_stream, inputs)
+        recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
+        return recv_x, recv_topk_idx, recv_topk_weights, handle, event
+
+    def _data_fields(self, c, hidden: int) -> list[tuple[str, torch.dtype, int]]:
+        if c.wire_format is None:
+            return [("x", c.x.dtype, hidden)]
+        scale_dtype = torch.float32 if c.wire_format == "fp8_block128" else torch.int32
+        return [("q", torch.uint8, hidden), ("scales", scale_dtype, hidden // 128)]
+
+    def _wire_tensors(self, c) -> dict[str, torch.Tensor]:
+        """The per-token data as it travels: x, or FP8 bytes and scales (cast here for `quantize=`)."""
+        if c.wire_format is None:
+            return {"x": c.x}
+        if c.quantize is not None:
+            q, scales = quant.quantize(c.x, c.quantize)
+        else:
+            q, scales = c.fp8_q, c.fp8_scales
+        return {"q": q.view(torch.uint8), "scales": scales}
+
+    def _dispatch_body(self, c):
+        R, L, K, N = self.num_ranks, c.num_experts // self.num_ranks, c.num_topk, c.num_tokens
+        dev, cap = self.device, c.num_max_tokens_per_rank
+        i64 = dict(dtype=torch.int64, device=dev)
+
+        # Layout: destination ranks of every token, and its row inside each destination block.
+        topk_idx, flags = self.sanitize_topk_idx(c.topk_idx, c.num_experts)
+        dest_NK = torch.where(topk_idx >= 0, topk_idx // L, torch.full_like(topk_idx, -1))
+        in_rank_NR = torch.zeros(N, R + 1, dtype=torch.bool, device=dev)
+        in_rank_NR.scatter_(1, torch.where(dest_NK >= 0, dest_NK, R), True)
+        in_rank_NR = in_rank_NR[:, :R]
+        send_pos_NR = torch.where(in_rank_NR, in_rank_NR.long().cumsum(0) - 1, -1)
+        num_tokens_per_rank = in_rank_NR.long().sum(0)
+        num_tokens_per_expert = torch.zeros(c.num_experts + 1, **i64)
+        num_tokens_per_expert.scatter_add_(0, torch.where(topk_idx >= 0, topk_idx, c.num_experts).flatten(),
+                                           torch.ones(N * K, **i64))
+        num_tokens_per_expert = num_tokens_per_expert[:c.num_experts].view(R, L)
+
+        # Count exchange: [rows, per-expert counts, flags] to every peer.
+        counts_send = torch.cat([num_tokens_per_rank[:, None], num_tokens_per_expert, flags.expand(R, 1)], dim=1)
+        counts_recv = torch.empty_like(counts_send)
+        self._wait(self._exchange(counts_send, [1] * R, counts_recv, [1] * R, "dispatch count exchange"))
+        recv_rows_per_rank = counts_recv[:, 0]
+        recv_per_expert = counts_recv[:, 1:L + 1].sum(0)
+        recv_pairs_per_rank = counts_recv[:, 1:L + 1].sum(1)
+        aligned_per_expert = _ceil_div(recv_per_expert, c.expert_alignment) * c.expert_alignment
+        own_pairs_per_rank = num_tokens_per_expert.sum(1)
+
+        pair_cap = cap * min(K, L)
+        if c.do_cpu_sync:
+            host = torch.cat([counts_recv[:, L + 1], self.pending_flags, recv_rows_per_rank, recv_pairs_per_rank,
+                              own_pairs_per_rank, num_tokens_per_rank, aligned_per_expert]).tolist()
+            flags_per_rank, pending = host[:R], host[R:2 * R]
+            if any(pending):
+                self.check_pending_errors()
+            self.raise_for_flags(flags_per_rank, c.topk_idx, c.num_experts, "")
+            recv_splits, recv_pairs = host[2 * R:3 * R], host[3 * R:4 * R]
+            own_pairs, send_splits = host[4 * R:5 * R], host[5 * R:6 * R]
+            aligned_list = host[6 * R:]
+            num_recv_nonexpand = sum(recv_splits)
+            num_recv_rows = sum(aligned_list) if c.do_expand else num_recv_nonexpand
+            return_send_splits, return_recv_splits = recv_pairs, own_pairs
+        else:
+            # Worst-case capacities; invalid slots were dropped, the flags wait for the next sync.
+            torch.maximum(self.pending_flags, counts_recv[:, L + 1], out=self.pending_flags)
+            send_splits = recv_splits = [cap] * R
+            return_send_splits = return_recv_splits = [pair_cap] * R
+            aligned_list = None
+            num_recv_nonexpand = R * cap
+            num_recv_rows = R * pair_cap + L * (c.expert_alignment - 1) if c.do_expand else num_recv_nonexpand
+        send_offsets = _exclusive_cumsum(send_splits)
+        M = num_recv_nonexpand
+
+        # Metadata exchange: source token index, local expert ids and weights of every row.
+        meta_fields = [("src", torch.int64, 1), ("idx", torch.int64, K)]
+        if c.topk_weights is not None:
+            meta_fields.append(("w", c.topk_weights.dtype, K))
+        meta = _RowCodec(meta_fields)
+        num_send_rows = sum(send_splits)
+        meta_send = torch.zeros(num_send_rows + 1, meta.width, dtype=torch.uint8, device=dev)
+        src_N = torch.arange(N, **i64)
+        for d in range(R):
+            rows = torch.where(send_pos_NR[:, d] >= 0, send_offsets[d] + send_pos_NR[:, d], num_send_rows)
+            on_d = dest_NK == d
+            fields = {"src": src_N, "idx": torch.where(on_d, topk_idx - d * L, -1)}
+            if c.topk_weights is not None:
+                fields["w"] = torch.where(on_d, c.topk_weights, 0)
+            meta.pack_into(meta_send, rows, fields)
+        meta_recv = torch.empty(M, meta.width, dtype=torch.uint8, device=dev)
+        self._wait(self._exchange(meta_send, send_splits, meta_recv, recv_splits, "dispatch metadata exchange"))
+        got = meta.unpack(meta_recv)
+        recv_src_M, recv_idx_MK = got["src"].view(M), got["idx"]
+        recv_w_MK = got.get("w")
+
+        # Receiver-side layout.
+        src_rank_M = torch.repeat_interleave(torch.arange(R, **i64), torch.tensor(recv_splits, **i64))
+        if not c.do_cpu_sync:
+            valid_M = (torch.arange(M, **i64) % cap) < recv_rows_per_rank[src_rank_M]
+            recv_src_M = torch.where(valid_M, recv_src_M, -1)
+            recv_idx_MK = torch.where(valid_M[:, None], recv_idx_MK, -1)
+            if recv_w_MK is not None:
+                recv_w_MK = torch.where(valid_M[:, None], recv_w_MK, 0)
+        psum_per_rank = recv_rows_per_rank.cumsum(0)
+        psum_per_expert = aligned_per_expert.cumsum(0)
+
+        layout = dict(send_pos_NR=send_pos_NR, send_splits=send_splits, recv_splits=recv_splits,
+                      src_rank_M=src_rank_M)
+        out_w = recv_w_MK
+        if c.do_expand:
+            expand_row_MK = self._expand_rows(recv_idx_MK, psum_per_expert - aligned_per_expert, L)
+            if recv_w_MK is not None:
+                out_w = self._scatter_slots(recv_w_MK, expand_row_MK, num_recv_rows)
+            # Return path of the expand combine: one row per valid (row, slot) pair, (token, slot) order.
+            valid_MK = recv_idx_MK >= 0
+            pair_rank_MK = valid_MK.flatten().long().cumsum(0).view(M, K) - 1
+            pairs_before = recv_pairs_per_rank.cumsum(0) - recv_pairs_per_rank
+            return_offsets = torch.tensor(_exclusive_cumsum(return_send_splits), **i64)
+            block_M = src_rank_M[:, None]
+            return_pos_MK = torch.where(valid_MK, return_offsets[block_M] + pair_rank_MK - pairs_before[block_M], -1)
+            slot_return_pos_NK = torch.full_like(topk_idx, -1)
+            for d, offset in enumerate(_exclusive_cumsum(return_recv_splits)):
+                on_d = dest_NK == d
+                rank_in_block = on_d.flatten().long().cumsum(0).view(N, K) - 1
+                slot_return_pos_NK = torch.where(on_d, offset + rank_in_block, slot_return_pos_NK)
+            layout.update(expand_row_MK=expand_row_MK, return_pos_MK=return_pos_MK,
+                          return_send_splits=return_send_splits, return_recv_splits=return_recv_splits,
+                          slot_return_pos_NK=slot_return_pos_NK)
+
+        handle = EPHandle(
+            group=self.group, num_experts=c.num_experts, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
+            do_expand=c.do_expand, expert_alignment=c.expert_alignment, num_sms=c.num_sms,
+            do_cpu_sync=c.do_cpu_sync, topk_idx=topk_idx, recv_src_idx=recv_src_M, recv_topk_idx=recv_idx_MK,
+            recv_topk_weights=out_w, psum_num_recv_tokens_per_rank=psum_per_rank,
+            psum_num_recv_tokens_per_expert=psum_per_expert,
+            num_recv_tokens=num_recv_rows if c.do_cpu_sync else None,
+            num_recv_tokens_per_expert_list=aligned_list, num_recv_rows=num_recv_rows, layout=RefLayout(**layout))
+        recv_x, works, finalizers = self._send_data(c, handle)
+        return (recv_x, None if c.do_expand else recv_idx_MK, out_w, handle), works, finalizers
+
+    def _cached_dispatch_body(self, c):
+        handle = c.handle
+        recv_x, works, finalizers = self._send_data(c, handle)
+        recv_idx = None if handle.do_expand else handle.recv_topk_idx
+        return (recv_x, recv_idx, handle.recv_topk_weights, handle), works, finalizers
+
+    @staticmethod
+    def _expand_rows(recv_idx_MK: torch.Tensor, block_start_L: torch.Tensor, L: int) -> torch.Tensor:
+        """Output row of each (received row, slot) in the expand layout, -1 for non-local slots."""
+        M = recv_idx_MK.shape[0]
+        onehot_ML = torch.zeros(M, L + 1, dtype=torch.int64, device=recv_idx_MK.device)
+        onehot_ML.scatter_(1, torch.where(recv_idx_MK >= 0, recv_idx_MK, L), 1)
+        rank_in_expert_ML = onehot_ML[:, :L].cumsum(0) - 1
+        local_MK = recv_idx_MK.clamp(min=0)
+        rows = block_start_L[local_MK] + rank_in_expert_ML.gather(1, local_MK)
+        return torch.where(recv_idx_MK >= 0, rows, -1)
+
+    @staticmethod
+    def _scatter_slots(values_MK: torch.Tensor, rows_MK: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Place `values_MK[i, j]` (a scalar or a row per slot) at output row `rows_MK[i, j]`; zeros elsewhere."""
+        trailing = values_MK.shape[2:]
+        out = torch.zeros((num_rows + 1, *trailing), dtype=values_MK.dtype, device=values_MK.device)
+        for j in range(rows_MK.shape[1]):
+            out.index_copy_(0, torch.where(rows_MK[:, j] >= 0, rows_MK[:, j], num_rows), values_MK[:, j])
+        return out[:num_rows]
+
+    def _send_data(self, c, handle: EPHandle):
+        """Data exchange along `handle`'s layout; returns `(recv_x, works, finalizers)`."""
+        lay: RefLayout = handle.layout
+        R, dev = self.num_ranks, self.device
+        hidden = c.hidden
+        codec = _RowCodec(self._data_fields(c, hidden))
+        num_send_rows, M = sum(lay.send_splits), sum(lay.recv_splits)
+        send = torch.zeros(num_send_rows + 1, codec.width, dtype=torch.uint8, device=dev)
+        wire = self._wire_tensors(c)
+        for d, offset in enumerate(_exclusive_cumsum(lay.send_splits)):
+            pos = lay.send_pos_NR[:, d]
+            codec.pack_into(send, torch.where(pos >= 0, offset + pos, num_send_rows), wire)
+        recv = torch.empty(M, codec.width, dtype=torch.uint8, device=dev)
+        works = self._exchange(send, lay.send_splits, recv, lay.recv_splits, "dispatch data exchange")
+
+        # Outputs exist now; the finalizer fills them once the rows have arrived.
+        P = handle.num_recv_rows
+        if c.wire_format is None or c.dequantize:
+            out_dtype = torch.bfloat16 if c.dequantize else c.x.dtype
+            recv_x = torch.empty(P, hidden, dtype=out_dtype, device=dev)
+            targets = {"x": recv_x}
+        else:
+            scale_dtype = torch.float32 if c.wire_format == "fp8_block128" else torch.int32
+            recv_x = (torch.empty(P, hidden, dtype=torch.float8_e4m3fn, device=dev),
+                      torch.empty(P, hidden // 128, dtype=scale_dtype, device=dev))
+            targets = {"q": recv_x[0].view(torch.uint8), "scales": recv_x[1]}
+
+        def finalize() -> None:
+            got = codec.unpack(recv)
+            if not handle.do_cpu_sync:
+                invalid = (handle.recv_src_idx < 0)[:, None]
+                got = {k: v.masked_fill(invalid, 0) for k, v in got.items()}
+            if c.dequantize:
+                got = {"x": quant.dequantize(got["q"].view(torch.float8_e4m3fn), got["scales"])}
+            for name, target in targets.items():
+                value = got[name]
+                if handle.do_expand:
+                    rows_MK = lay.expand_row_MK
+                    value = self._scatter_slots(value[:, None, :].expand(-1, rows_MK.shape[1], -1), rows_MK, P)
+                target.copy_(value)
+
+        return recv_x, works, [finalize]
+
+    # ------------------------------------------------------------------------------------------------
+    # Combine
+    # ------------------------------------------------------------------------------------------------
+    def combine(self, c) -> tuple:
+        """Run a validated `CombineCall` (see `moe_comm.buffer`)."""
+        inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None]
+        outputs, event = self._run(lambda: self._combine_body(c), c.previous_event, c.async_with_compute_stream,
+                                   inputs)
+        combined_x, combined_w = outputs
+        return combined_x, combined_w, event
+
+    def _combine_body(self, c):
+        handle: EPHandle = c.handle
+        lay: RefLayout = handle.layout
+        R, K, N, dev = self.num_ranks, handle.num_topk, handle.num_tokens, self.device
+        L = handle.num_experts // R
+        hidden = c.x.shape[1]
+        fields = [("x", c.x.dtype, hidden)]
+        if c.topk_weights is not None:
+            fields.append(("w", c.topk_weights.dtype, 1 if handle.do_expand else K))
+        codec = _RowCodec(fields)
+        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+
+        if handle.do_expand:
+            # Every (received row, local slot) pair goes back as its own row, in (token, slot) order.
+            send_splits, recv_splits = lay.return_send_splits, lay.return_recv_splits
+            num_send = sum(send_splits)
+            send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
+            x_pad = torch.cat([c.x, c.x.new_zeros(1, hidden)])
+            w_pad = None if c.topk_weights is None else torch.cat([c.topk_weights, c.topk_weights.new_zeros(1)])
+            trash_row = c.x.shape[0]
+            for j in range(K):
+                rows = lay.expand_row_MK[:, j]
+                src = torch.where(rows >= 0, rows, trash_row)
+                fields_j = {"x": x_pad[src]}
+                if w_pad is not None:
+                    fields_j["w"] = w_pad[src][:, None]
+                dst = lay.return_pos_MK[:, j]
+                codec.pack_into(send, torch.where(dst >= 0, dst, num_send), fields_j)
+        else:
+            send_splits, recv_splits = lay.recv_splits, lay.send_splits
+            num_send = sum(send_splits)
+            send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
+            fields_all = {"x": c.x}
+            if c.topk_weights is not None:
+                fields_all["w"] = c.topk_weights
+            codec.pack_into(send, torch.arange(num_send, device=dev), fields_all)
+        num_recv = sum(recv_splits)
+        # One extra zero row: gathers of absent (token, rank) or (token, slot) pairs read it.
+        recv = torch.zeros(num_recv + 1, codec.width, dtype=torch.uint8, device=dev)
+        works = self._exchange(send, send_splits, recv, recv_splits, "combine exchange")
+
+        combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
+        combined_w = None if c.topk_weights is None else torch.empty(N, K, dtype=c.topk_weights.dtype, device=dev)
+        dest_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // L, -1)
+
+        def finalize() -> None:
+            got = codec.unpack(recv)
+            back_x = got["x"]
+            acc = torch.zeros(N, hidden, dtype=acc_dtype, device=dev)
+            # DESIGN 2.2 order: start from zero, add the terms one by one, then bias[0], bias[1].
+            if handle.do_expand:
+                rows_NK = torch.where(lay.slot_return_pos_NK >= 0, lay.slot_return_pos_NK, num_recv)
+                for j in range(K):
+                    acc += back_x[rows_NK[:, j]].to(acc_dtype)
+                if combined_w is not None:
+                    combined_w.copy_(got["w"].view(-1)[rows_NK])
+            else:
+                offsets = torch.tensor(_exclusive_cumsum(recv_splits), dtype=torch.int64, device=dev)
+                rows_NR = torch.where(lay.send_pos_NR >= 0, offsets[None, :] + lay.send_pos_NR, num_recv)
+                for d in range(R):
+                    acc += back_x[rows_NR[:, d]].to(acc_dtype)
+                if combined_w is not None:
+                    owner_rows_NK = rows_NR.gather(1, dest_NK.clamp(min=0))
+                    owner_rows_NK = torch.where(dest_NK >= 0, owner_rows_NK, num_recv)
+                    combined_w.copy_(got["w"][owner_rows_NK, torch.arange(K, device=dev)[None, :]])
+            for b in c.bias:
+                acc += b.to(acc_dtype)
+            combined.copy_(acc)
+
+        return (combined, combined_w), works, [finalize]
+
+
+def _flatten_tensors(outputs) -> list[torch.Tensor]:
+    flat = []
+    for o in outputs:
+        if isinstance(o, torch.Tensor):
+            flat.append(o)
+        elif isinstance(o, (tuple, list)):
+            flat.extend(_flatten_tensors(o))
+    return flat

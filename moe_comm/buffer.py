@@ -1,0 +1,472 @@
+"""Buffer: the public object. It validates every argument, fills defaults, and hands a `DispatchCall` or
+`CombineCall` to a backend. It never touches raw pointers.
+
+Shape legend: N = this rank's tokens, K = top-k slots, H = hidden, R = ranks, L = local experts
+(`num_experts // R`), P = rows of the dispatch output.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import env, quant, sizing
+from .backends.torch_ref import TorchRefBackend
+from .event import EventOverlap
+from .handle import EPHandle
+
+BACKENDS = ("auto", "torch", "cuda")
+DATA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+FP8Tuple = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DispatchCall:
+    """A validated dispatch, as the backends receive it."""
+
+    x: Optional[torch.Tensor]          # [N, H] bf16/fp32/fp64, None for a pre-quantized tuple
+    fp8_q: Optional[torch.Tensor]      # [N, H] float8_e4m3fn of a pre-quantized tuple
+    fp8_scales: Optional[torch.Tensor]  # [N, H/128] float32 or int32 of a pre-quantized tuple
+    wire_format: Optional[str]         # FP8 format on the wire, None for unquantized rows
+    quantize: Optional[str]
+    dequantize: bool
+    topk_idx: Optional[torch.Tensor]   # [N, K] int64, None for a cached dispatch
+    topk_weights: Optional[torch.Tensor]
+    num_experts: int
+    num_topk: int
+    num_tokens: int
+    hidden: int
+    num_max_tokens_per_rank: int
+    expert_alignment: int
+    num_sms: int
+    handle: Optional[EPHandle]
+    do_cpu_sync: bool
+    do_expand: bool
+    previous_event: Optional[EventOverlap]
+    async_with_compute_stream: bool
+    allocate_on_comm_stream: bool
+
+
+@dataclass(frozen=True)
+class CombineCall:
+    """A validated combine, as the backends receive it."""
+
+    x: torch.Tensor                    # [P, H]
+    handle: EPHandle
+    topk_weights: Optional[torch.Tensor]  # [P, K], or [P] in expand mode
+    bias: tuple[torch.Tensor, ...]     # zero, one or two [N, H] tensors of x's dtype
+    num_sms: int
+    previous_event: Optional[EventOverlap]
+    async_with_compute_stream: bool
+    allocate_on_comm_stream: bool
+
+
+def _check_bool(**values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def _check_int(minimum: int, **values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < minimum:
+            raise ValueError(f"{name}={value} must be >= {minimum}")
+
+
+class Buffer:
+    """Expert-parallel dispatch and combine over one process group.
+
+    Arguments:
+        group: the expert-parallel process group (None: the default group). gloo runs on CPU tensors,
+            NCCL on the current CUDA device.
+        num_max_tokens_per_rank: most tokens any rank dispatches in one call (sizing maximum).
+        hidden: largest hidden size of a call, counted in bf16 elements (sizing maximum; a float32 or float64
+            call needs 2x or 4x the bytes).
+        num_topk: largest top-k of a call (sizing maximum).
+        use_fp8_dispatch: reserve room for FP8 rows with scales.
+        backend: "torch" (reference, any group), "cuda" (NVLink kernels) or "auto" (cuda where every peer is
+            NVLink-reachable and the kernels are available, else torch).
+        deterministic: receive order and combine reduction order exactly as DESIGN 2.1/2.2 specify.
+        num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing.
+        num_cpu_timeout_secs: how long a host wait for a peer may block before failing.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_max_tokens_per_rank: int = 4096,
+                 hidden: int = 7168, num_topk: int = 8, use_fp8_dispatch: bool = False, backend: str = "auto",
+                 deterministic: bool = False, num_gpu_timeout_secs: float = 100,
+                 num_cpu_timeout_secs: float = 300) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("moe_comm.Buffer needs torch.distributed to be initialized "
+                               "(torch.distributed.init_process_group)")
+        group = dist.group.WORLD if group is None else group
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+        _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk)
+        _check_int(1, hidden=hidden)
+        _check_bool(use_fp8_dispatch=use_fp8_dispatch, deterministic=deterministic)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        for name, value in (("num_gpu_timeout_secs", num_gpu_timeout_secs),
+                            ("num_cpu_timeout_secs", num_cpu_timeout_secs)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.use_fp8_dispatch = use_fp8_dispatch
+        self.deterministic = deterministic
+        self.num_gpu_timeout_secs = float(num_gpu_timeout_secs)
+        self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
+        self.num_bytes = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
+                                                     use_fp8_dispatch)
+        self.device = self._group_device(group)
+        self.backend = self._resolve_backend(backend)
+        self.topology = self._machine_topology()
+        self._impl = TorchRefBackend(group, self.device, self.num_cpu_timeout_secs)
+        self._destroyed = False
+
+    # ------------------------------------------------------------------------------------------------
+    # Set-up helpers
+    # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _group_device(group: dist.ProcessGroup) -> torch.device:
+        if "nccl" in str(dist.get_backend(group)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _resolve_backend(self, backend: str) -> str:
+        if backend == "cuda":
+            raise ValueError("backend='cuda' is not available in this build of moe_comm yet; "
+                             "use backend='torch' or 'auto'")
+        return "torch"
+
+    def _machine_topology(self) -> sizing.Topology:
+        """The sizing model's inputs, read off this machine where possible.
+
+        NVLink link rates come from `nvidia-smi nvlink -s` when it answers; SMs from the CUDA device.
+        Without a GPU (CPU/gloo runs) the model assumes an H200 (132 SMs, 18 x 26.5625 GB/s links), so a CPU
+        run reports the numbers the same job would use on the GPUs this project targets.
+        All ranks of the group are taken as one NVLink domain (single-node expert parallelism).
+        """
+        link_gbs = sizing.query_nvlink_link_gbs() if self.device.type == "cuda" else None
+        num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                   if self.device.type == "cuda" else sizing.H200_NUM_SMS)
+        return sizing.Topology.from_links(num_ranks=self.num_ranks, num_nvl_ranks=self.num_ranks,
+                                          link_gbs=link_gbs or sizing.H200_NVLINK_LINK_GBS,
+                                          num_device_sms=num_sms)
+
+    @staticmethod
+    def get_buffer_size_hint(group: Optional[dist.ProcessGroup], num_max_tokens_per_rank: int, hidden: int,
+                             num_topk: int = 0, use_fp8_dispatch: bool = False) -> int:
+        """Bytes of the per-rank buffer for these maxima (`moe_comm.sizing.get_buffer_size_hint`)."""
+        num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)
+        return sizing.get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
+        """SMs that saturate the bottleneck link for this routing (`moe_comm.sizing`, DESIGN 2.4)."""
+        _check_int(1, num_experts=num_experts, num_topk=num_topk)
+        return sizing.get_num_sms(self.topology, num_experts, num_topk)
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """RDMA queue pairs an RDMA transport would use with `num_sms`; informational for NVLink-only groups."""
+        _check_int(1, num_sms=num_sms)
+        hybrid = self.topology.is_hybrid
+        # NVLink-only: no QPs are allocated, so the cap is the rule's own value.
+        return sizing.get_num_qps(num_sms, hybrid, num_sms * 16 + 1 if hybrid else sizing.MAX_DIRECT_NUM_QPS)
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this moe_comm.Buffer was destroyed")
+
+    def _check_tensor(self, name: str, t, dtypes: Sequence[torch.dtype], ndim: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name}.dtype={t.dtype} is not one of {list(dtypes)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+        return t
+
+    def _check_fits(self, num_max_tokens_per_rank: int, hidden: int, num_topk: int, elem_size: int,
+                    fp8: bool) -> None:
+        needed = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk, fp8,
+                                             elem_size)
+        if needed > self.num_bytes:
+            raise ValueError(
+                f"buffer too small: this call needs {needed} bytes ({num_max_tokens_per_rank=}, {hidden=}, "
+                f"{num_topk=}, element size {elem_size}, fp8={fp8}), the buffer has {self.num_bytes}; "
+                f"create the Buffer with larger maxima (Buffer.get_buffer_size_hint)")
+
+    @staticmethod
+    def _check_row_bytes(name: str, hidden: int, elem_size: int) -> None:
+        if hidden * elem_size % 16:
+            raise ValueError(f"{name} rows are {hidden} x {elem_size} = {hidden * elem_size} bytes, "
+                             f"not a multiple of 16")
+
+    def _check_event(self, previous_event) -> None:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be a moe_comm.EventOverlap or None, "
+                            f"got {type(previous_event).__name__}")
+
+    # ------------------------------------------------------------------------------------------------
+    # Dispatch
+    # ------------------------------------------------------------------------------------------------
+    def dispatch(self, x: Union[torch.Tensor, FP8Tuple], topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
+                 num_max_tokens_per_rank: Optional[int] = None, expert_alignment: int = 1, num_sms: int = 0,
+                 handle: Optional[EPHandle] = None, do_cpu_sync: Optional[bool] = None, do_expand: bool = False,
+                 quantize: Optional[str] = None, dequantize: bool = False,
+                 previous_event: Optional[EventOverlap] = None, async_with_compute_stream: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send every token to the ranks that own its experts (once per rank).
+
+        Arguments:
+            x: `[N, H]`, `torch.bfloat16` (float32/float64 allowed for verification), or a pre-quantized tuple
+                (`[N, H]` `torch.float8_e4m3fn`, scales `[N, H/128]` `torch.float32` for fp8_block128 or
+                `torch.int32` for mxfp8).
+            topk_idx: `[N, K]`, `torch.int64`, global expert ids in `[-1, num_experts)`, distinct per row except
+                -1. None exactly when `handle` is given.
+            topk_weights: `[N, K]`, `torch.float32` (`torch.float64` allowed with float64 x), or None.
+            num_experts: global expert count, a multiple of the group size (from the handle when cached).
+            num_max_tokens_per_rank: worst-case tokens per rank (default: the buffer's).
+            expert_alignment: expand mode pads each expert block to a multiple of this many rows.
+            num_sms: SMs to run on; 0 = `get_theoretical_num_sms`.
+            handle: an `EPHandle` to reuse (cached dispatch: no layout work, no CPU sync).
+            do_cpu_sync: None = True unless `handle`. False: worst-case sized outputs, true counts on the device.
+            do_expand: one row per (token, local expert), grouped by expert.
+            quantize: None, "fp8_block128" or "mxfp8": cast bf16 `x` to FP8 before it travels.
+            dequantize: with FP8 on the wire, return bf16 rows (cast back on the receiver).
+            previous_event: an `EventOverlap` the communication must wait for.
+            async_with_compute_stream: return at once; wait on the returned event before using the outputs.
+            allocate_on_comm_stream: allocate outputs on the comm stream (CUDA).
+
+        Returns:
+            `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`:
+            recv_x: `[P, H]` rows (x's dtype; bf16 with `dequantize`; an FP8 tuple when FP8 travels without it).
+                Non-expand: rows grouped by source rank ascending. Expand: grouped by local expert, each block
+                zero-padded to `expert_alignment`.
+            recv_topk_idx: `[P, K]`, `torch.int64` local expert ids or -1; None in expand mode.
+            recv_topk_weights: `[P, K]` (expand: `[P]`) weights of local slots, 0 elsewhere; None without
+                `topk_weights` (cached: the handle's).
+            handle: `EPHandle` for combine and cached dispatch.
+            event: `EventOverlap` (already complete unless `async_with_compute_stream`).
+        """
+        self._check_alive()
+        call = self._validate_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                                       expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize,
+                                       dequantize, previous_event, async_with_compute_stream,
+                                       allocate_on_comm_stream)
+        if call.handle is None and env.get_bool("MOE_COMM_CHECK_INPUTS"):
+            self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
+        return self._impl.dispatch(call)
+
+    def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                           expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize, dequantize,
+                           previous_event, async_with_compute_stream, allocate_on_comm_stream) -> DispatchCall:
+        _check_bool(do_expand=do_expand, dequantize=dequantize,
+                    async_with_compute_stream=async_with_compute_stream,
+                    allocate_on_comm_stream=allocate_on_comm_stream)
+        _check_int(1, expert_alignment=expert_alignment)
+        _check_int(0, num_sms=num_sms)
+        self._check_event(previous_event)
+        if do_cpu_sync is not None:
+            _check_bool(do_cpu_sync=do_cpu_sync)
+        if quantize is not None and quantize not in quant.FP8_FORMATS:
+            raise ValueError(f"quantize={quantize!r} is not one of {(None, *quant.FP8_FORMATS)}")
+
+        # The rows: a tensor, or a pre-quantized FP8 tuple.
+        fp8_q = fp8_scales = None
+        if isinstance(x, (tuple, list)):
+            if quantize is not None:
+                raise ValueError(f"quantize={quantize!r} given with an already quantized x tuple")
+            fp8_q, fp8_scales, wire_format = quant.check_fp8_tuple(tuple(x), "x")
+            for name, t in (("x[0]", fp8_q), ("x[1]", fp8_scales)):
+                if t.device != self.device:
+                    raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
+            x = None
+            num_tokens, hidden = fp8_q.shape
+            elem_size = 2
+        else:
+            self._check_tensor("x", x, DATA_DTYPES, 2)
+            num_tokens, hidden = x.shape
+            elem_size = x.dtype.itemsize
+            self._check_row_bytes("x", hidden, elem_size)
+            wire_format = quantize
+            if quantize is not None:
+                if x.dtype != torch.bfloat16:
+                    raise TypeError(f"quantize={quantize!r} casts bf16 rows; x.dtype={x.dtype}")
+                if hidden % 128:
+                    raise ValueError(f"FP8 dispatch needs hidden % 128 == 0, got hidden={hidden}")
+        if dequantize and wire_format is None:
+            raise ValueError("dequantize=True needs FP8 on the wire (an FP8 tuple x or quantize=)")
+
+        if handle is not None:
+            if not isinstance(handle, EPHandle):
+                raise TypeError(f"handle must be a moe_comm.EPHandle, got {type(handle).__name__}")
+            if topk_idx is not None:
+                raise ValueError("topk_idx must be None with handle (a cached dispatch reuses the handle's layout)")
+            if topk_weights is not None:
+                raise ValueError("topk_weights must be None with handle (the weights come from the handle)")
+            if do_cpu_sync:
+                raise ValueError("do_cpu_sync=True is not allowed with handle: a cached dispatch never syncs")
+            handle.check_reuse(self.group, num_experts, num_tokens, do_expand, expert_alignment,
+                               num_max_tokens_per_rank)
+            num_experts, num_topk = handle.num_experts, handle.num_topk
+            num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+            do_cpu_sync = handle.do_cpu_sync
+        else:
+            if topk_idx is None:
+                raise ValueError("topk_idx is required unless handle is given")
+            self._check_tensor("topk_idx", topk_idx, (torch.int64,), 2)
+            if topk_idx.shape[0] != num_tokens:
+                raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {num_tokens}")
+            num_topk = topk_idx.shape[1]
+            if num_topk < 1:
+                raise ValueError(f"topk_idx must have at least one column, got shape {tuple(topk_idx.shape)}")
+            if topk_weights is not None:
+                allowed = (torch.float32, torch.float64) if x is not None and x.dtype == torch.float64 \
+                    else (torch.float32,)
+                self._check_tensor("topk_weights", topk_weights, allowed, 2)
+                if topk_weights.shape != topk_idx.shape:
+                    raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} != topk_idx shape "
+                                     f"{tuple(topk_idx.shape)}")
+            if num_experts is None:
+                raise ValueError("num_experts is required unless handle is given")
+            _check_int(1, num_experts=num_experts)
+            if num_experts % self.num_ranks:
+                raise ValueError(f"num_experts={num_experts} is not a multiple of the group size {self.num_ranks}")
+            if num_topk > num_experts:
+                raise ValueError(f"num_topk={num_topk} (topk_idx columns) exceeds num_experts={num_experts}")
+            if num_max_tokens_per_rank is None:
+                num_max_tokens_per_rank = self.num_max_tokens_per_rank
+            _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank)
+            do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        if num_tokens > num_max_tokens_per_rank:
+            raise ValueError(f"num_tokens={num_tokens} (x rows) exceeds {num_max_tokens_per_rank=}")
+        self._check_fits(num_max_tokens_per_rank, hidden, num_topk, elem_size, wire_format is not None)
+        if num_sms == 0:
+            num_sms = handle.num_sms if handle is not None else self.get_theoretical_num_sms(num_experts, num_topk)
+        return DispatchCall(
+            x=x, fp8_q=fp8_q, fp8_scales=fp8_scales, wire_format=wire_format, quantize=quantize,
+            dequantize=dequantize, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+            num_topk=num_topk, num_tokens=num_tokens, hidden=hidden, num_max_tokens_per_rank=num_max_tokens_per_rank,
+            expert_alignment=expert_alignment, num_sms=num_sms, handle=handle, do_cpu_sync=do_cpu_sync,
+            do_expand=do_expand, previous_event=previous_event, async_with_compute_stream=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream)
+
+    # ------------------------------------------------------------------------------------------------
+    # Combine
+    # ------------------------------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Sequence[torch.Tensor]] = None, num_sms: int = 0,
+                previous_event: Optional[EventOverlap] = None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Sum every token's rows back on its source rank.
+
+        Arguments:
+            x: `[P, H]`, `torch.bfloat16` (float32/float64 for verification), in the layout `handle`'s
+                dispatch produced.
+            handle: the `EPHandle` of that dispatch.
+            topk_weights: non-expand `[P, K]`, expand `[P]`; `torch.float32` (`torch.float64` with float64 x).
+            bias: None, a tensor, or a tuple of two tensors, each `[N, H]` of x's dtype, added after the rows.
+            num_sms: SMs to run on; 0 = the handle's.
+            previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
+
+        Returns:
+            `(combined_x, combined_topk_weights, event)`:
+            combined_x: `[N, H]`, x's dtype: per token, the sum (FP32 accumulation, FP64 for float64) of its
+                rows, non-expand one per destination rank in ascending rank order, expand one per valid slot
+                in ascending slot order, then `bias[0]`, then `bias[1]`. No gate weights are applied.
+            combined_topk_weights: `[N, K]`: slot j's value on the rank that owns slot j's expert (a select),
+                0 for -1 slots; None without `topk_weights`.
+            event: `EventOverlap`.
+        """
+        self._check_alive()
+        call = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
+                                      async_with_compute_stream, allocate_on_comm_stream)
+        return self._impl.combine(call)
+
+    def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
+                          allocate_on_comm_stream) -> CombineCall:
+        _check_bool(async_with_compute_stream=async_with_compute_stream,
+                    allocate_on_comm_stream=allocate_on_comm_stream)
+        _check_int(0, num_sms=num_sms)
+        self._check_event(previous_event)
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be a moe_comm.EPHandle, got {type(handle).__name__}")
+        if handle.group is not self.group:
+            raise ValueError("handle was made by a buffer on another process group")
+        self._check_tensor("x", x, DATA_DTYPES, 2)
+        num_rows, hidden = x.shape
+        self._check_row_bytes("x", hidden, x.dtype.itemsize)
+        if num_rows != handle.num_recv_rows:
+            raise ValueError(f"x has {num_rows} rows, the handle's dispatch produced {handle.num_recv_rows}")
+        if topk_weights is not None:
+            allowed = (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,)
+            expected = (num_rows,) if handle.do_expand else (num_rows, handle.num_topk)
+            self._check_tensor("topk_weights", topk_weights, allowed, len(expected))
+            if tuple(topk_weights.shape) != expected:
+                raise ValueError(f"topk_weights must have shape {expected}, got {tuple(topk_weights.shape)}")
+        if bias is None:
+            bias = ()
+        elif isinstance(bias, torch.Tensor):
+            bias = (bias,)
+        elif isinstance(bias, (tuple, list)):
+            if len(bias) > 2:
+                raise ValueError(f"bias takes at most two tensors, got {len(bias)}")
+            bias = tuple(bias)
+        else:
+            raise TypeError(f"bias must be None, a tensor or a tuple of two tensors, got {type(bias).__name__}")
+        for i, b in enumerate(bias):
+            self._check_tensor(f"bias[{i}]", b, (x.dtype,), 2)
+            if tuple(b.shape) != (handle.num_tokens, hidden):
+                raise ValueError(f"bias[{i}] must have shape {(handle.num_tokens, hidden)}, got {tuple(b.shape)}")
+        self._check_fits(handle.num_max_tokens_per_rank, hidden, handle.num_topk, x.dtype.itemsize, False)
+        return CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias=bias,
+                           num_sms=num_sms or handle.num_sms, previous_event=previous_event,
+                           async_with_compute_stream=async_with_compute_stream,
+                           allocate_on_comm_stream=allocate_on_comm_stream)
+
+    # ------------------------------------------------------------------------------------------------
+    # Lifetime
+    # ------------------------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Wait for every rank of the group; raise errors that dispatches without a CPU sync deferred."""
+        self._check_alive()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        work = dist.barrier(group=self.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
+        except RuntimeError as exc:
+            raise TimeoutError(f"moe_comm: rank {self.rank} barrier did not complete within "
+                               f"num_cpu_timeout_secs={self.num_cpu_timeout_secs:g}: {exc}") from exc
+        self._impl.check_pending_errors()
+
+    def destroy(self) -> None:
+        """Release the buffer; later calls raise."""
+        self._impl = None
+        self._destroyed = True
+
+    def __repr__(self) -> str:
+        return (f"moe_comm.Buffer(backend={self.backend!r}, num_ranks={self.num_ranks}, device={self.device}, "
+                f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}, hidden={self.hidden}, "
+                f"num_topk={self.num_topk}, num_bytes={self.num_bytes})")
+
+
+__all__ = ["Buffer", "DispatchCall", "CombineCall"]

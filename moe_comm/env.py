@@ -1,0 +1,89 @@
+"""Every `MOE_COMM_*` environment variable, in one registry with typed getters.
+
+The README mirrors `VARIABLES` as a table (`python -c "import moe_comm.env as e; print(e.describe())"`).
+Booleans accept `1/true/yes/on` and `0/false/no/off` (case-insensitive);
+anything else raises, so `MOE_COMM_CHECK_INPUTS=0` means false rather than "set, hence true".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    kind: str  # "bool" | "int" | "float" | "str"
+    default: object
+    doc: str
+
+
+VARIABLES = {
+    v.name: v
+    for v in (
+        Variable("MOE_COMM_CHECK_INPUTS", "bool", False,
+                 "Check topk_idx values (range, duplicates) before any communication, on every call, "
+                 "including calls without a CPU sync (costs a host sync)."),
+        Variable("MOE_COMM_JIT_CACHE_DIR", "str", os.path.join("~", ".cache", "moe_comm"),
+                 "Where compiled kernels are cached."),
+        Variable("MOE_COMM_TEST_SEED", "int", 0,
+                 "Seed of the randomized property tests (the cases are drawn in the parent process)."),
+        Variable("MOE_COMM_TEST_TIMEOUT", "float", 60.0,
+                 "Collective timeout in seconds for the test launcher's process groups."),
+    )
+}
+
+
+def _raw(name: str) -> str | None:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a registered moe_comm variable; known: {sorted(VARIABLES)}")
+    return os.environ.get(name)
+
+
+def get_bool(name: str) -> bool:
+    raw = _raw(name)
+    if raw is None:
+        return bool(VARIABLES[name].default)
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; use one of {_TRUE + _FALSE[:-1]}")
+
+
+def get_int(name: str) -> int:
+    raw = _raw(name)
+    if raw is None:
+        return int(VARIABLES[name].default)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def get_float(name: str) -> float:
+    raw = _raw(name)
+    if raw is None:
+        return float(VARIABLES[name].default)
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def get_str(name: str) -> str:
+    raw = _raw(name)
+    return str(VARIABLES[name].default) if raw is None else raw
+
+
+def describe() -> str:
+    """The registry as a markdown table (the README's copy is generated from this)."""
+    lines = ["| variable | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for v in VARIABLES.values():
+        lines.append(f"| `{v.name}` | {v.kind} | `{v.default}` | {v.doc} |")
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""EPHandle: the routing layout a dispatch returns, reused by combine and by cached dispatch.
+
+Shape legend used in field docs: N = this rank's tokens, K = top-k slots, R = ranks, L = local experts
+(`num_experts // R`), M = rows of the non-expand receive layout (tokens received from all ranks),
+P = rows of the dispatch output (M, or expand rows with padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, eq=False)
+class EPHandle:
+    """The layout of one dispatch. Pass it to `Buffer.combine` and to cached `Buffer.dispatch(handle=...)`.
+
+    Configuration (checked on reuse):
+        group: the process group of the buffer that made it.
+        num_experts: global expert count; `num_experts // num_ranks` live on each rank.
+        num_topk: slots per token (K).
+        num_tokens: this rank's token count N at dispatch time (a cached dispatch must send as many).
+        num_max_tokens_per_rank: the per-rank maximum the layout was sized with.
+        do_expand: True for the expand layout (one row per (token, local expert), grouped by expert).
+        expert_alignment: each expert block of the expand layout is padded to a multiple of this.
+        num_sms: SMs the dispatch ran with (the analytical default when the call passed 0).
+        do_cpu_sync: False when the outputs were sized for the worst case without a host sync.
+
+    Tensors on the buffer's device:
+        topk_idx: `[N, K]`, `torch.int64`, the routing this rank sent (invalid slots dropped to -1).
+        recv_src_idx: `[M]`, `torch.int64`, source token index of each received row, -1 for rows past the
+            true count (no CPU sync). Rows are grouped by source rank in ascending rank order.
+        recv_topk_idx: `[M, K]`, `torch.int64`, local expert ids of the received rows (-1: not on this rank).
+        recv_topk_weights: the dispatch's `recv_topk_weights` output (`[M, K]`, or `[P]` expand), or None.
+        psum_num_recv_tokens_per_rank: `[R]`, `torch.int64`, inclusive prefix sum of rows received per
+            source rank (non-expand rows, i.e. tokens).
+        psum_num_recv_tokens_per_expert: `[L]`, `torch.int64`, inclusive prefix sum of the aligned
+            per-local-expert row counts (both modes).
+
+    Host values (None when `do_cpu_sync` is False):
+        num_recv_tokens: rows of the dispatch output that hold data (non-expand: tokens received; expand:
+            expanded rows including alignment padding).
+        num_recv_tokens_per_expert_list: aligned row count of each local expert.
+
+    Other:
+        num_recv_rows: first dimension P of the dispatch output (worst case without a CPU sync).
+        layout: backend-private routing state (see the backend module); treat as opaque.
+    """
+
+    group: dist.ProcessGroup
+    num_experts: int
+    num_topk: int
+    num_tokens: int
+    num_max_tokens_per_rank: int
+    do_expand: bool
+    expert_alignment: int
+    num_sms: int
+    do_cpu_sync: bool
+    topk_idx: torch.Tensor
+    recv_src_idx: torch.Tensor
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: Optional[torch.Tensor]
+    psum_num_recv_tokens_per_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    num_recv_tokens: Optional[int]
+    num_recv_tokens_per_expert_list: Optional[list[int]]
+    num_recv_rows: int
+    layout: object = field(repr=False, default=None)
+
+    def check_reuse(self, group: dist.ProcessGroup, num_experts: Optional[int], num_tokens: int,
+                    do_expand: bool, expert_alignment: int, num_max_tokens_per_rank: Optional[int]) -> None:
+        """Raise ValueError if a call's configuration differs from the one this handle was made with."""
+        if group is not self.group:
+            raise ValueError("handle was made by a buffer on another process group")
+        mismatches = []
+        if num_experts is not None and num_experts != self.num_experts:
+            mismatches.append(f"num_experts={num_experts} (handle: {self.num_experts})")
+        if num_tokens != self.num_tokens:
+            mismatches.append(f"num_tokens={num_tokens} (handle: {self.num_tokens})")
+        if do_expand != self.do_expand:
+            mismatches.append(f"do_expand={do_expand} (handle: {self.do_expand})")
+        if expert_alignment != self.expert_alignment:
+            mismatches.append(f"expert_alignment={expert_alignment} (handle: {self.expert_alignment})")
+        if num_max_tokens_per_rank is not None and num_max_tokens_per_rank != self.num_max_tokens_per_rank:
+            mismatches.append(f"num_max_tokens_per_rank={num_max_tokens_per_rank} "
+                              f"(handle: {self.num_max_tokens_per_rank})")
+        if mismatches:
+            raise ValueError("handle does not match this call: " + ", ".join(mismatches))

@@ -1,0 +1,432 @@
+"""Tests of the analytical model (`moe_comm/sizing.py`, DESIGN 2.4). CPU only, no torch."""
+
+import math
+import random
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_comm import sizing
+from moe_comm.sizing import (
+    B200_NUM_SMS,
+    B200_NVLINK_LINK_GBS,
+    BUFFER_CONTROL_BYTES,
+    H100_NUM_SMS,
+    H100_NVLINK_LINK_GBS,
+    H200_NUM_SMS,
+    H200_NVLINK_LINK_GBS,
+    SmEstimate,
+    Topology,
+    estimate_num_sms,
+    expected_num_groups,
+    get_buffer_size_hint,
+    get_num_qps,
+    get_num_sms,
+    nvlink_gbs_from_links,
+    parse_nvidia_smi_nvlink,
+    query_nvlink_link_gbs,
+    rdma_gbs_from_nic_gbits,
+)
+
+NUM_EXPERTS = 256
+NUM_TOPK = 8
+RDMA_GBS = 50.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Golden values (DESIGN 2.4: 256 experts, top-8, RDMA 50 GB/s)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _golden_topologies():
+    h100 = nvlink_gbs_from_links(list(H100_NVLINK_LINK_GBS))
+    b200 = nvlink_gbs_from_links(list(B200_NVLINK_LINK_GBS))
+    h200 = nvlink_gbs_from_links(list(H200_NVLINK_LINK_GBS))
+    yield "h100_hybrid_2x8", Topology(16, 8, 2, h100, RDMA_GBS, H100_NUM_SMS), 12
+    yield "h100_hybrid_4x8", Topology(32, 8, 4, h100, RDMA_GBS, H100_NUM_SMS), 6
+    yield "b200_direct_ep8", Topology(8, 8, 1, b200, RDMA_GBS, B200_NUM_SMS), 24
+    yield "h200_direct_ep2", Topology(2, 2, 1, h200, RDMA_GBS, H200_NUM_SMS), 22
+
+
+@pytest.mark.parametrize(
+    "topology, expected", [pytest.param(t, e, id=name) for name, t, e in _golden_topologies()]
+)
+def test_golden_num_sms(topology, expected):
+    assert get_num_sms(topology, NUM_EXPERTS, NUM_TOPK) == expected
+
+
+def test_golden_from_links_matches():
+    topology = Topology.from_links(16, 8, 2, link_gbs=H100_NVLINK_LINK_GBS, nic_gbits=400, num_device_sms=132)
+    assert topology.rdma_gbs == RDMA_GBS
+    assert topology.nvlink_gbs == pytest.approx(0.9 * 18 * 26.5625)
+    assert get_num_sms(topology, NUM_EXPERTS, NUM_TOPK) == 12
+
+
+def test_estimate_explains_golden_hybrid():
+    topology = Topology.from_links(16, 8, 2, link_gbs=H100_NVLINK_LINK_GBS)
+    est = estimate_num_sms(topology, NUM_EXPERTS, NUM_TOPK)
+    assert isinstance(est, SmEstimate)
+    assert est.mode == "hybrid"
+    # Hybrid 2x8 on H100: the NIC (50 GB/s) is the limit, not NVLink (~430 GB/s).
+    assert est.bottleneck == "rdma"
+    assert est.bottleneck_gbs == RDMA_GBS
+    assert est.expected_scaleout_groups == pytest.approx(expected_num_groups(NUM_EXPERTS, NUM_TOPK, 2))
+    assert est.nvlink == pytest.approx(1 - 1 / 8)
+    assert 8 < est.num_sms_needed <= est.num_sms / 1.25
+    assert "num_sms=12" in est.describe()
+
+
+def test_direct_with_rdma_peers_picks_slower_link():
+    # 16 ranks, NVLink domain of 8: half the traffic goes over a 50 GB/s NIC, which must be the bottleneck.
+    topology = Topology.from_links(16, 8, 1, link_gbs=H100_NVLINK_LINK_GBS)
+    est = estimate_num_sms(topology, NUM_EXPERTS, NUM_TOPK)
+    assert est.mode == "direct"
+    assert est.bottleneck == "rdma"
+    assert est.rdma == pytest.approx(0.5)
+    et = expected_num_groups(NUM_EXPERTS, NUM_TOPK, 16)
+    assert est.sm_write == pytest.approx(0.5 + 1 / et)
+
+
+def test_direct_nvl_domain_larger_than_group():
+    # EP2 on an 8-GPU node behaves as a 2-rank NVLink domain.
+    h200 = nvlink_gbs_from_links(list(H200_NVLINK_LINK_GBS))
+    wide = Topology(2, 8, 1, h200, RDMA_GBS, H200_NUM_SMS)
+    assert get_num_sms(wide, NUM_EXPERTS, NUM_TOPK) == 22
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# E(G)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _monte_carlo_num_groups(num_experts, num_topk, num_groups, num_samples, seed):
+    rng = random.Random(seed)
+    num_experts_per_group = num_experts // num_groups
+    counts = [
+        len({expert_idx // num_experts_per_group for expert_idx in rng.sample(range(num_experts), num_topk)})
+        for _ in range(num_samples)
+    ]
+    return statistics.fmean(counts), statistics.pstdev(counts)
+
+
+@pytest.mark.parametrize(
+    "num_experts, num_topk, num_groups",
+    [(256, 8, 8), (256, 8, 2), (256, 8, 64), (64, 1, 8), (32, 32, 4), (128, 6, 128), (60, 7, 5)],
+)
+def test_expected_num_groups_matches_monte_carlo(num_experts, num_topk, num_groups):
+    num_samples = 20000
+    mean, std = _monte_carlo_num_groups(num_experts, num_topk, num_groups, num_samples, seed=1234)
+    # The sample mean is within 5 standard errors of the truth with probability > 1 - 6e-7 (CLT), so a
+    # correct formula essentially never fails, and a wrong one by more than ~0.1 group does. The seed makes
+    # the outcome fixed anyway. The sample std underestimates the true one by a relative O(1/sqrt(N)),
+    # negligible at N = 20000. K = 1 and K = E have zero variance: the 1e-9 covers float rounding only.
+    tolerance = 5 * std / math.sqrt(num_samples) + 1e-9
+    assert abs(expected_num_groups(num_experts, num_topk, num_groups) - mean) <= tolerance
+
+
+@pytest.mark.parametrize("num_experts, num_topk", [(8, 1), (256, 8), (256, 256), (1024, 64)])
+def test_expected_num_groups_single_group(num_experts, num_topk):
+    assert expected_num_groups(num_experts, num_topk, 1) == 1.0
+
+
+@pytest.mark.parametrize("num_experts, num_groups", [(8, 2), (256, 8), (256, 256), (1024, 64)])
+def test_expected_num_groups_all_experts(num_experts, num_groups):
+    assert expected_num_groups(num_experts, num_experts, num_groups) == num_groups
+
+
+@pytest.mark.parametrize("num_experts, num_topk", [(8, 3), (256, 8), (1024, 64)])
+def test_expected_num_groups_one_expert_per_group(num_experts, num_topk):
+    # Every expert its own group: each pick is a new group.
+    assert expected_num_groups(num_experts, num_topk, num_experts) == pytest.approx(num_topk)
+
+
+def test_expected_num_groups_topk_one_and_zero():
+    assert expected_num_groups(256, 1, 8) == pytest.approx(1.0)
+    assert expected_num_groups(256, 0, 8) == 0.0
+
+
+def test_expected_num_groups_large_no_overflow():
+    # C(4096, 512) is far beyond float range; the exact ratio must still give a sane value.
+    value = expected_num_groups(4096, 512, 64)
+    assert 63.0 < value < 64.0
+
+
+@given(
+    num_groups=st.integers(1, 32),
+    num_experts_per_group=st.integers(1, 16),
+    data=st.data(),
+)
+@settings(max_examples=100, deadline=None)
+def test_expected_num_groups_bounds(num_groups, num_experts_per_group, data):
+    num_experts = num_groups * num_experts_per_group
+    num_topk = data.draw(st.integers(1, num_experts))
+    value = expected_num_groups(num_experts, num_topk, num_groups)
+    assert 1.0 - 1e-12 <= value <= min(num_topk, num_groups) + 1e-12
+    # At least ceil(K / experts per group) groups are always hit.
+    assert value >= math.ceil(num_topk / num_experts_per_group) - 1e-9
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((255, 8, 8), "num_experts=255 is not a multiple of num_groups=8"),
+        ((8, 9, 2), "num_topk=9 exceeds num_experts=8"),
+        ((0, 0, 1), "num_experts=0"),
+        ((8, -1, 2), "num_topk=-1"),
+        ((8, 2, 0), "num_groups=0"),
+        ((8, 2, -2), "num_groups=-2"),
+    ],
+)
+def test_expected_num_groups_validation(args, match):
+    with pytest.raises(ValueError, match=match):
+        expected_num_groups(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# get_num_sms
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_device_sms", [132, 148, 7])
+def test_single_rank_gets_all_sms(num_device_sms):
+    topology = Topology(1, 1, num_device_sms=num_device_sms)
+    est = estimate_num_sms(topology, NUM_EXPERTS, NUM_TOPK)
+    assert est.bottleneck == "none"
+    assert est.num_sms == num_device_sms
+    assert get_num_sms(topology, NUM_EXPERTS, NUM_TOPK) == num_device_sms
+
+
+def test_sms_capped_by_device():
+    topology = Topology.from_links(8, 8, link_gbs=B200_NVLINK_LINK_GBS, num_device_sms=10)
+    assert get_num_sms(topology, NUM_EXPERTS, NUM_TOPK) == 10
+
+
+@st.composite
+def _topologies(draw):
+    num_scaleout_groups = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
+    num_ranks_per_group = draw(st.integers(1, 16))
+    num_ranks = num_scaleout_groups * num_ranks_per_group
+    if num_scaleout_groups > 1:
+        num_nvl_ranks = draw(st.integers(num_ranks_per_group, 72))
+    else:
+        num_nvl_ranks = draw(st.integers(1, 72))
+    topology = Topology(
+        num_ranks=num_ranks,
+        num_nvl_ranks=num_nvl_ranks,
+        num_scaleout_groups=num_scaleout_groups,
+        nvlink_gbs=draw(st.floats(1.0, 2000.0)),
+        rdma_gbs=draw(st.floats(1.0, 200.0)),
+        num_device_sms=draw(st.integers(4, 200).map(lambda n: n - n % 2)),
+    )
+    num_experts = num_ranks * draw(st.integers(1, 8))
+    num_topk = draw(st.integers(1, min(num_experts, 16)))
+    return topology, num_experts, num_topk
+
+
+@given(_topologies())
+@settings(max_examples=200, deadline=None)
+def test_num_sms_even_bounded(case):
+    topology, num_experts, num_topk = case
+    est = estimate_num_sms(topology, num_experts, num_topk)
+    assert est.num_sms == get_num_sms(topology, num_experts, num_topk)
+    assert est.num_sms % 2 == 0
+    assert 4 <= est.num_sms <= topology.num_device_sms
+    assert est.bottleneck in ("nvlink", "rdma", "none")
+    assert (est.bottleneck == "none") == (est.nvlink == 0 and est.rdma == 0)
+    if est.bottleneck != "none":
+        padded = max(4, math.ceil(1.25 * est.num_sms_needed))
+        assert est.num_sms == min(topology.num_device_sms, padded + padded % 2)
+
+
+def test_num_sms_needs_topk():
+    with pytest.raises(ValueError, match="num_topk=0"):
+        get_num_sms(Topology(8, 8), NUM_EXPERTS, 0)
+
+
+def test_num_sms_needs_divisible_experts():
+    with pytest.raises(ValueError, match="num_experts=100 is not a multiple of num_groups=8"):
+        get_num_sms(Topology(8, 8), 100, NUM_TOPK)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_ranks=0, num_nvl_ranks=1), "num_ranks=0"),
+        (dict(num_ranks=8, num_nvl_ranks=0), "num_nvl_ranks=0"),
+        (dict(num_ranks=12, num_nvl_ranks=8, num_scaleout_groups=5), "num_ranks=12 is not a multiple"),
+        (dict(num_ranks=32, num_nvl_ranks=8, num_scaleout_groups=2), "do not fit in the NVLink domain"),
+        (dict(num_ranks=8, num_nvl_ranks=8, nvlink_gbs=0.0), "nvlink_gbs=0.0"),
+        (dict(num_ranks=8, num_nvl_ranks=8, rdma_gbs=float("nan")), "rdma_gbs=nan"),
+        (dict(num_ranks=8, num_nvl_ranks=8, num_device_sms=0), "num_device_sms=0"),
+    ],
+)
+def test_topology_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kwargs)
+
+
+def test_topology_is_frozen():
+    topology = Topology(8, 8)
+    with pytest.raises(AttributeError):
+        topology.num_ranks = 4
+
+
+def test_link_helpers():
+    assert nvlink_gbs_from_links([26.5625] * 18) == pytest.approx(430.3125)
+    assert nvlink_gbs_from_links([]) == 0.0
+    assert rdma_gbs_from_nic_gbits(400) == 50.0
+    with pytest.raises(ValueError, match=r"link_gbs\[1\]=-1"):
+        nvlink_gbs_from_links([1.0, -1.0])
+    with pytest.raises(ValueError, match="nic_gbits=0"):
+        rdma_gbs_from_nic_gbits(0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# QPs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_sms, hybrid, num_allocated_qps, expected",
+    [
+        (24, False, 129, 9),
+        (4, False, 129, 4),
+        (9, False, 129, 9),
+        (24, False, 6, 6),
+        (12, True, 1024, 193),
+        (12, True, 100, 100),
+        (1, True, 1024, 17),
+    ],
+)
+def test_get_num_qps(num_sms, hybrid, num_allocated_qps, expected):
+    assert get_num_qps(num_sms, hybrid, num_allocated_qps) == expected
+
+
+def test_get_num_qps_validation():
+    with pytest.raises(ValueError, match="num_sms=0"):
+        get_num_qps(0, False, 8)
+    with pytest.raises(ValueError, match="num_allocated_qps=0"):
+        get_num_qps(8, True, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nvidia-smi parsing
+# ---------------------------------------------------------------------------------------------------------------
+
+NVIDIA_SMI_NVLINK_SAMPLE = """\
+GPU 0: NVIDIA H200 (UUID: GPU-3b1f8a52-7c1e-2d4f-9a0b-1c2d3e4f5a6b)
+\t Link 0: 26.562 GB/s
+\t Link 1: 26.562 GB/s
+\t Link 2: <inactive>
+\t Link 3: 26.562 GB/s
+\t Link 4: 25 GB/s
+GPU 1: NVIDIA H200 (UUID: GPU-8e7d6c5b-4a39-2817-0f1e-2d3c4b5a6978)
+\t Link 0: 50.000 GB/s
+\t Link 1: 50.000 GB/s
+"""
+
+
+def test_parse_nvidia_smi_nvlink():
+    assert parse_nvidia_smi_nvlink(NVIDIA_SMI_NVLINK_SAMPLE) == [26.562, 26.562, 26.562, 25.0]
+    assert parse_nvidia_smi_nvlink(NVIDIA_SMI_NVLINK_SAMPLE, gpu_idx=1) == [50.0, 50.0]
+    assert parse_nvidia_smi_nvlink(NVIDIA_SMI_NVLINK_SAMPLE, gpu_idx=2) == []
+    assert parse_nvidia_smi_nvlink("") == []
+    assert parse_nvidia_smi_nvlink("GPU 0: NVIDIA H200 (UUID: x)\n\t Link 0: <inactive>\n") == []
+
+
+def test_query_nvlink_link_gbs_without_nvidia_smi(monkeypatch):
+    monkeypatch.setattr(sizing.shutil, "which", lambda name: None)
+    assert query_nvlink_link_gbs() is None
+
+
+def test_query_nvlink_link_gbs_failures(monkeypatch):
+    monkeypatch.setattr(sizing.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+
+    def timeout(*args, **kwargs):
+        raise sizing.subprocess.TimeoutExpired(cmd=args[0], timeout=kwargs["timeout"])
+
+    monkeypatch.setattr(sizing.subprocess, "run", timeout)
+    assert query_nvlink_link_gbs() is None
+
+    def failing(*args, **kwargs):
+        return sizing.subprocess.CompletedProcess(args[0], 9, stdout="", stderr="NVML error")
+
+    monkeypatch.setattr(sizing.subprocess, "run", failing)
+    assert query_nvlink_link_gbs() is None
+
+    def ok(*args, **kwargs):
+        return sizing.subprocess.CompletedProcess(args[0], 0, stdout=NVIDIA_SMI_NVLINK_SAMPLE, stderr="")
+
+    monkeypatch.setattr(sizing.subprocess, "run", ok)
+    assert query_nvlink_link_gbs() == [26.562, 26.562, 26.562, 25.0]
+
+
+def test_query_nvlink_link_gbs_real():
+    # Whatever the machine, the call must return and never raise.
+    result = query_nvlink_link_gbs()
+    assert result is None or (isinstance(result, list) and all(gbs > 0 for gbs in result))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Buffer size hint
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_buffer_size_hint_hand_computed():
+    # DeepSeek-V3 shape, EP8, 4096 tokens, top-8, bf16:
+    # row_data = 7168 * 2 = 14336; row_meta = align16(8 * 16 + 8 = 136) = 144; row = 14480;
+    # 2 * 8 * 4096 * 14480 = 948961280; + 1 MiB = 950009856.
+    assert get_buffer_size_hint(8, 4096, 7168, num_topk=8) == 950009856
+    # FP8: 7168 + 56 * 4 = 7392 < 14336, so the bf16 combine row still decides the size.
+    assert get_buffer_size_hint(8, 4096, 7168, num_topk=8, use_fp8_dispatch=True) == 950009856
+    # 1-byte elements: fp8 row (128 + 4 -> align16 = 144) beats 128; meta align16(8) = 16; row 160.
+    assert get_buffer_size_hint(2, 10, 128, use_fp8_dispatch=True, elem_size=1) == 2 * 2 * 10 * 160 + (1 << 20)
+    # No tokens: only the control region.
+    assert get_buffer_size_hint(4, 0, 4096, num_topk=8) == BUFFER_CONTROL_BYTES
+
+
+@given(
+    num_ranks=st.integers(1, 64),
+    num_max_tokens_per_rank=st.integers(0, 8192),
+    hidden_blocks=st.integers(1, 64),
+    num_topk=st.integers(0, 16),
+    use_fp8_dispatch=st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_buffer_size_hint_monotone(num_ranks, num_max_tokens_per_rank, hidden_blocks, num_topk, use_fp8_dispatch):
+    hidden = hidden_blocks * 128
+    kwargs = dict(num_topk=num_topk, use_fp8_dispatch=use_fp8_dispatch)
+    base = get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, **kwargs)
+    assert base >= BUFFER_CONTROL_BYTES
+    assert (base - BUFFER_CONTROL_BYTES) % 16 == 0
+    assert get_buffer_size_hint(num_ranks + 1, num_max_tokens_per_rank, hidden, **kwargs) >= base
+    assert get_buffer_size_hint(num_ranks, num_max_tokens_per_rank + 1, hidden, **kwargs) >= base
+    assert get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden + 128, **kwargs) >= base
+    assert get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk + 1, use_fp8_dispatch) >= base
+    # FP8 never shrinks the buffer: combine still needs the bf16 row.
+    assert get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, True) >= get_buffer_size_hint(
+        num_ranks, num_max_tokens_per_rank, hidden, num_topk, False
+    )
+    # Linear in tokens and ranks.
+    if num_max_tokens_per_rank > 0:
+        double = get_buffer_size_hint(num_ranks, 2 * num_max_tokens_per_rank, hidden, **kwargs)
+        assert double - BUFFER_CONTROL_BYTES == 2 * (base - BUFFER_CONTROL_BYTES)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((0, 128, 7168), {}, "num_ranks=0"),
+        ((8, -1, 7168), {}, "num_max_tokens_per_rank=-1"),
+        ((8, 128, 0), {}, "hidden=0"),
+        ((8, 128, 7168), dict(num_topk=-1), "num_topk=-1"),
+        ((8, 128, 7168), dict(elem_size=0), "elem_size=0"),
+        ((8, 128, 7164), {}, "hidden=7164 \\* elem_size=2 = 14328 bytes is not a multiple of 16"),
+        ((8, 128, 7176), dict(use_fp8_dispatch=True), "hidden=7176 is not a multiple of 128"),
+    ],
+)
+def test_buffer_size_hint_validation(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        get_buffer_size_hint(*args, **kwargs)
