@@ -2,7 +2,8 @@
 arithmetic. It runs on any process group (gloo on CPU, NCCL on GPU) and is the oracle of the CUDA backend.
 
 Shape legend: N = this rank's tokens, K = top-k slots, R = ranks, L = local experts, E = global experts,
-M = rows of the non-expand receive layout, P = rows of the dispatch output, C = per-peer block capacity.
+B = rows of the receive buffer (one block per source rank), M = rows of the non-expand layout (compact:
+source ranks ascending, then the unused tail), P = rows of the dispatch output.
 
 How a dispatch runs (the same steps a kernel takes, in plain tensors):
 1. Layout (local): which ranks each token goes to (`send_pos_NR`), rows and expert counts per rank.
@@ -42,7 +43,9 @@ class RefLayout:
 
     send_pos_NR: `[N, R]` row of each token inside the block it is sent to, -1 if not sent to that rank.
     send_splits / recv_splits: rows per peer block in the send / receive buffer (capacities without sync).
-    src_rank_M: `[M]` source rank of each received row.
+    out_row_B: `[B]` output row (compact, source ranks ascending) of each receive-buffer row, -1 for the
+        unused tail of a block without CPU sync; the identity with a CPU sync.
+    src_rank_M: `[M]` source rank of each output row (0 past the true count).
     expand_row_MK: `[M, K]` output row of each (received row, local slot) in expand mode, else None.
     return_pos_MK: `[M, K]` row of each (received row, local slot) in the expand combine's return buffer.
     return_send_splits / return_recv_splits: rows per peer of the expand combine's return exchange.
@@ -52,6 +55,7 @@ class RefLayout:
     send_pos_NR: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+    out_row_B: torch.Tensor
     src_rank_M: torch.Tensor
     expand_row_MK: Optional[torch.Tensor] = None
     return_pos_MK: Optional[torch.Tensor] = None
@@ -84,6 +88,13 @@ class _RowCodec:
         rows = buf.shape[0]
         return {name: buf[:, offset:offset + nbytes].contiguous().view(dtype).reshape(rows, numel)
                 for name, dtype, numel, offset, nbytes in self.fields}
+
+
+def _place(values: torch.Tensor, rows: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
+    """`out[rows[i]] = values[i]` for `rows[i] >= 0`, `fill` elsewhere; `out` has `num_rows` rows."""
+    out = torch.full((num_rows + 1, *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
+    out.index_copy_(0, torch.where(rows >= 0, rows, num_rows), values)
+    return out[:num_rows]
 
 
 def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
@@ -341,22 +352,21 @@ class TorchRefBackend:
         meta_recv = torch.empty(M, meta.width, dtype=torch.uint8, device=dev)
         self._wait(self._exchange(meta_send, send_splits, meta_recv, recv_splits, "dispatch metadata exchange"))
         got = meta.unpack(meta_recv)
-        recv_src_M, recv_idx_MK = got["src"].view(M), got["idx"]
-        recv_w_MK = got.get("w")
 
-        # Receiver-side layout.
-        src_rank_M = torch.repeat_interleave(torch.arange(R, **i64), torch.tensor(recv_splits, **i64))
-        if not c.do_cpu_sync:
-            valid_M = (torch.arange(M, **i64) % cap) < recv_rows_per_rank[src_rank_M]
-            recv_src_M = torch.where(valid_M, recv_src_M, -1)
-            recv_idx_MK = torch.where(valid_M[:, None], recv_idx_MK, -1)
-            if recv_w_MK is not None:
-                recv_w_MK = torch.where(valid_M[:, None], recv_w_MK, 0)
+        # Receiver-side layout: blocks of the receive buffer become one compact run of rows.
         psum_per_rank = recv_rows_per_rank.cumsum(0)
         psum_per_expert = aligned_per_expert.cumsum(0)
+        src_rank_B = torch.repeat_interleave(torch.arange(R, **i64), torch.tensor(recv_splits, **i64))
+        row_in_block_B = torch.arange(M, **i64) - torch.tensor(_exclusive_cumsum(recv_splits), **i64)[src_rank_B]
+        out_row_B = torch.where(row_in_block_B < recv_rows_per_rank[src_rank_B],
+                                (psum_per_rank - recv_rows_per_rank)[src_rank_B] + row_in_block_B, -1)
+        recv_src_M = _place(got["src"].view(M), out_row_B, M, fill=-1)
+        recv_idx_MK = _place(got["idx"], out_row_B, M, fill=-1)
+        recv_w_MK = None if "w" not in got else _place(got["w"], out_row_B, M, fill=0)
+        src_rank_M = _place(src_rank_B, out_row_B, M, fill=0)
 
         layout = dict(send_pos_NR=send_pos_NR, send_splits=send_splits, recv_splits=recv_splits,
-                      src_rank_M=src_rank_M)
+                      out_row_B=out_row_B, src_rank_M=src_rank_M)
         out_w = recv_w_MK
         if c.do_expand:
             expand_row_MK = self._expand_rows(recv_idx_MK, psum_per_expert - aligned_per_expert, L)
@@ -409,8 +419,7 @@ class TorchRefBackend:
     @staticmethod
     def _scatter_slots(values_MK: torch.Tensor, rows_MK: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Place `values_MK[i, j]` (a scalar or a row per slot) at output row `rows_MK[i, j]`; zeros elsewhere."""
-        trailing = values_MK.shape[2:]
-        out = torch.zeros((num_rows + 1, *trailing), dtype=values_MK.dtype, device=values_MK.device)
+        out = torch.zeros((num_rows + 1, *values_MK.shape[2:]), dtype=values_MK.dtype, device=values_MK.device)
         for j in range(rows_MK.shape[1]):
             out.index_copy_(0, torch.where(rows_MK[:, j] >= 0, rows_MK[:, j], num_rows), values_MK[:, j])
         return out[:num_rows]
@@ -443,10 +452,7 @@ class TorchRefBackend:
             targets = {"q": recv_x[0].view(torch.uint8), "scales": recv_x[1]}
 
         def finalize() -> None:
-            got = codec.unpack(recv)
-            if not handle.do_cpu_sync:
-                invalid = (handle.recv_src_idx < 0)[:, None]
-                got = {k: v.masked_fill(invalid, 0) for k, v in got.items()}
+            got = {k: _place(v, lay.out_row_B, M, fill=0) for k, v in codec.unpack(recv).items()}
             if c.dequantize:
                 got = {"x": quant.dequantize(got["q"].view(torch.float8_e4m3fn), got["scales"])}
             for name, target in targets.items():
@@ -498,13 +504,16 @@ class TorchRefBackend:
                 dst = lay.return_pos_MK[:, j]
                 codec.pack_into(send, torch.where(dst >= 0, dst, num_send), fields_j)
         else:
+            # Rows go back into the blocks they arrived in (the unused tail of a block stays zero).
             send_splits, recv_splits = lay.recv_splits, lay.send_splits
             num_send = sum(send_splits)
             send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
-            fields_all = {"x": c.x}
+            valid_B = lay.out_row_B >= 0
+            src_rows = lay.out_row_B.clamp(min=0)
+            fields_all = {"x": c.x[src_rows]}
             if c.topk_weights is not None:
-                fields_all["w"] = c.topk_weights
-            codec.pack_into(send, torch.arange(num_send, device=dev), fields_all)
+                fields_all["w"] = c.topk_weights[src_rows]
+            codec.pack_into(send, torch.where(valid_B, torch.arange(num_send, device=dev), num_send), fields_all)
         num_recv = sum(recv_splits)
         # One extra zero row: gathers of absent (token, rank) or (token, slot) pairs read it.
         recv = torch.zeros(num_recv + 1, codec.width, dtype=torch.uint8, device=dev)
