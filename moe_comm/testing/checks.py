@@ -1,0 +1,99 @@
+"""Rank-side checks of one routing case against the oracle in `routing.py`.
+
+`check_case(buffer, case, rank)` runs dispatch, combine and a cached dispatch for `case` on `buffer` and
+compares everything bitwise: received rows, ids, weights, handle counts, source indices, combined rows and
+weights. Without a CPU sync only the rows up to the true count are compared (the reference backend zeroes the
+rest; other backends leave them unspecified). Used by the CPU tier (reference over gloo) and the GPU tier.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .routing import Case, expected_combine, expected_dispatch, expert_output, rank_bias, rank_inputs
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_same(name: str, got: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> None:
+    """Bitwise equality (-0.0 differs from 0.0), with the first differing position in the message."""
+    if got is None or expected is None:
+        assert got is None and expected is None, f"{name}: got {got is None=}, expected {expected is None=}"
+        return
+    got = got.detach().cpu()
+    assert got.dtype == expected.dtype, f"{name}: dtype {got.dtype} != expected {expected.dtype}"
+    assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)} != expected {tuple(expected.shape)}"
+    if got.is_floating_point():
+        got, expected = got.view(_BITS[got.dtype.itemsize]), expected.view(_BITS[got.dtype.itemsize])
+    same = got == expected
+    if not bool(same.all()):
+        where = (~same).nonzero()[0].tolist()
+        raise AssertionError(f"{name}: {int((~same).sum())} of {same.numel()} elements differ; first at {where}: "
+                             f"got {got[tuple(where)].item()}, expected {expected[tuple(where)].item()}")
+
+
+def check_case(buffer, case: Case, rank: int, check_cached: bool = True) -> dict:
+    """Run and verify one case on this rank; returns a few counts for the caller's summary."""
+    dev = buffer.device
+    L = case.num_local_experts
+    x, topk_idx, topk_weights = rank_inputs(case, rank, dev)
+    recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
+        x, topk_idx, topk_weights, num_experts=case.num_experts, expert_alignment=case.expert_alignment,
+        do_expand=case.do_expand, do_cpu_sync=case.do_cpu_sync)
+    assert event.done, "a synchronous dispatch returned an incomplete event"
+    exp = expected_dispatch(case, rank)
+    num_rows = exp.x.shape[0]
+    num_tokens = sum(exp.num_recv_tokens_per_rank)
+
+    # Counts in the handle.
+    psum_rank = torch.tensor(exp.num_recv_tokens_per_rank, dtype=torch.int64).cumsum(0)
+    psum_expert = torch.tensor(exp.num_recv_tokens_per_expert, dtype=torch.int64).cumsum(0)
+    assert_same("psum_num_recv_tokens_per_rank", handle.psum_num_recv_tokens_per_rank, psum_rank)
+    assert_same("psum_num_recv_tokens_per_expert", handle.psum_num_recv_tokens_per_expert, psum_expert)
+    if case.do_cpu_sync:
+        assert handle.num_recv_tokens == num_rows, f"num_recv_tokens {handle.num_recv_tokens} != {num_rows}"
+        assert handle.num_recv_tokens_per_expert_list == exp.num_recv_tokens_per_expert, \
+            f"num_recv_tokens_per_expert_list {handle.num_recv_tokens_per_expert_list} != " \
+            f"{exp.num_recv_tokens_per_expert}"
+        assert recv_x.shape[0] == num_rows, f"recv_x rows {recv_x.shape[0]} != {num_rows}"
+    else:
+        assert handle.num_recv_tokens is None and handle.num_recv_tokens_per_expert_list is None
+        worst = buffer.num_ranks * (case.num_max_tokens_per_rank if not case.do_expand else
+                                    case.num_max_tokens_per_rank * min(case.num_topk, L)) + \
+            (L * (case.expert_alignment - 1) if case.do_expand else 0)
+        assert recv_x.shape[0] == worst, f"worst-case rows {recv_x.shape[0]} != {worst}"
+
+    # Received rows, ids, weights, sources (bitwise).
+    assert_same("recv_x", recv_x[:num_rows], exp.x)
+    assert_same("recv_topk_idx", None if recv_idx is None else recv_idx[:num_rows], exp.topk_idx)
+    assert_same("recv_topk_weights", None if recv_w is None else recv_w[:num_rows], exp.topk_weights)
+    src = torch.tensor([t for _, t in exp.src], dtype=torch.int64)
+    assert_same("handle.recv_src_idx", handle.recv_src_idx[:num_tokens], src)
+
+    # Combine: each receiver applies a made-up expert, the source sums in the documented order.
+    if case.do_expand:
+        local = torch.bucketize(torch.arange(recv_x.shape[0], device=dev), handle.psum_num_recv_tokens_per_expert,
+                                right=True).clamp(max=L - 1)
+        y = expert_output(recv_x, rank * L + local)
+    else:
+        y = expert_output(recv_x, torch.full((recv_x.shape[0],), rank * L, device=dev))
+    combine_w = None if recv_w is None else recv_w * 3
+    bias = rank_bias(case, rank, dev)
+    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=combine_w, bias=bias or None)
+    exp_combined, exp_combined_w = expected_combine(case, rank)
+    assert_same("combined_x", combined, exp_combined)
+    assert_same("combined_topk_weights", combined_w, exp_combined_w)
+
+    # Cached dispatch moves new data along the same layout.
+    if check_cached:
+        x2 = x * 2
+        recv_x2, recv_idx2, recv_w2, handle2, _ = buffer.dispatch(
+            x2, handle=handle, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        assert handle2 is handle
+        assert recv_x2.shape == recv_x.shape, f"cached recv_x shape {tuple(recv_x2.shape)} != {tuple(recv_x.shape)}"
+        assert_same("cached recv_x", recv_x2[:num_rows], exp.x * 2)
+        assert recv_idx2 is recv_idx or recv_idx2 is handle.recv_topk_idx
+    return {"rows": num_rows, "tokens": num_tokens}
