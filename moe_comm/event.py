@@ -56,8 +56,10 @@ class EventOverlap:
                 raise TimeoutError(f"moe_comm: {description} did not complete within "
                                    f"num_cpu_timeout_secs={self._timeout_secs:g} (the peer did not arrive "
                                    f"or failed): {exc}") from exc
-        while self._finalizers:
-            self._finalizers.pop(0)()
+        # Outputs may already be autograd outputs (async autograd): filling them is not a differentiable op.
+        with torch.no_grad():
+            while self._finalizers:
+                self._finalizers.pop(0)()
         self._extra_tensors = ()
 
     def __enter__(self) -> "EventOverlap":

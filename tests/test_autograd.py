@@ -1,0 +1,102 @@
+"""Autograd pair: gradcheck in float64 across ranks over gloo (DESIGN section 3), bias and FP8 gradients,
+and the async pattern."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import autograd as moe_autograd
+from moe_comm.testing.gradcheck import run_gradcheck
+from moe_comm.testing.routing import Case, rank_inputs
+
+
+def gradcheck_cases(world_size: int) -> list[Case]:
+    tokens = {2: (3, 0), 4: (3, 0, 2, 1)}[world_size]
+    base = dict(num_ranks=world_size, num_experts=2 * world_size, num_topk=3, hidden=2, num_tokens=tokens,
+                num_max_tokens_per_rank=4, dtype="float64", drop_prob=0.25, num_bias=1)
+    return [
+        Case(seed=11, **base),
+        Case(seed=12, do_cpu_sync=False, **base),
+        Case(seed=13, do_expand=True, expert_alignment=3, **base),
+        Case(seed=14, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base),
+    ]
+
+
+def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
+    results = []
+    for case in cases:
+        # float64 rows need 4x the bytes of the bf16 `hidden` the buffer is sized with.
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=4 * case.hidden,
+                              num_topk=case.num_topk, backend="torch", num_cpu_timeout_secs=60)
+        results.append(run_gradcheck(buf, case, rank))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradcheck(pools, world_size):
+    cases = gradcheck_cases(world_size)
+    # Each case must have -1 slots and a rank without tokens, as DESIGN section 3 asks.
+    for case in cases:
+        assert 0 in case.num_tokens
+        assert any((rank_inputs(case, r)[1] == -1).any() for r in range(world_size))
+    results = pools(world_size).run(gradcheck_rank, cases)
+    assert all(all(r) for r in results)
+
+
+def grads_rank(rank: int, world_size: int, use_async: bool, do_expand: bool) -> dict:
+    """Gradients of a small bf16 pipeline; with `use_async` every call returns early and waits on its event."""
+    case = Case(seed=21, num_ranks=world_size, num_experts=4, num_topk=2, hidden=16, num_tokens=(5, 3),
+                num_max_tokens_per_rank=8, do_expand=do_expand, expert_alignment=2)
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=60)
+    x, idx, w = rank_inputs(case, rank)
+    x.requires_grad_()
+    w.requires_grad_()
+    bias = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
+    bias = bias.to(torch.bfloat16).requires_grad_()
+    recv_x, _, recv_w, handle, event = moe_autograd.dispatch(
+        buf, x, idx, w, num_experts=4, do_expand=do_expand, expert_alignment=2,
+        async_with_compute_stream=use_async)
+    if use_async:
+        assert not event.done
+        event.current_stream_wait()
+    gate = recv_w if do_expand else recv_w.sum(1)
+    y = (recv_x.float() * (1 + gate)[:, None]).to(torch.bfloat16)
+    combined, event = moe_autograd.combine(buf, y, handle, bias=bias, async_with_compute_stream=use_async)
+    with event:
+        pass
+    grad_out = torch.randn(combined.shape, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)
+    combined.backward(grad_out)
+    return {"x": x.grad.float().tolist(), "w": w.grad.tolist(), "bias": bias.grad.float().tolist(),
+            "bias_is_grad_out": torch.equal(bias.grad, grad_out), "out": combined.float().tolist()}
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_async_pattern_matches_sync(pools, do_expand):
+    sync = pools(2).run(grads_rank, False, do_expand)
+    asyn = pools(2).run(grads_rank, True, do_expand)
+    assert sync == asyn
+    assert all(r["bias_is_grad_out"] for r in sync)
+
+
+def fp8_straight_through_rank(rank: int, world_size: int, fmt: str) -> bool:
+    case = Case(seed=31, num_ranks=world_size, num_experts=4, num_topk=2, hidden=128, num_tokens=(6, 2),
+                num_max_tokens_per_rank=8)
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                          use_fp8_dispatch=True, num_cpu_timeout_secs=60)
+    x, idx, w = rank_inputs(case, rank)
+    x.requires_grad_()
+    recv_x, _, _, handle, _ = moe_autograd.dispatch(buf, x, idx, w, num_experts=4, quantize=fmt, dequantize=True)
+    assert recv_x.dtype == torch.bfloat16
+    grad_recv = torch.randn(recv_x.shape, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    recv_x.backward(grad_recv)
+    # Straight-through: the gradient is the BF16 combine of the row gradients.
+    expected, _, _ = buf.combine(grad_recv, handle)
+    return torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block128", "mxfp8"])
+def test_fp8_straight_through(pools, fmt):
+    assert all(pools(2).run(fp8_straight_through_rank, fmt))
