@@ -1,0 +1,234 @@
+"""Every bad argument raises TypeError/ValueError naming it and its values, before any communication, on every
+rank alike; the buffer keeps working afterwards. Bad topk_idx values are caught by the count exchange."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import quant
+from moe_comm.testing.checks import check_case
+from moe_comm.testing.routing import Case, rank_inputs
+
+GOOD = Case(seed=41, num_ranks=2, num_experts=4, num_topk=2, hidden=128, num_tokens=(6, 4),
+            num_max_tokens_per_rank=8)
+
+
+def new_buffer(**kw) -> moe_comm.Buffer:
+    args = dict(num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch", num_cpu_timeout_secs=30)
+    args.update(kw)
+    return moe_comm.Buffer(None, **args)
+
+
+def argument_errors(buf, rank):
+    """(label, exception type, message fragment, call) for every argument check."""
+    x, idx, w = rank_inputs(GOOD, rank)
+    _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
+    _, _, _, handle_expand, _ = buf.dispatch(x, idx, w, num_experts=4, do_expand=True, expert_alignment=2)
+    rows = handle.num_recv_rows
+    y = torch.zeros(rows, 128, dtype=torch.bfloat16)
+    q, scales = quant.quantize(x, "fp8_block128")
+    d = buf.dispatch
+    return [
+        ("x dtype", TypeError, "x.dtype=torch.int32", lambda: d(x.int(), idx, w, num_experts=4)),
+        ("x 1-D", ValueError, "x must be 2-D", lambda: d(x[0], idx, w, num_experts=4)),
+        ("x non-contiguous", ValueError, "contiguous", lambda: d(x[:, ::2], idx, w, num_experts=4)),
+        ("x row bytes", ValueError, "12 x 2 = 24 bytes", lambda: d(x[:, :12].contiguous(), idx, w, num_experts=4)),
+        ("too many tokens", ValueError, "(x rows) exceeds num_max_tokens_per_rank=3",
+         lambda: d(x, idx, w, num_experts=4, num_max_tokens_per_rank=3)),
+        ("experts per rank", ValueError, "num_experts=5 is not a multiple of the group size 2",
+         lambda: d(x, idx, w, num_experts=5)),
+        ("topk > experts", ValueError, "num_topk=3 (topk_idx columns) exceeds num_experts=2",
+         lambda: d(x, torch.cat([idx, idx[:, :1]], dim=1), None, num_experts=2)),
+        ("topk_idx dtype", TypeError, "topk_idx.dtype=torch.int32", lambda: d(x, idx.int(), w, num_experts=4)),
+        ("topk_idx rows", ValueError, "rows, x has",
+         lambda: d(x, idx[:5].contiguous(), w, num_experts=4) if rank == 0 else d(x, idx[:3].contiguous(), w, num_experts=4)),
+        ("weights dtype", TypeError, "topk_weights.dtype=torch.float64", lambda: d(x, idx, w.double(), num_experts=4)),
+        ("weights shape", ValueError, "topk_weights shape", lambda: d(x, idx, w[:, :1].contiguous(), num_experts=4)),
+        ("buffer too small", ValueError, "buffer too small: this call needs",
+         lambda: d(torch.zeros(x.shape[0], 256, dtype=torch.bfloat16), idx, w, num_experts=4)),
+        ("buffer too small fp64", ValueError, "element size 8", lambda: d(x.double(), idx, w, num_experts=4)),
+        ("no num_experts", ValueError, "num_experts is required", lambda: d(x, idx, w)),
+        ("no topk_idx", ValueError, "topk_idx is required", lambda: d(x, num_experts=4)),
+        ("topk_idx with handle", ValueError, "topk_idx must be None with handle", lambda: d(x, idx, handle=handle)),
+        ("weights with handle", ValueError, "topk_weights must be None with handle",
+         lambda: d(x, None, w, handle=handle)),
+        ("sync with handle", ValueError, "do_cpu_sync=True is not allowed", lambda: d(x, handle=handle, do_cpu_sync=True)),
+        ("handle layout", ValueError, "do_expand=False (handle: True)", lambda: d(x, handle=handle_expand,
+                                                                              expert_alignment=2)),
+        ("handle alignment", ValueError, "expert_alignment=1 (handle: 2)", lambda: d(x, handle=handle_expand,
+                                                                                 do_expand=True)),
+        ("handle tokens", ValueError, "num_tokens=3", lambda: d(x[:3].contiguous(), handle=handle)),
+        ("handle experts", ValueError, "num_experts=8 (handle: 4)", lambda: d(x, handle=handle, num_experts=8)),
+        ("handle type", TypeError, "handle must be a moe_comm.EPHandle", lambda: d(x, handle="h")),
+        ("quantize name", ValueError, "quantize='fp4'", lambda: d(x, idx, w, num_experts=4, quantize="fp4")),
+        ("quantize dtype", TypeError, "casts bf16 rows", lambda: d(x.float(), idx, w, num_experts=4, quantize="mxfp8")),
+        ("quantize hidden", ValueError, "hidden=64", lambda: d(x[:, :64].contiguous(), idx, w, num_experts=4,
+                                                               quantize="mxfp8")),
+        ("quantize tuple", ValueError, "already quantized", lambda: d((q, scales), idx, w, num_experts=4,
+                                                                      quantize="mxfp8")),
+        ("dequantize", ValueError, "dequantize=True needs FP8", lambda: d(x, idx, w, num_experts=4, dequantize=True)),
+        ("fp8 scales shape", ValueError, "x[1] (scales) must have shape",
+         lambda: d((q, scales[:, :0].contiguous()), idx, w, num_experts=4)),
+        ("fp8 data dtype", TypeError, "x[0]", lambda: d((x, scales), idx, w, num_experts=4)),
+        ("alignment", ValueError, "expert_alignment=0 must be >= 1",
+         lambda: d(x, idx, w, num_experts=4, expert_alignment=0)),
+        ("alignment type", TypeError, "expert_alignment must be an int",
+         lambda: d(x, idx, w, num_experts=4, expert_alignment=2.0)),
+        ("num_sms", ValueError, "num_sms=-1 must be >= 0", lambda: d(x, idx, w, num_experts=4, num_sms=-1)),
+        ("do_expand type", TypeError, "do_expand must be a bool", lambda: d(x, idx, w, num_experts=4, do_expand=1)),
+        ("previous_event", TypeError, "previous_event must be a moe_comm.EventOverlap",
+         lambda: d(x, idx, w, num_experts=4, previous_event=object())),
+        ("combine rows", ValueError, f"x has {rows + 1} rows, the handle's dispatch produced {rows}",
+         lambda: buf.combine(torch.zeros(rows + 1, 128, dtype=torch.bfloat16), handle)),
+        ("combine dtype", TypeError, "x.dtype=torch.float16", lambda: buf.combine(y.half(), handle)),
+        ("combine weights", ValueError, f"topk_weights must have shape ({rows}, 2)",
+         lambda: buf.combine(y, handle, topk_weights=torch.zeros(rows, 3))),
+        ("combine expand weights", ValueError, "topk_weights must be 1-D",
+         lambda: buf.combine(torch.zeros(handle_expand.num_recv_rows, 128, dtype=torch.bfloat16), handle_expand,
+                             topk_weights=torch.zeros(handle_expand.num_recv_rows, 2))),
+        ("bias shape", ValueError, "bias[0] must have shape", lambda: buf.combine(y, handle, bias=torch.zeros(
+            1, 128, dtype=torch.bfloat16))),
+        ("bias dtype", TypeError, "bias[1].dtype=torch.float32",
+         lambda: buf.combine(y, handle, bias=(torch.zeros(x.shape, dtype=torch.bfloat16), torch.zeros(x.shape)))),
+        ("three biases", ValueError, "at most two tensors",
+         lambda: buf.combine(y, handle, bias=(x, x, x))),
+        ("combine handle", TypeError, "handle must be a moe_comm.EPHandle", lambda: buf.combine(y, None)),
+    ]
+
+
+def argument_errors_rank(rank: int, world_size: int) -> list[str]:
+    buf = new_buffer()
+    checked = []
+    for label, exc_type, fragment, call in argument_errors(buf, rank):
+        with pytest.raises(exc_type) as info:
+            try:
+                call()
+            except exc_type:
+                raise
+            except Exception as exc:
+                raise AssertionError(f"{label}: raised {exc!r} instead of {exc_type.__name__}") from exc
+            else:
+                raise AssertionError(f"{label}: did not raise")
+        assert fragment in str(info.value), f"{label}: {fragment!r} not in {str(info.value)!r}"
+        checked.append(label)
+    # Still usable, bitwise right.
+    check_case(buf, GOOD, rank)
+    return checked
+
+
+def test_argument_errors(pools):
+    results = pools(2).run(argument_errors_rank)
+    assert results[0] == results[1] and len(results[0]) >= 40
+
+
+def constructor_errors_rank(rank: int, world_size: int) -> int:
+    bad = [
+        (dict(hidden=0), ValueError, "hidden=0 must be >= 1"),
+        (dict(backend="nccl2"), ValueError, "backend='nccl2' is not one of"),
+        (dict(backend="cuda"), ValueError, "backend='cuda' is not available"),
+        (dict(num_cpu_timeout_secs=0), ValueError, "num_cpu_timeout_secs=0"),
+        (dict(num_max_tokens_per_rank=-1), ValueError, "num_max_tokens_per_rank=-1"),
+        (dict(deterministic="yes"), TypeError, "deterministic must be a bool"),
+        (dict(hidden=12), ValueError, "not a multiple of 16"),
+        (dict(use_fp8_dispatch=True, hidden=200), ValueError, "hidden=200"),
+    ]
+    for kw, exc_type, fragment in bad:
+        with pytest.raises(exc_type, match=None) as info:
+            new_buffer(**kw)
+        assert fragment in str(info.value), f"{kw}: {fragment!r} not in {str(info.value)!r}"
+    buf = new_buffer()
+    destroyed = new_buffer()
+    destroyed.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        destroyed.dispatch(*rank_inputs(GOOD, rank), num_experts=4)
+    check_case(buf, GOOD, rank)
+    return len(bad)
+
+
+def test_constructor_errors(pools):
+    assert pools(2).run(constructor_errors_rank) == [8, 8]
+
+
+def value_errors_rank(rank: int, world_size: int) -> list[str]:
+    """Bad topk_idx values on rank 1 only: every rank raises, naming rank 1; then the buffer works."""
+    buf = new_buffer()
+    messages = []
+    for bad_value, fragment in ((4, "entries outside [-1, 4) on rank(s) [1]"), (-2, "outside [-1, 4)"),
+                                (None, "duplicate experts in a row on rank(s) [1]")):
+        x, idx, w = rank_inputs(GOOD, rank)
+        if rank == 1:
+            idx = idx.clone()
+            if bad_value is None:
+                idx[2] = torch.tensor([3, 3])
+            else:
+                idx[2, 1] = bad_value
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(x, idx, w, num_experts=4)
+        assert fragment in str(info.value), str(info.value)
+        if rank == 1:
+            assert "first bad slot: topk_idx[2," in str(info.value), str(info.value)
+        messages.append(str(info.value))
+        check_case(buf, GOOD, rank)
+    return messages
+
+
+def test_value_errors_raise_on_every_rank(pools):
+    results = pools(2).run(value_errors_rank)
+    assert len(results[0]) == 3
+
+
+def deferred_errors_rank(rank: int, world_size: int) -> str:
+    """Without a CPU sync a bad slot is dropped and the next synchronizing call raises on every rank."""
+    buf = new_buffer()
+    x, idx, w = rank_inputs(GOOD, rank)
+    bad = idx.clone()
+    if rank == 0:
+        bad[1, 0] = 99
+    recv_x, recv_idx, _, handle, _ = buf.dispatch(x, bad, w, num_experts=4, do_cpu_sync=False)
+    assert handle.topk_idx[1, 0].item() == (-1 if rank == 0 else idx[1, 0].item())
+    # The dropped slot went nowhere: a clean dispatch of the same routing minus that slot agrees.
+    clean = handle.topk_idx
+    ref_x, ref_idx, _, ref_handle, _ = buf.dispatch(x, clean, w, num_experts=4, do_cpu_sync=False)
+    n = int(ref_handle.psum_num_recv_tokens_per_rank[-1])
+    assert torch.equal(recv_x[:n], ref_x[:n]) and torch.equal(recv_idx[:n], ref_idx[:n])
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, idx, w, num_experts=4)
+    assert "earlier dispatch without CPU sync" in str(info.value) and "rank(s) [0]" in str(info.value)
+    check_case(buf, GOOD, rank)
+    # barrier() is a synchronizing call too.
+    buf.dispatch(x, bad, w, num_experts=4, do_cpu_sync=False)
+    with pytest.raises(ValueError, match="earlier dispatch without CPU sync"):
+        buf.barrier()
+    buf.barrier()
+    return str(info.value)
+
+
+def test_deferred_value_errors(pools):
+    results = pools(2).run(deferred_errors_rank)
+    assert results[0] == results[1]
+
+
+def check_inputs_env_rank(rank: int, world_size: int) -> str:
+    os.environ["MOE_COMM_CHECK_INPUTS"] = "1"
+    try:
+        buf = new_buffer()
+        x, idx, w = rank_inputs(GOOD, rank)
+        if rank == 1:
+            idx = idx.clone()
+            idx[0, 0] = 7
+        with pytest.raises(ValueError, match=r"entries outside \[-1, 4\) on rank\(s\) \[1\]"):
+            buf.dispatch(x, idx, w, num_experts=4, do_cpu_sync=False)
+    finally:
+        os.environ["MOE_COMM_CHECK_INPUTS"] = "0"
+    x, idx, w = rank_inputs(GOOD, rank)
+    buf.dispatch(x, idx, w, num_experts=4, do_cpu_sync=False)
+    buf.barrier()
+    return "ok"
+
+
+def test_check_inputs_env_raises_up_front(pools):
+    assert pools(2).run(check_inputs_env_rank) == ["ok", "ok"]
