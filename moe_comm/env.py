@@ -28,8 +28,6 @@ VARIABLES = {
         Variable("MOE_COMM_CHECK_INPUTS", "bool", False,
                  "Check topk_idx values (range, duplicates) before any communication, on every call, "
                  "including calls without a CPU sync (costs a host sync)."),
-        Variable("MOE_COMM_JIT_CACHE_DIR", "str", os.path.join("~", ".cache", "moe_comm"),
-                 "Where compiled kernels are cached."),
         Variable("MOE_COMM_TEST_SEED", "int", 0,
                  "Seed of the randomized property tests (the cases are drawn in the parent process)."),
         Variable("MOE_COMM_TEST_TIMEOUT", "float", 60.0,

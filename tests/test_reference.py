@@ -51,3 +51,26 @@ def test_eight_ranks(seed):
     cases = draw_cases(seed * 10 + 8, 4, 8, max_tokens=40)
     results = parallel_launch(8, run_cases, cases, timeout_s=600)
     assert all(len(r) == len(cases) for r in results)
+
+
+def baseline_agrees_rank(rank: int, world_size: int, case: Case) -> bool:
+    """The benchmark baseline (all_to_all_single, Megatron-style) receives the same rows in the same order."""
+    from moe_comm.testing.bench import AllToAllBaseline
+    from moe_comm.testing.routing import rank_inputs
+    import torch
+    import torch.distributed as dist
+    buf = make_buffer(case)
+    x, idx, w = rank_inputs(case, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=case.num_experts)
+    baseline = AllToAllBaseline(dist.group.WORLD, case.num_experts)
+    base_x, state = baseline.dispatch(x, idx)
+    same_rows = torch.equal(recv_x.view(torch.int16), base_x.view(torch.int16))
+    y = recv_x * 2
+    combined, _, _ = buf.combine(y, handle)
+    return same_rows and torch.equal(combined, baseline.combine(y, state))
+
+
+def test_baseline_agrees(pools):
+    case = Case(seed=61, num_ranks=2, num_experts=8, num_topk=3, hidden=64, num_tokens=(40, 25),
+                num_max_tokens_per_rank=40)
+    assert pools(2).run(baseline_agrees_rank, case) == [True, True]
