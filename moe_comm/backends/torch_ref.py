@@ -356,7 +356,9 @@ class TorchRefBackend:
         # Receiver-side layout: blocks of the receive buffer become one compact run of rows.
         psum_per_rank = recv_rows_per_rank.cumsum(0)
         psum_per_expert = aligned_per_expert.cumsum(0)
-        src_rank_B = torch.repeat_interleave(torch.arange(R, **i64), torch.tensor(recv_splits, **i64))
+        # output_size keeps repeat_interleave from reading the counts on the host.
+        src_rank_B = torch.repeat_interleave(torch.arange(R, **i64), torch.tensor(recv_splits, **i64),
+                                             output_size=M)
         row_in_block_B = torch.arange(M, **i64) - torch.tensor(_exclusive_cumsum(recv_splits), **i64)[src_rank_B]
         out_row_B = torch.where(row_in_block_B < recv_rows_per_rank[src_rank_B],
                                 (psum_per_rank - recv_rows_per_rank)[src_rank_B] + row_in_block_B, -1)
