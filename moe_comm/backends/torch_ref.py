@@ -81,7 +81,8 @@ class _RowCodec:
         packed = torch.zeros(rows.numel(), self.width, dtype=torch.uint8, device=out.device)
         for name, _, _, offset, nbytes in self.fields:
             t = tensors[name]
-            packed[:, offset:offset + nbytes] = t.contiguous().view(torch.uint8).reshape(rows.numel(), nbytes)
+            # Flatten first: a contiguous [n, 1] tensor may still carry a 0 stride in its last dim.
+            packed[:, offset:offset + nbytes] = t.contiguous().reshape(-1).view(torch.uint8).view(rows.numel(), nbytes)
         out.index_copy_(0, rows, packed)
 
     def unpack(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
