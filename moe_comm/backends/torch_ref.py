@@ -98,6 +98,23 @@ def _place(values: torch.Tensor, rows: torch.Tensor, num_rows: int, fill) -> tor
     return out[:num_rows]
 
 
+def _block_starts(splits: Sequence[int], device: torch.device) -> torch.Tensor:
+    """First row of each block as a device tensor; equal blocks (no CPU sync) need no host-to-device copy."""
+    if len(set(splits)) <= 1:
+        return torch.arange(len(splits), dtype=torch.int64, device=device) * (splits[0] if splits else 0)
+    return torch.tensor(_exclusive_cumsum(splits), dtype=torch.int64, device=device)
+
+
+def _block_of_rows(splits: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block index of every row; as above, equal blocks are computed on the device alone."""
+    num_rows = sum(splits)
+    if len(set(splits)) <= 1:
+        return torch.arange(num_rows, dtype=torch.int64, device=device) // max(splits[0] if splits else 1, 1)
+    counts = torch.tensor(list(splits), dtype=torch.int64, device=device)
+    return torch.repeat_interleave(torch.arange(len(splits), dtype=torch.int64, device=device), counts,
+                                   output_size=num_rows)
+
+
 def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
     out, acc = [], 0
     for v in values:
@@ -357,10 +374,8 @@ class TorchRefBackend:
         # Receiver-side layout: blocks of the receive buffer become one compact run of rows.
         psum_per_rank = recv_rows_per_rank.cumsum(0)
         psum_per_expert = aligned_per_expert.cumsum(0)
-        # output_size keeps repeat_interleave from reading the counts on the host.
-        src_rank_B = torch.repeat_interleave(torch.arange(R, **i64), torch.tensor(recv_splits, **i64),
-                                             output_size=M)
-        row_in_block_B = torch.arange(M, **i64) - torch.tensor(_exclusive_cumsum(recv_splits), **i64)[src_rank_B]
+        src_rank_B = _block_of_rows(recv_splits, dev)
+        row_in_block_B = torch.arange(M, **i64) - _block_starts(recv_splits, dev)[src_rank_B]
         out_row_B = torch.where(row_in_block_B < recv_rows_per_rank[src_rank_B],
                                 (psum_per_rank - recv_rows_per_rank)[src_rank_B] + row_in_block_B, -1)
         recv_src_M = _place(got["src"].view(M), out_row_B, M, fill=-1)
@@ -379,7 +394,7 @@ class TorchRefBackend:
             valid_MK = recv_idx_MK >= 0
             pair_rank_MK = valid_MK.flatten().long().cumsum(0).view(M, K) - 1
             pairs_before = recv_pairs_per_rank.cumsum(0) - recv_pairs_per_rank
-            return_offsets = torch.tensor(_exclusive_cumsum(return_send_splits), **i64)
+            return_offsets = _block_starts(return_send_splits, dev)
             block_M = src_rank_M[:, None]
             return_pos_MK = torch.where(valid_MK, return_offsets[block_M] + pair_rank_MK - pairs_before[block_M], -1)
             slot_return_pos_NK = torch.full_like(topk_idx, -1)
@@ -538,7 +553,7 @@ class TorchRefBackend:
                 if combined_w is not None:
                     combined_w.copy_(got["w"].view(-1)[rows_NK])
             else:
-                offsets = torch.tensor(_exclusive_cumsum(recv_splits), dtype=torch.int64, device=dev)
+                offsets = _block_starts(recv_splits, dev)
                 rows_NR = torch.where(lay.send_pos_NR >= 0, offsets[None, :] + lay.send_pos_NR, num_recv)
                 for d in range(R):
                     acc += back_x[rows_NR[:, d]].to(acc_dtype)
