@@ -54,24 +54,22 @@ def get_bool(name: str) -> bool:
     raise ValueError(f"{name}={raw!r} is not a boolean; use one of {_TRUE + _FALSE[:-1]}")
 
 
-def get_int(name: str) -> int:
+def _get_number(name: str, convert, what: str):
     raw = _raw(name)
     if raw is None:
-        return int(VARIABLES[name].default)
+        return convert(VARIABLES[name].default)
     try:
-        return int(raw)
+        return convert(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+
+
+def get_int(name: str) -> int:
+    return _get_number(name, int, "an integer")
 
 
 def get_float(name: str) -> float:
-    raw = _raw(name)
-    if raw is None:
-        return float(VARIABLES[name].default)
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+    return _get_number(name, float, "a number")
 
 
 def get_str(name: str) -> str:

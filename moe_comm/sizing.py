@@ -392,27 +392,15 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmE
         bottleneck, bottleneck_gbs, bottleneck_traffic = "nvlink", topology.nvlink_gbs, nvlink
 
     if bottleneck_traffic <= 0.0:
-        # The larger of two non-negative times is zero, so neither link carries anything.
-        return SmEstimate(
-            mode=mode,
-            expected_rank_groups=expected_rank_groups,
-            expected_scaleout_groups=expected_scaleout_groups,
-            sm_read=sm_read,
-            sm_write=sm_write,
-            nvlink=nvlink,
-            rdma=rdma,
-            bottleneck="none",
-            bottleneck_gbs=0.0,
-            bottleneck_traffic=0.0,
-            num_sms_needed=0.0,
-            num_sms=topology.num_device_sms,
-        )
-
-    # At full link speed the rank moves B/T token-GB/s; the SMs must read and write at that rate.
-    token_gbs = bottleneck_gbs / bottleneck_traffic
-    num_sms_needed = max(token_gbs * sm_read / SM_READ_GBS, token_gbs * sm_write / SM_WRITE_GBS)
-    num_sms = _align(max(MIN_NUM_SMS, math.ceil(NUM_SMS_HEADROOM * num_sms_needed)), 2)
-    num_sms = min(topology.num_device_sms, num_sms)
+        # The larger of two non-negative times is zero, so neither link carries anything: use every SM.
+        bottleneck, bottleneck_gbs, bottleneck_traffic = "none", 0.0, 0.0
+        num_sms_needed, num_sms = 0.0, topology.num_device_sms
+    else:
+        # At full link speed the rank moves B/T token-GB/s; the SMs must read and write at that rate.
+        token_gbs = bottleneck_gbs / bottleneck_traffic
+        num_sms_needed = max(token_gbs * sm_read / SM_READ_GBS, token_gbs * sm_write / SM_WRITE_GBS)
+        num_sms = _align(max(MIN_NUM_SMS, math.ceil(NUM_SMS_HEADROOM * num_sms_needed)), 2)
+        num_sms = min(topology.num_device_sms, num_sms)
     return SmEstimate(
         mode=mode,
         expected_rank_groups=expected_rank_groups,
