@@ -36,16 +36,24 @@ class Dispatch(torch.autograd.Function):
                 buffer, topk_idx: Optional[torch.Tensor], kwargs: dict):
         x_in = x if x_scales is None else (x, x_scales)
         recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(x_in, topk_idx, topk_weights, **kwargs)
+        # The handle keeps recv_topk_idx/weights: hand out aliases, so that autograd never attaches a grad_fn
+        # to the handle's own tensors (a later cached dispatch returns them again).
+        recv_idx = None if recv_idx is None else recv_idx.detach()
+        recv_w = None if recv_w is None else recv_w.detach()
         recv_scales = None
         if isinstance(recv_x, tuple):
             recv_x, recv_scales = recv_x
             ctx.mark_non_differentiable(recv_x, recv_scales)
         if recv_idx is not None:
             ctx.mark_non_differentiable(recv_idx)
+        if recv_w is not None and kwargs.get("handle") is not None:
+            # A cached dispatch returns the forward's weights: they depend on no input of this call.
+            ctx.mark_non_differentiable(recv_w)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.allocate_on_comm_stream = kwargs.get("allocate_on_comm_stream", False)
         # No gradient reaches x through FP8 rows: a pre-quantized input or an FP8 tuple output.
         ctx.x_has_grad = x_scales is None and recv_scales is None
+        ctx.row_dtype = x.dtype if x_scales is None else torch.bfloat16
         return recv_x, recv_scales, recv_idx, recv_w, handle, event
 
     @staticmethod
@@ -56,7 +64,7 @@ class Dispatch(torch.autograd.Function):
             return (None,) * 6
         if not need_x:
             # Weight gradients still need a combine; the rows carry nothing back.
-            grad_recv_x = torch.zeros(ctx.handle.num_recv_rows, 8, dtype=torch.bfloat16,
+            grad_recv_x = torch.zeros(ctx.handle.num_recv_rows, 16 // ctx.row_dtype.itemsize, dtype=ctx.row_dtype,
                                       device=grad_recv_w.device)
         combined, combined_w, _ = ctx.buffer.combine(
             grad_recv_x.contiguous(), ctx.handle,

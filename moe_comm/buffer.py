@@ -21,6 +21,7 @@ from .handle import EPHandle
 
 BACKENDS = ("auto", "torch", "cuda")
 DATA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+MAX_EXPERT_ALIGNMENT = 1024
 
 FP8Tuple = tuple[torch.Tensor, torch.Tensor]
 
@@ -51,6 +52,17 @@ class DispatchCall:
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
 
+    def signature(self) -> dict[str, int]:
+        """The values every rank must agree on (they size the exchanges)."""
+        return {"num_experts": self.num_experts, "num_topk": self.num_topk, "hidden": self.hidden,
+                "row dtype": _DTYPE_CODES[self.x.dtype] if self.x is not None else 0,
+                "fp8 format": 0 if self.wire_format is None else 1 + quant.FP8_FORMATS.index(self.wire_format),
+                "dequantize": int(self.dequantize), "topk_weights given": int(self.topk_weights is not None),
+                "topk_weights dtype": _DTYPE_CODES[self.topk_weights.dtype] if self.topk_weights is not None else 0,
+                "num_max_tokens_per_rank": self.num_max_tokens_per_rank, "do_expand": int(self.do_expand),
+                "expert_alignment": self.expert_alignment, "do_cpu_sync": int(self.do_cpu_sync),
+                "cached (handle given)": int(self.handle is not None)}
+
 
 @dataclass(frozen=True)
 class CombineCall:
@@ -64,6 +76,16 @@ class CombineCall:
     previous_event: Optional[EventOverlap]
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
+
+    def signature(self) -> dict[str, int]:
+        """The values every rank must agree on (they size the exchange)."""
+        return {"hidden": self.x.shape[1], "row dtype": _DTYPE_CODES[self.x.dtype],
+                "num_recv_rows == handle rows": int(self.x.shape[0] == self.handle.num_recv_rows),
+                "topk_weights given": int(self.topk_weights is not None),
+                "topk_weights dtype": _DTYPE_CODES[self.topk_weights.dtype] if self.topk_weights is not None else 0}
+
+
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
 def _check_bool(**values) -> None:
@@ -94,7 +116,8 @@ class Buffer:
         backend: "torch" (reference, any group), "cuda" (NVLink kernels) or "auto" (cuda where every peer is
             NVLink-reachable and the kernels are available, else torch).
         deterministic: receive order and combine reduction order exactly as DESIGN 2.1/2.2 specify.
-        num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing.
+        num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing (CUDA backend kernels;
+            the reference backend on NCCL relies on the process group's own timeout).
         num_cpu_timeout_secs: how long a host wait for a peer may block before failing.
     """
 
@@ -244,7 +267,7 @@ class Buffer:
             topk_weights: `[N, K]`, `torch.float32` (`torch.float64` allowed with float64 x), or None.
             num_experts: global expert count, a multiple of the group size (from the handle when cached).
             num_max_tokens_per_rank: worst-case tokens per rank (default: the buffer's).
-            expert_alignment: expand mode pads each expert block to a multiple of this many rows.
+            expert_alignment: expand mode pads each expert block to a multiple of this many rows (1 to 1024).
             num_sms: SMs to run on; 0 = `get_theoretical_num_sms`.
             handle: an `EPHandle` to reuse (cached dispatch: no layout work, no CPU sync).
             do_cpu_sync: None = True unless `handle`. False: worst-case sized outputs, true counts on the device.
@@ -253,7 +276,8 @@ class Buffer:
             dequantize: with FP8 on the wire, return bf16 rows (cast back on the receiver).
             previous_event: an `EventOverlap` the communication must wait for.
             async_with_compute_stream: return at once; wait on the returned event before using the outputs.
-            allocate_on_comm_stream: allocate outputs on the comm stream (CUDA).
+            allocate_on_comm_stream: allocate outputs on the comm stream (CUDA). The reference backend always
+                allocates there and records the outputs for the compute stream, so both values are safe.
 
         Returns:
             `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`:
@@ -271,7 +295,10 @@ class Buffer:
                                        expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize,
                                        dequantize, previous_event, async_with_compute_stream,
                                        allocate_on_comm_stream)
-        if call.handle is None and env.get_bool("MOE_COMM_CHECK_INPUTS"):
+        check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")
+        if (call.handle is None and call.do_cpu_sync) or check_inputs:
+            self._impl.check_agreement("dispatch", call.signature())
+        if call.handle is None and check_inputs:
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
         return self._impl.dispatch(call)
 
@@ -358,6 +385,9 @@ class Buffer:
             do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
         if num_tokens > num_max_tokens_per_rank:
             raise ValueError(f"num_tokens={num_tokens} (x rows) exceeds {num_max_tokens_per_rank=}")
+        if expert_alignment > MAX_EXPERT_ALIGNMENT:
+            raise ValueError(f"expert_alignment={expert_alignment} exceeds {MAX_EXPERT_ALIGNMENT} (every expert "
+                             f"block is padded up to it; grouped GEMMs ask for 16 to 256)")
         self._check_fits(num_max_tokens_per_rank, hidden, num_topk, elem_size, wire_format is not None)
         if num_sms == 0:
             num_sms = handle.num_sms if handle is not None else self.get_theoretical_num_sms(num_experts, num_topk)
@@ -399,6 +429,8 @@ class Buffer:
         self._check_alive()
         call = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
                                       async_with_compute_stream, allocate_on_comm_stream)
+        if env.get_bool("MOE_COMM_CHECK_INPUTS"):
+            self._impl.check_agreement("combine", call.signature())
         return self._impl.combine(call)
 
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,

@@ -38,7 +38,9 @@ class EventOverlap:
 
     @property
     def done(self) -> bool:
-        """True when nothing is left to wait for on the host side."""
+        """True when the communication has finished (CUDA: the event has completed; CPU: waited on)."""
+        if self.event is not None and not self.event.query():
+            return False
         return not self._works and not self._finalizers
 
     def current_stream_wait(self) -> None:

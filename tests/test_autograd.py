@@ -90,13 +90,40 @@ def fp8_straight_through_rank(rank: int, world_size: int, fmt: str) -> bool:
     x.requires_grad_()
     recv_x, _, _, handle, _ = moe_autograd.dispatch(buf, x, idx, w, num_experts=4, quantize=fmt, dequantize=True)
     assert recv_x.dtype == torch.bfloat16
-    grad_recv = torch.randn(recv_x.shape, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    # Row gradient = a function of (source token, this rank), so the source can predict the sum.
+    src_rank = torch.bucketize(torch.arange(recv_x.shape[0]), handle.psum_num_recv_tokens_per_rank, right=True)
+    code = (handle.recv_src_idx + 1) * 8 + rank * 2 + src_rank
+    grad_recv = (code.float()[:, None] / 64).expand(-1, 128).to(torch.bfloat16)
     recv_x.backward(grad_recv)
-    # Straight-through: the gradient is the BF16 combine of the row gradients.
-    expected, _, _ = buf.combine(grad_recv, handle)
-    return torch.equal(x.grad, expected)
+    # Straight-through: grad_x[t] = sum over the ranks t went to (ascending) of their row gradient, FP32 sum.
+    L = case.num_local_experts
+    expected = torch.zeros(x.shape[0], 128)
+    for t in range(x.shape[0]):
+        for d in sorted({e // L for e in idx[t].tolist() if e >= 0}):
+            expected[t] += ((t + 1) * 8 + d * 2 + rank) / 64
+    return torch.equal(x.grad, expected.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_block128", "mxfp8"])
 def test_fp8_straight_through(pools, fmt):
     assert all(pools(2).run(fp8_straight_through_rank, fmt))
+
+
+def cached_keeps_weight_grad_rank(rank: int, world_size: int) -> bool:
+    """A cached autograd dispatch must not steal the first dispatch's weight gradient path."""
+    case = Case(seed=33, num_ranks=world_size, num_experts=4, num_topk=2, hidden=16, num_tokens=(5, 3),
+                num_max_tokens_per_rank=8)
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=60)
+    x, idx, w = rank_inputs(case, rank)
+    w.requires_grad_()
+    _, _, recv_w, handle, _ = moe_autograd.dispatch(buf, x, idx, w, num_experts=4)
+    _, _, cached_w, _, _ = moe_autograd.dispatch(buf, x * 2, handle=handle)
+    assert not cached_w.requires_grad
+    recv_w.sum().backward()
+    # d(sum of received weights)/dw = 1 for every valid slot (each lands on exactly one rank).
+    return torch.equal(w.grad, (idx >= 0).float())
+
+
+def test_cached_dispatch_keeps_weight_gradient(pools):
+    assert pools(2).run(cached_keeps_weight_grad_rank) == [True, True]

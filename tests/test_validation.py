@@ -4,6 +4,7 @@ rank alike; the buffer keeps working afterwards. Bad topk_idx values are caught 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -189,9 +190,11 @@ def deferred_errors_rank(rank: int, world_size: int) -> str:
     if rank == 0:
         bad[1, 0] = 99
     recv_x, recv_idx, _, handle, _ = buf.dispatch(x, bad, w, num_experts=4, do_cpu_sync=False)
-    assert handle.topk_idx[1, 0].item() == (-1 if rank == 0 else idx[1, 0].item())
-    # The dropped slot went nowhere: a clean dispatch of the same routing minus that slot agrees.
-    clean = handle.topk_idx
+    # The bad slot is dropped, nothing else: the same as a dispatch with that slot set to -1.
+    clean = idx.clone()
+    if rank == 0:
+        clean[1, 0] = -1
+    assert torch.equal(handle.topk_idx, clean)
     ref_x, ref_idx, _, ref_handle, _ = buf.dispatch(x, clean, w, num_experts=4, do_cpu_sync=False)
     n = int(ref_handle.psum_num_recv_tokens_per_rank[-1])
     assert torch.equal(recv_x[:n], ref_x[:n]) and torch.equal(recv_idx[:n], ref_idx[:n])
@@ -232,3 +235,41 @@ def check_inputs_env_rank(rank: int, world_size: int) -> str:
 
 def test_check_inputs_env_raises_up_front(pools):
     assert pools(2).run(check_inputs_env_rank) == ["ok", "ok"]
+
+
+def one_bad_rank(rank: int, world_size: int) -> str:
+    """Only rank 0 passes a bad argument: it raises before communicating, so rank 1 waits at its first exchange
+    and times out there (had rank 0 sent anything first, rank 1 would fail later or not at all)."""
+    buf = new_buffer(num_cpu_timeout_secs=2)
+    x, idx, w = rank_inputs(GOOD, rank)
+    if rank == 0:
+        with pytest.raises(TypeError, match="x.dtype=torch.int32"):
+            buf.dispatch(x.int(), idx, w, num_experts=4)
+        time.sleep(5)
+        return "raised"
+    with pytest.raises(TimeoutError) as info:
+        buf.dispatch(x, idx, w, num_experts=4)
+    return str(info.value)
+
+
+def test_argument_errors_come_before_any_communication():
+    from moe_comm.testing import parallel_launch
+    raised, timed_out = parallel_launch(2, one_bad_rank, timeout_s=120)
+    assert raised == "raised"
+    assert "rank 1 dispatch argument agreement: receive from peer 0" in timed_out, timed_out
+
+
+def disagreement_rank(rank: int, world_size: int) -> str:
+    """Ranks that size a synchronizing dispatch differently all get a ValueError naming the values."""
+    buf = new_buffer()
+    x, idx, w = rank_inputs(GOOD, rank)
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, idx, w, num_experts=4, num_max_tokens_per_rank=6 + rank)
+    check_case(buf, GOOD, rank)
+    return str(info.value)
+
+
+def test_ranks_must_agree_on_sizes(pools):
+    messages = pools(2).run(disagreement_rank)
+    assert messages[0] == messages[1]
+    assert "num_max_tokens_per_rank: [6, 7]" in messages[0], messages[0]

@@ -42,6 +42,7 @@ class RefLayout:
     """Routing state of the reference backend, kept in `EPHandle.layout`.
 
     send_pos_NR: `[N, R]` row of each token inside the block it is sent to, -1 if not sent to that rank.
+    send_rows_R: `[R]` rows sent to each rank (the true counts, on the device).
     send_splits / recv_splits: rows per peer block in the send / receive buffer (capacities without sync).
     out_row_B: `[B]` output row (compact, source ranks ascending) of each receive-buffer row, -1 for the
         unused tail of a block without CPU sync; the identity with a CPU sync.
@@ -53,6 +54,7 @@ class RefLayout:
     """
 
     send_pos_NR: torch.Tensor
+    send_rows_R: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
     out_row_B: torch.Tensor
@@ -85,10 +87,15 @@ class _RowCodec:
             packed[:, offset:offset + nbytes] = t.contiguous().reshape(-1).view(torch.uint8).view(rows.numel(), nbytes)
         out.index_copy_(0, rows, packed)
 
-    def unpack(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    def unpack(self, buf: torch.Tensor, pad_rows: int = 0) -> dict[str, torch.Tensor]:
+        """Every field as its own tensor, with `pad_rows` zero rows appended (targets of absent entries)."""
         rows = buf.shape[0]
-        return {name: buf[:, offset:offset + nbytes].contiguous().view(dtype).reshape(rows, numel)
-                for name, dtype, numel, offset, nbytes in self.fields}
+        out = {}
+        for name, dtype, numel, offset, nbytes in self.fields:
+            field = buf.new_zeros(rows + pad_rows, nbytes)
+            field[:rows] = buf[:, offset:offset + nbytes]
+            out[name] = field.view(dtype).reshape(rows + pad_rows, numel)
+        return out
 
 
 def _place(values: torch.Tensor, rows: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
@@ -145,13 +152,21 @@ class TorchRefBackend:
     # ------------------------------------------------------------------------------------------------
     # Transport
     # ------------------------------------------------------------------------------------------------
-    def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv: torch.Tensor,
-                  recv_splits: Sequence[int], phase: str) -> list[tuple[object, str]]:
-        """Send `send`'s row block p to rank p and receive rank p's block into `recv` (all-to-all-v).
+    # Set by transports whose receive blocks have a fixed capacity (`num_max_tokens_per_rank` rows per peer)
+    # whatever the counts; the reference sizes blocks exactly when the counts are on the host.
+    fixed_blocks = False
 
-        Returns the in-flight works with a description naming rank, phase and peer for timeout errors.
+    def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str,
+                  send_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[tuple[object, str]]]:
+        """All-to-all-v of row blocks: `send`'s block p (rows from `exclusive_cumsum(send_splits)[p]`) goes to
+        rank p; rank p's block lands at `exclusive_cumsum(recv_splits)[p]` of the returned `recv`.
+
+        `send` may have trailing rows past its blocks. `send_rows` (device, `[R]`) may say how many rows of each
+        block are used; a transport may skip the rest (their content is unspecified on arrival).
+        Returns `(recv, works)`: the works in flight, described by rank, phase and peer for timeout errors.
         Zero-row blocks are skipped on both sides (both know the size).
         """
+        recv = send.new_empty(sum(recv_splits), *send.shape[1:])
         send_offsets, recv_offsets = _exclusive_cumsum(send_splits), _exclusive_cumsum(recv_splits)
         me = self.rank
         recv[recv_offsets[me]:recv_offsets[me] + recv_splits[me]] = \
@@ -170,7 +185,7 @@ class TorchRefBackend:
                 ops.append(dist.P2POp(dist.isend, block, global_peer, self.group))
                 descriptions.append(f"rank {me} {phase}: send to peer {peer}")
         works = dist.batch_isend_irecv(ops) if ops else []
-        return list(zip(works, descriptions))
+        return recv, list(zip(works, descriptions))
 
     def _wait(self, works: list[tuple[object, str]]) -> None:
         """Block until `works` are done (CPU), or make the current stream wait for them (CUDA)."""
@@ -265,6 +280,23 @@ class TorchRefBackend:
         self._wait([(work, f"rank {self.rank} input check all-reduce")])
         self.raise_for_flags(flags_per_rank.tolist(), topk_idx, num_experts, "")
 
+    def check_agreement(self, what: str, values: dict[str, int]) -> None:
+        """Raise ValueError on every rank if the ranks called `what` with different `values`.
+
+        Exchange sizes follow these values, so ranks that disagree would otherwise crash or corrupt rows.
+        Costs one small exchange and a host sync: done on synchronizing calls and with MOE_COMM_CHECK_INPUTS=1.
+        """
+        R = self.num_ranks
+        mine = torch.tensor(list(values.values()), dtype=torch.int64, device=self.device)
+        everyone, works = self._exchange(mine.expand(R, -1).contiguous(), [1] * R, [1] * R,
+                                         f"{what} argument agreement")
+        self._wait(works)
+        rows = everyone.tolist()
+        differing = [f"{name}: {[row[i] for row in rows]}" for i, name in enumerate(values)
+                     if len({row[i] for row in rows}) > 1]
+        if differing:
+            raise ValueError(f"ranks called {what} with different arguments (per rank): " + "; ".join(differing))
+
     def check_pending_errors(self) -> None:
         """Raise (on every rank alike) for invalid slots that an earlier dispatch without CPU sync dropped."""
         flags = self.pending_flags.tolist()
@@ -319,8 +351,8 @@ class TorchRefBackend:
 
         # Count exchange: [rows, per-expert counts, flags] to every peer.
         counts_send = torch.cat([num_tokens_per_rank[:, None], num_tokens_per_expert, flags.expand(R, 1)], dim=1)
-        counts_recv = torch.empty_like(counts_send)
-        self._wait(self._exchange(counts_send, [1] * R, counts_recv, [1] * R, "dispatch count exchange"))
+        counts_recv, works = self._exchange(counts_send, [1] * R, [1] * R, "dispatch count exchange")
+        self._wait(works)
         recv_rows_per_rank = counts_recv[:, 0]
         recv_per_expert = counts_recv[:, 1:L + 1].sum(0)
         recv_pairs_per_rank = counts_recv[:, 1:L + 1].sum(1)
@@ -343,7 +375,7 @@ class TorchRefBackend:
             return_send_splits, return_recv_splits = recv_pairs, own_pairs
         else:
             # Worst-case capacities; invalid slots were dropped, the flags wait for the next sync.
-            torch.maximum(self.pending_flags, counts_recv[:, L + 1], out=self.pending_flags)
+            torch.bitwise_or(self.pending_flags, counts_recv[:, L + 1], out=self.pending_flags)
             send_splits = recv_splits = [cap] * R
             return_send_splits = return_recv_splits = [pair_cap] * R
             aligned_list = None
@@ -367,8 +399,9 @@ class TorchRefBackend:
             if c.topk_weights is not None:
                 fields["w"] = torch.where(on_d, c.topk_weights, 0)
             meta.pack_into(meta_send, rows, fields)
-        meta_recv = torch.empty(M, meta.width, dtype=torch.uint8, device=dev)
-        self._wait(self._exchange(meta_send, send_splits, meta_recv, recv_splits, "dispatch metadata exchange"))
+        meta_recv, works = self._exchange(meta_send, send_splits, recv_splits, "dispatch metadata exchange",
+                                          num_tokens_per_rank)
+        self._wait(works)
         got = meta.unpack(meta_recv)
 
         # Receiver-side layout: blocks of the receive buffer become one compact run of rows.
@@ -383,7 +416,7 @@ class TorchRefBackend:
         recv_w_MK = None if "w" not in got else _place(got["w"], out_row_B, M, fill=0)
         src_rank_M = _place(src_rank_B, out_row_B, M, fill=0)
 
-        layout = dict(send_pos_NR=send_pos_NR, send_splits=send_splits, recv_splits=recv_splits,
+        layout = dict(send_pos_NR=send_pos_NR, send_rows_R=num_tokens_per_rank, send_splits=send_splits, recv_splits=recv_splits,
                       out_row_B=out_row_B, src_rank_M=src_rank_M)
         out_w = recv_w_MK
         if c.do_expand:
@@ -454,8 +487,8 @@ class TorchRefBackend:
         for d, offset in enumerate(_exclusive_cumsum(lay.send_splits)):
             pos = lay.send_pos_NR[:, d]
             codec.pack_into(send, torch.where(pos >= 0, offset + pos, num_send_rows), wire)
-        recv = torch.empty(M, codec.width, dtype=torch.uint8, device=dev)
-        works = self._exchange(send, lay.send_splits, recv, lay.recv_splits, "dispatch data exchange")
+        recv, works = self._exchange(send, lay.send_splits, lay.recv_splits, "dispatch data exchange",
+                                     lay.send_rows_R)
 
         # Outputs exist now; the finalizer fills them once the rows have arrived.
         P = handle.num_recv_rows
@@ -533,16 +566,15 @@ class TorchRefBackend:
                 fields_all["w"] = c.topk_weights[src_rows]
             codec.pack_into(send, torch.where(valid_B, torch.arange(num_send, device=dev), num_send), fields_all)
         num_recv = sum(recv_splits)
-        # One extra zero row: gathers of absent (token, rank) or (token, slot) pairs read it.
-        recv = torch.zeros(num_recv + 1, codec.width, dtype=torch.uint8, device=dev)
-        works = self._exchange(send, send_splits, recv, recv_splits, "combine exchange")
+        recv, works = self._exchange(send, send_splits, recv_splits, "combine exchange")
 
         combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
         combined_w = None if c.topk_weights is None else torch.empty(N, K, dtype=c.topk_weights.dtype, device=dev)
         dest_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // L, -1)
 
         def finalize() -> None:
-            got = codec.unpack(recv)
+            # One extra zero row: gathers of absent (token, rank) or (token, slot) pairs read it.
+            got = codec.unpack(recv, pad_rows=1)
             back_x = got["x"]
             acc = torch.zeros(N, hidden, dtype=acc_dtype, device=dev)
             # DESIGN 2.2 order: start from zero, add the terms one by one, then bias[0], bias[1].
@@ -569,10 +601,14 @@ class TorchRefBackend:
 
 
 def _flatten_tensors(outputs) -> list[torch.Tensor]:
+    """Every tensor in `outputs`, including those inside tuples and a handle (they cross streams too)."""
     flat = []
     for o in outputs:
         if isinstance(o, torch.Tensor):
             flat.append(o)
         elif isinstance(o, (tuple, list)):
             flat.extend(_flatten_tensors(o))
+        elif isinstance(o, EPHandle):
+            flat.extend(_flatten_tensors([getattr(o, f) for f in o.__dataclass_fields__ if f != "layout"]))
+            flat.extend(_flatten_tensors([getattr(o.layout, f) for f in o.layout.__dataclass_fields__]))
     return flat

@@ -1,0 +1,630 @@
+"""Megatron-core integration: moe_comm as the token dispatcher of Megatron's `MoELayer`.
+
+Megatron-core has no dispatcher registry (MoELayer picks allgather/alltoall/flex by a hard-coded if/elif), so
+there are two ways in, both without editing Megatron:
+
+Route A, a layer spec (any megatron-core model built from specs):
+
+    from moe_comm.integrations.megatron import MoECommConfig, moe_comm_layer_spec
+    spec = moe_comm_layer_spec(get_gpt_layer_local_spec(num_experts=8), MoECommConfig(do_expand=True))
+    model = GPTModel(config, transformer_layer_spec=spec, ...)       # config: moe_token_dispatcher_type="alltoall"
+
+  `moe_comm_layer_spec` swaps every `MoELayer` in a layer or block spec for `MoECommMoELayer`, whose token
+  dispatcher is `MoECommTokenDispatcher`. It handles both spec forms: `ModuleSpec(module=MoELayer, ...)`
+  (megatron-core <= 0.17) and `functools.partial(MoELayer, submodules=...)` (0.18+).
+
+Route B, the flex dispatcher (existing `pretrain_gpt.py` command lines):
+
+    from moe_comm.integrations.megatron import install_flex_dispatcher
+    install_flex_dispatcher()     # then --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
+
+  or, without editing the script, `torchrun ... -m moe_comm.integrations.megatron pretrain_gpt.py ARGS`.
+  It replaces the fused DeepEP dispatch/combine functions that Megatron's `_DeepepManager` calls; Megatron keeps
+  its own permutation, router padding and expert-tensor-parallel handling (non-expand layout, as DeepEP).
+
+Megatron's CUDA assumptions (streams, `torch.cuda.current_device()` as a device) hold on GPUs; on CPU they need
+shims, which live in test and recipe harness code (`recipes/megatron_moe/cpu_shims.py`), never here.
+
+Shape legend: T = tokens on this rank (sequence x micro-batch), H = hidden, E = global experts, K = router
+top-k, L = local experts (`E // ep_size`), M = rows received by a non-expand dispatch, P = rows fed to the
+experts (grouped by local expert, each block padded to `expert_alignment`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+try:
+    from megatron.core import utils as _mcore_utils
+    from megatron.core.transformer.moe import token_dispatcher as _mcore_token_dispatcher
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+    from megatron.core.transformer.spec_utils import ModuleSpec
+except ImportError as _exc:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError(
+        "moe_comm.integrations.megatron needs megatron-core (>= 0.16): pip install 'moe_comm[megatron]' "
+        f"or pip install megatron-core. Importing it failed with: {_exc}") from _exc
+
+from .. import autograd as moe_autograd
+from .. import quant
+from ..buffer import BACKENDS, Buffer
+from ..handle import EPHandle
+
+
+# ----------------------------------------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoECommConfig:
+    """moe_comm's own options for the Megatron dispatcher (Megatron's TransformerConfig has no slot for them).
+
+    Arguments:
+        backend: `moe_comm.Buffer` backend: "auto" (CUDA kernels where available, else the reference backend),
+            "torch" or "cuda".
+        do_expand: route A only. True: the dispatch itself lays rows out per local expert (expand layout, one
+            row per (token, local expert)), so nothing is permuted on the receiver. False: one row per
+            (token, rank), permuted locally (DeepEP's layout).
+        expert_alignment: pad every local expert's block of rows to a multiple of this (zero rows with zero
+            probability), for FP8 (16) or MXFP8 (32) grouped GEMMs. None: Megatron's
+            `moe_router_padding_for_quantization` decides (16, or 32 for the mxfp8 recipe), else 1.
+        quantize: None, "fp8_block128" or "mxfp8": FP8 on the wire for bf16 activations (hidden % 128 == 0).
+            Rows arrive dequantized to bf16 (Megatron's experts take bf16); the backward is a bf16 combine.
+        num_sms: SMs for the communication kernels; 0 = `Buffer.get_theoretical_num_sms` (analytical model).
+        async_comm: run dispatch and combine on the comm stream and wait only where the result is used
+            (`dispatch_postprocess` / `combine_postprocess`), so work scheduled in between (shared experts,
+            EP-overlap schedules) overlaps with the communication.
+        num_max_tokens_per_rank: the most tokens any rank dispatches in one call. None: the maximum over the
+            ranks of the first call's token count (one small all-reduce when the buffer is created).
+        deterministic: fixed receive and reduction order (DESIGN 2.1/2.2); required for bitwise parity with
+            Megatron's alltoall dispatcher.
+        num_cpu_timeout_secs: how long a host wait for a peer may block before raising.
+    """
+
+    backend: str = "auto"
+    do_expand: bool = False
+    expert_alignment: Optional[int] = None
+    quantize: Optional[str] = None
+    num_sms: int = 0
+    async_comm: bool = True
+    num_max_tokens_per_rank: Optional[int] = None
+    deterministic: bool = True
+    num_cpu_timeout_secs: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        for name in ("do_expand", "async_comm", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.expert_alignment is not None and (not isinstance(self.expert_alignment, int)
+                                                  or self.expert_alignment < 1):
+            raise ValueError(f"expert_alignment={self.expert_alignment!r} must be None or an int >= 1")
+        if self.quantize is not None and self.quantize not in quant.FP8_FORMATS:
+            raise ValueError(f"quantize={self.quantize!r} is not one of {(None, *quant.FP8_FORMATS)}")
+        if not isinstance(self.num_sms, int) or self.num_sms < 0:
+            raise ValueError(f"num_sms={self.num_sms!r} must be an int >= 0 (0 = analytical model)")
+        if self.num_max_tokens_per_rank is not None and (not isinstance(self.num_max_tokens_per_rank, int)
+                                                         or self.num_max_tokens_per_rank < 1):
+            raise ValueError(f"num_max_tokens_per_rank={self.num_max_tokens_per_rank!r} must be None or an int >= 1")
+        if not self.num_cpu_timeout_secs > 0:
+            raise ValueError(f"num_cpu_timeout_secs={self.num_cpu_timeout_secs!r} must be > 0")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Buffers: one per (group, backend, deterministic), grown when a call needs more (as Megatron's DeepEP path)
+# ----------------------------------------------------------------------------------------------------
+_buffers: dict[tuple, tuple[dist.ProcessGroup, Buffer]] = {}
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _max_over_ranks(group: dist.ProcessGroup, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=_group_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size: int, num_topk: int,
+               options: MoECommConfig) -> Buffer:
+    """The cached `moe_comm.Buffer` for `group`, created or grown to fit this call.
+
+    Every rank of `group` must call this at the same point (the first creation runs one all-reduce); ranks
+    agree on sizes because hidden, top-k and dtype are model constants. A later call with more tokens than
+    the buffer was made for raises, since only that rank would know (set `num_max_tokens_per_rank`).
+
+    Arguments:
+        group: the expert-parallel process group.
+        num_tokens: rows this rank dispatches now.
+        hidden: hidden size H of the rows.
+        elem_size: bytes per element of the rows (bf16 2, float32 4).
+        num_topk: top-k slots per token.
+        options: the `MoECommConfig`.
+    """
+    key = (id(group), options.backend, options.deterministic)
+    hidden_bf16 = hidden * max(elem_size, 2) // 2  # Buffer(hidden=) counts bf16 elements
+    use_fp8 = options.quantize is not None
+    entry = _buffers.get(key)
+    if entry is not None:
+        buf = entry[1]
+        if num_tokens > buf.num_max_tokens_per_rank:
+            raise ValueError(
+                f"num_tokens={num_tokens} exceeds the moe_comm buffer's num_max_tokens_per_rank="
+                f"{buf.num_max_tokens_per_rank} (sized at the first call); set "
+                f"MoECommConfig(num_max_tokens_per_rank=...) to the largest micro-batch's tokens per rank")
+        if hidden_bf16 <= buf.hidden and num_topk <= buf.num_topk and (buf.use_fp8_dispatch or not use_fp8):
+            return buf
+        num_max_tokens = buf.num_max_tokens_per_rank
+        hidden_bf16, num_topk = max(hidden_bf16, buf.hidden), max(num_topk, buf.num_topk)
+        use_fp8 = use_fp8 or buf.use_fp8_dispatch
+    else:
+        num_max_tokens = options.num_max_tokens_per_rank or _max_over_ranks(group, max(num_tokens, 1))
+        if num_tokens > num_max_tokens:
+            raise ValueError(f"num_tokens={num_tokens} exceeds MoECommConfig.num_max_tokens_per_rank={num_max_tokens}")
+    buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
+                 use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
+                 num_cpu_timeout_secs=options.num_cpu_timeout_secs)
+    _buffers[key] = (group, buf)
+    return buf
+
+
+def clear_buffers() -> None:
+    """Forget the cached buffers (e.g. before destroying the process groups)."""
+    for _, buf in _buffers.values():
+        buf.destroy()
+    _buffers.clear()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Route A: the token dispatcher
+# ----------------------------------------------------------------------------------------------------
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor,
+                        num_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's multi-hot routing to moe_comm's top-k slots, slots in ascending expert order.
+
+    The ascending order makes the expand-mode combine add a token's rows in the order Megatron's unpermute
+    does (ascending expert), so results match bit for bit.
+
+    Arguments:
+        routing_map: `[T, E]`, `torch.bool`, at most `num_topk` True per row (fewer for dropped tokens).
+        probs: `[T, E]` routing probabilities (any float dtype).
+        num_topk: K, the router's top-k.
+
+    Returns:
+        `(topk_idx, topk_weights)`: `[T, K]` `torch.int64` expert ids (-1 for empty slots) and `[T, K]`
+        `torch.float32` probabilities (0 for empty slots), differentiable with respect to `probs`.
+    """
+    num_experts = routing_map.shape[1]
+    if num_topk > num_experts:
+        raise ValueError(f"num_topk={num_topk} exceeds the routing map's {num_experts} experts")
+    expert_ids = torch.arange(num_experts, device=routing_map.device)
+    keys = torch.where(routing_map, expert_ids, num_experts)  # unselected experts sort last
+    topk_idx = keys.topk(num_topk, dim=1, largest=False, sorted=True).values
+    valid = topk_idx < num_experts
+    topk_idx = torch.where(valid, topk_idx, -1)
+    topk_weights = probs.float().gather(1, topk_idx.clamp(min=0)).masked_fill(~valid, 0.0)
+    return topk_idx, topk_weights
+
+
+def expert_alignment_for(config, options: MoECommConfig) -> int:
+    """Rows per expert block are padded to this: `options.expert_alignment` if set, else Megatron's router
+    padding for quantization (16 for FP8, 32 for the MXFP8 recipe) when enabled, else 1."""
+    if options.expert_alignment is not None:
+        return options.expert_alignment
+    if config.moe_router_padding_for_quantization:
+        return get_align_size_for_quantization(config)
+    return 1
+
+
+class MoECommTokenDispatcher(MoETokenDispatcher):
+    """Megatron-core `MoETokenDispatcher` on `moe_comm.Buffer` and its autograd pair.
+
+    The six steps, as `MoELayer` calls them:
+    1. `dispatch_preprocess`: routing map and probs -> top-k slots (local work).
+    2. `token_dispatch`: `moe_comm.autograd.dispatch` on the comm stream (async with `async_comm`).
+    3. `dispatch_postprocess`: waits for the dispatch, then hands the experts rows grouped by local expert,
+       `tokens_per_expert` (a CPU int64 tensor, as Megatron's experts call `.tolist()`) and per-row probs.
+    4. `combine_preprocess`: non-expand: sums each token's local expert outputs into its received row.
+    5. `token_combine`: `moe_comm.autograd.combine` on the comm stream (async with `async_comm`).
+    6. `combine_postprocess`: waits for the combine, restores `[S, B, H]` (adds overlapped shared experts).
+
+    Megatron's experts apply the probabilities (`per_token_scale`); combine only sums, as Megatron's unpermute.
+
+    Arguments:
+        num_local_experts: L, experts on this rank.
+        local_expert_indices: their global ids, `ep_rank * L ... ep_rank * L + L - 1`.
+        config: Megatron's `TransformerConfig` (top-k, expert count, router padding).
+        pg_collection: Megatron's process groups (None: the global parallel state). Dispatch runs over `ep`;
+            expert tensor parallelism (`expt_tp` size > 1) is not supported here (use route B).
+        moe_comm_config: `MoECommConfig` (None: defaults).
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config,
+                 pg_collection=None, moe_comm_config: Optional[MoECommConfig] = None) -> None:
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        options = MoECommConfig() if moe_comm_config is None else moe_comm_config
+        if not isinstance(options, MoECommConfig):
+            raise TypeError(f"moe_comm_config must be a MoECommConfig, got {type(options).__name__}")
+        if self.tp_size != 1:
+            raise ValueError(f"MoECommTokenDispatcher needs expert_tensor_parallel_size=1, got {self.tp_size}; "
+                             f"for expert tensor parallelism use install_flex_dispatcher() (route B)")
+        if config.moe_pad_expert_input_to_capacity:
+            raise ValueError("MoECommTokenDispatcher does not support moe_pad_expert_input_to_capacity=True "
+                             "(dropless or capacity-dropping routing only)")
+        self.ep_rank = _mcore_utils.get_pg_rank(self.ep_group)
+        self.num_experts = config.num_moe_experts
+        self.num_local_experts = num_local_experts
+        self.num_topk = config.moe_router_topk
+        if num_local_experts * self.ep_size != self.num_experts:
+            raise ValueError(f"num_local_experts={num_local_experts} x ep_size={self.ep_size} != "
+                             f"num_moe_experts={self.num_experts}")
+        expected = list(range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts))
+        if list(local_expert_indices) != expected:
+            raise ValueError(f"local_expert_indices={list(local_expert_indices)} must be {expected} "
+                             f"(experts laid out contiguously by EP rank)")
+        self.local_expert_indices = list(local_expert_indices)
+        self.options = options
+        self.expert_alignment = expert_alignment_for(config, options)
+        self.cudagraph_attrs = []
+        # State of the forward in flight (one per MoELayer call).
+        self.hidden_shape = None
+        self.probs_dtype = None
+        self.topk_idx = None
+        self.buffer: Optional[Buffer] = None
+        self.handle: Optional[EPHandle] = None
+        self.recv_topk_idx = None
+        self.num_recv_rows = 0
+        self.permute_rows = None
+        self.dispatch_event = None
+        self.combine_event = None
+        self.last_num_sms = 0  # SMs the last dispatch ran with (for logs)
+
+    # 1 ------------------------------------------------------------------------------------------------
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """`[S, B, H]` tokens, `[T, E]` bool routing map and probs -> `([T, H] rows, [T, K] float32 weights)`."""
+        self.hidden_shape = hidden_states.shape
+        hidden = hidden_states.reshape(-1, self.hidden_shape[-1])
+        num_tokens = hidden.shape[0]
+        if tuple(routing_map.shape) != (num_tokens, self.num_experts) or routing_map.dtype != torch.bool:
+            raise ValueError(f"routing_map must be [{num_tokens}, {self.num_experts}] torch.bool, got "
+                             f"{tuple(routing_map.shape)} {routing_map.dtype}")
+        if tuple(probs.shape) != tuple(routing_map.shape):
+            raise ValueError(f"probs shape {tuple(probs.shape)} != routing_map shape {tuple(routing_map.shape)}")
+        self.probs_dtype = probs.dtype
+        self.topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.num_topk)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
+        return hidden, topk_weights
+
+    # 2 ------------------------------------------------------------------------------------------------
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Send rows and weights to the ranks of their experts; returns before completion with `async_comm`."""
+        options = self.options
+        num_tokens, hidden = hidden_states.shape
+        self.buffer = get_buffer(self.ep_group, num_tokens, hidden, hidden_states.element_size(), self.num_topk,
+                                 options)
+        recv_x, recv_topk_idx, recv_weights, handle, event = moe_autograd.dispatch(
+            self.buffer, hidden_states.contiguous(), self.topk_idx, probs.contiguous(),
+            num_experts=self.num_experts, expert_alignment=self.expert_alignment, num_sms=options.num_sms,
+            do_expand=options.do_expand, quantize=options.quantize, dequantize=options.quantize is not None,
+            async_with_compute_stream=options.async_comm)
+        self.handle, self.recv_topk_idx, self.dispatch_event = handle, recv_topk_idx, event
+        self.last_num_sms = handle.num_sms
+        self.topk_idx = None
+        if self.shared_experts is not None:
+            # Runs on the shared experts' stream while the dispatch is in flight.
+            self.shared_experts.linear_fc1_forward_and_act(recv_x)
+        return recv_x, recv_weights
+
+    def wait_dispatch(self) -> None:
+        """Make the current stream wait for the dispatch in flight (no-op if done)."""
+        if self.dispatch_event is not None:
+            event, self.dispatch_event = self.dispatch_event, None
+            event.current_stream_wait()
+
+    # 3 ------------------------------------------------------------------------------------------------
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Received rows -> `(rows [P, H] grouped by local expert, tokens_per_expert [L] CPU int64, probs [P])`."""
+        self.wait_dispatch()
+        tokens_per_expert = torch.tensor(self.handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
+        if self.options.do_expand:
+            permuted, permuted_probs = hidden_states, probs
+        else:
+            permuted, permuted_probs = self._permute_by_expert(hidden_states, probs,
+                                                               self.handle.num_recv_tokens_per_expert_list)
+        self.recv_topk_idx = None
+        return permuted, tokens_per_expert, permuted_probs.to(self.probs_dtype)
+
+    def _permute_by_expert(self, recv_x: torch.Tensor, recv_weights: torch.Tensor, counts: list[int]):
+        """Non-expand rows `[M, H]` -> one row per (row, local expert), experts ascending, rows ascending."""
+        num_rows, hidden = recv_x.shape
+        L, device = self.num_local_experts, recv_x.device
+        idx_MK = self.recv_topk_idx
+        is_local_ML = (idx_MK.unsqueeze(-1) == torch.arange(L, device=device)).any(dim=1)
+        # Weight of each (row, local expert); slot -1 goes to a dummy column that is cut off.
+        weights_ML = recv_weights.new_zeros(num_rows, L + 1).scatter(
+            1, torch.where(idx_MK < 0, L, idx_MK), recv_weights)[:, :L]
+        # Position of each (row, expert) pair in the output: block start + rank inside the expert's block.
+        counts_L = torch.tensor(counts, dtype=torch.int64).to(device)
+        block_start_L = torch.cumsum(counts_L, 0) - counts_L
+        num_out = sum(counts)
+        pos_ML = block_start_L + torch.cumsum(is_local_ML.long(), dim=0) - 1
+        dest = torch.where(is_local_ML, pos_ML, num_out).flatten()  # non-local pairs go to a dummy slot
+        pair_idx = torch.arange(num_rows * L, device=device)
+        # Output row -> source row (num_rows = a zero padding row) and -> (row, expert) pair.
+        src_rows = torch.full((num_out + 1,), num_rows, dtype=torch.int64, device=device).scatter(
+            0, dest, pair_idx // L)[:num_out]
+        src_pairs = torch.full((num_out + 1,), num_rows * L, dtype=torch.int64, device=device).scatter(
+            0, dest, pair_idx)[:num_out]
+        self.permute_rows, self.num_recv_rows = src_rows, num_rows
+        if self.expert_alignment > 1:  # padding rows read a zero row
+            recv_x = torch.cat([recv_x, recv_x.new_zeros(1, hidden)])
+        permuted = recv_x.index_select(0, src_rows)
+        permuted_weights = torch.cat([weights_ML.flatten(), weights_ML.new_zeros(1)]).index_select(0, src_pairs)
+        return permuted, permuted_weights
+
+    # 4 ------------------------------------------------------------------------------------------------
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """Expert outputs `[P, H]` -> rows in the dispatch's layout (non-expand: summed per received row)."""
+        if self.options.do_expand:
+            return hidden_states
+        num_rows, hidden = self.num_recv_rows, hidden_states.shape[1]
+        extra = 1 if self.expert_alignment > 1 else 0  # padding rows add into a dummy row
+        out = hidden_states.new_zeros(num_rows + extra, hidden).index_add(0, self.permute_rows, hidden_states)
+        self.permute_rows = None
+        return out[:num_rows] if extra else out
+
+    # 5 ------------------------------------------------------------------------------------------------
+    def token_combine(self, hidden_states: torch.Tensor):
+        """Sum every token's rows back on its source rank; returns before completion with `async_comm`."""
+        combined, event = moe_autograd.combine(self.buffer, hidden_states.contiguous(), self.handle,
+                                               num_sms=self.options.num_sms,
+                                               async_with_compute_stream=self.options.async_comm)
+        self.combine_event = event
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(combined)
+        return combined
+
+    def wait_combine(self) -> None:
+        """Make the current stream wait for the combine in flight (no-op if done)."""
+        if self.combine_event is not None:
+            event, self.combine_event = self.combine_event, None
+            event.current_stream_wait()
+
+    # 6 ------------------------------------------------------------------------------------------------
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """Combined `[T, H]` -> `[S, B, H]` (plus the overlapped shared experts' output)."""
+        self.wait_combine()
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            self.shared_experts.post_forward_comm()
+            output = output + self.shared_experts.get_output()
+        self.handle = None
+        return output
+
+
+class MoECommMoELayer(MoELayer):
+    """Megatron's `MoELayer` with `MoECommTokenDispatcher` (route A). Build it through a spec
+    (`moe_comm_layer_spec`); arguments are `MoELayer`'s plus `moe_comm_config`.
+
+    The config keeps `moe_token_dispatcher_type="alltoall"` (Megatron builds that dispatcher in the parent
+    constructor, then this class replaces it); "flex" is refused since its constructor needs DeepEP.
+    """
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None,
+                 moe_comm_config: Optional[MoECommConfig] = None, **kwargs) -> None:
+        if config.moe_token_dispatcher_type == "flex":
+            raise ValueError("MoECommMoELayer needs moe_token_dispatcher_type='alltoall' (or 'allgather'), got "
+                             "'flex'; to keep 'flex' use install_flex_dispatcher() (route B) instead")
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection, **kwargs)
+        self.token_dispatcher = MoECommTokenDispatcher(self.num_local_experts, self.local_expert_indices, config,
+                                                       pg_collection, moe_comm_config)
+        if self.use_shared_expert and self.shared_expert_overlap:
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+
+def _is_moe_layer_builder(obj) -> bool:
+    target = obj.module if isinstance(obj, ModuleSpec) else obj.func if isinstance(obj, functools.partial) else None
+    return isinstance(target, type) and issubclass(target, MoELayer)
+
+
+def _moe_comm_builder(obj, moe_comm_config: Optional[MoECommConfig]):
+    if isinstance(obj, ModuleSpec):  # megatron-core <= 0.17
+        return dataclasses.replace(obj, module=MoECommMoELayer,
+                                   params={**obj.params, "moe_comm_config": moe_comm_config})
+    # megatron-core >= 0.18: functools.partial(MoELayer, submodules=MoESubmodules(...))
+    return functools.partial(MoECommMoELayer, *obj.args, **{**obj.keywords, "moe_comm_config": moe_comm_config})
+
+
+def _swap_moe_layers(spec, moe_comm_config: Optional[MoECommConfig]) -> int:
+    """Replace MoELayer builders inside `spec` in place; return how many were replaced."""
+    layer_specs = getattr(spec, "layer_specs", None)
+    if isinstance(layer_specs, (list, tuple)):  # TransformerBlockSubmodules (get_gpt_decoder_block_spec)
+        return sum(_swap_moe_layers(s, moe_comm_config) for s in layer_specs)
+    submodules = getattr(spec, "submodules", None)
+    if submodules is None:
+        return 0
+    count = 0
+    if _is_moe_layer_builder(getattr(submodules, "mlp", None)):
+        submodules.mlp = _moe_comm_builder(submodules.mlp, moe_comm_config)
+        count += 1
+    if getattr(submodules, "moe_layer", None) is not None:  # hybrid (Mamba) stacks
+        count += _swap_moe_layers(submodules.moe_layer, moe_comm_config)
+    return count
+
+
+def moe_comm_layer_spec(spec, moe_comm_config: Optional[MoECommConfig] = None):
+    """A copy of a Megatron layer or block spec with every `MoELayer` replaced by `MoECommMoELayer`.
+
+    Arguments:
+        spec: a transformer layer spec (`ModuleSpec` of `TransformerLayer`, e.g. `get_gpt_layer_local_spec`),
+            a block spec with `layer_specs` (`get_gpt_decoder_block_spec`), or a MoE builder itself
+            (`ModuleSpec(module=MoELayer)` or `functools.partial(MoELayer, ...)`).
+        moe_comm_config: options of the dispatcher (None: defaults).
+
+    Returns:
+        The new spec (the argument is not modified). Raises ValueError if it holds no MoELayer.
+    """
+    if moe_comm_config is not None and not isinstance(moe_comm_config, MoECommConfig):
+        raise TypeError(f"moe_comm_config must be a MoECommConfig, got {type(moe_comm_config).__name__}")
+    if _is_moe_layer_builder(spec):
+        return _moe_comm_builder(spec, moe_comm_config)
+    new_spec = copy.deepcopy(spec)
+    if _swap_moe_layers(new_spec, moe_comm_config) == 0:
+        raise ValueError(f"no MoELayer found in the spec ({type(spec).__name__}); build it with num_experts set")
+    return new_spec
+
+
+# ----------------------------------------------------------------------------------------------------
+# Route B: moe_comm behind Megatron's flex dispatcher (DeepEP's fused_dispatch / fused_combine contract)
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class _FlexSettings:
+    options: MoECommConfig
+    num_sms: Union[int, str, None]
+    megatron_num_sms: int = 0
+
+    def resolve_num_sms(self) -> int:
+        if self.num_sms is None:
+            return 0  # analytical model
+        if self.num_sms == "megatron":
+            return self.megatron_num_sms
+        return self.num_sms
+
+
+_flex: Optional[_FlexSettings] = None
+
+
+def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: torch.Tensor, num_experts: int,
+                   group: dist.ProcessGroup, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    """Drop-in for `megatron.core.transformer.moe.fused_a2a.fused_dispatch` (DeepEP semantics).
+
+    Arguments:
+        x: `[T, H]` rows. token_indices: `[T, K]` `torch.int64` expert ids (-1 = dropped).
+        token_probs: `[T, K]` `torch.float32`. num_experts: experts over `group`. group: Megatron's TPxEP group.
+        async_finish, allocate_on_comm_stream: run on the comm stream; the current stream waits before return.
+
+    Returns:
+        `(recv_x, recv_token_indices [M, K] local ids or -1, recv_token_probs [M, K], tokens_per_expert (CPU
+        int64 tensor), handle)`, differentiable in `x` and `token_probs`.
+    """
+    if _flex is None:
+        raise RuntimeError("moe_comm flex dispatcher is not installed: call install_flex_dispatcher() first")
+    options = _flex.options
+    buf = get_buffer(group, x.shape[0], x.shape[1], x.element_size(), token_indices.shape[1], options)
+    recv_x, recv_idx, recv_probs, handle, event = moe_autograd.dispatch(
+        buf, x.contiguous(), token_indices.contiguous(), token_probs.float().contiguous(), num_experts=num_experts,
+        num_sms=_flex.resolve_num_sms(), quantize=options.quantize, dequantize=options.quantize is not None,
+        async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+    event.current_stream_wait()
+    tokens_per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
+    return recv_x, recv_idx, recv_probs, tokens_per_expert, handle
+
+
+def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: EPHandle, async_finish: bool = False,
+                  allocate_on_comm_stream: bool = False):
+    """Drop-in for `megatron.core.transformer.moe.fused_a2a.fused_combine`: `(combined [T, H], None)`."""
+    if _flex is None:
+        raise RuntimeError("moe_comm flex dispatcher is not installed: call install_flex_dispatcher() first")
+    buf = get_buffer(group, handle.num_tokens, x.shape[1], x.element_size(), handle.num_topk, _flex.options)
+    combined, event = moe_autograd.combine(buf, x.contiguous(), handle, num_sms=_flex.resolve_num_sms(),
+                                           async_with_compute_stream=async_finish,
+                                           allocate_on_comm_stream=allocate_on_comm_stream)
+    event.current_stream_wait()
+    return combined, None
+
+
+def set_deepep_num_sms(num_sms: int) -> None:
+    """Drop-in for `fused_a2a.set_deepep_num_sms`: records Megatron's `--moe-deepep-num-sms` value (used only
+    with `install_flex_dispatcher(num_sms="megatron")`)."""
+    if _flex is not None:
+        _flex.megatron_num_sms = int(num_sms)
+
+
+_PATCHED_NAMES = ("fused_dispatch", "fused_combine", "set_deepep_num_sms")
+
+
+def install_flex_dispatcher(backend: str = "auto", num_sms: Union[int, str, None] = None,
+                            quantize: Optional[str] = None, deterministic: bool = True,
+                            num_cpu_timeout_secs: float = 300.0) -> Callable[[], None]:
+    """Make Megatron's flex dispatcher with backend "deepep" run on moe_comm (route B).
+
+    Replaces `fused_dispatch`, `fused_combine` and `set_deepep_num_sms` in
+    `megatron.core.transformer.moe.token_dispatcher` (looked up at call time by `_DeepepManager`), so
+    `--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep` works without DeepEP installed.
+    Call it before the model is built. Megatron keeps its own permutation (non-expand layout), router padding
+    and TPxEP handling.
+
+    Arguments:
+        backend: `moe_comm.Buffer` backend ("auto", "torch", "cuda").
+        num_sms: None: the analytical model (Megatron's `--moe-deepep-num-sms` is DeepEP's tuning and is
+            ignored); "megatron": use that flag's value; an int: that many SMs.
+        quantize: None, "fp8_block128" or "mxfp8": FP8 on the wire, dequantized to bf16 on arrival.
+        deterministic, num_cpu_timeout_secs: as `MoECommConfig`.
+
+    Returns:
+        `restore()`, which puts Megatron's original functions back.
+    """
+    global _flex
+    if not (num_sms is None or num_sms == "megatron" or (isinstance(num_sms, int) and num_sms > 0)):
+        raise ValueError(f"num_sms={num_sms!r} must be None, 'megatron' or a positive int")
+    options = MoECommConfig(backend=backend, quantize=quantize, deterministic=deterministic,
+                            num_cpu_timeout_secs=num_cpu_timeout_secs)
+    originals = {name: getattr(_mcore_token_dispatcher, name) for name in _PATCHED_NAMES}
+    _flex = _FlexSettings(options=options, num_sms=num_sms)
+    this_module = sys.modules[__name__]
+    for name in _PATCHED_NAMES:
+        setattr(_mcore_token_dispatcher, name, getattr(this_module, name))
+
+    def restore() -> None:
+        global _flex
+        for name, fn in originals.items():
+            setattr(_mcore_token_dispatcher, name, fn)
+        _flex = None
+
+    return restore
+
+
+def _main(argv: list[str]) -> None:
+    """`python -m moe_comm.integrations.megatron [--moe-comm-backend B] SCRIPT ARGS`: run SCRIPT (e.g.
+    pretrain_gpt.py) with Megatron's flex/deepep dispatcher backed by moe_comm (route B)."""
+    backend = "auto"
+    if argv and argv[0].startswith("--moe-comm-backend="):
+        backend, argv = argv[0].split("=", 1)[1], argv[1:]
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: torchrun ... -m moe_comm.integrations.megatron [--moe-comm-backend=auto|torch|cuda] "
+              "pretrain_gpt.py [ARGS]")
+        return
+    from moe_comm.integrations import megatron as canonical  # the module other imports see, not __main__
+    canonical.install_flex_dispatcher(backend=backend)
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+__all__ = ["MoECommConfig", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec",
+           "install_flex_dispatcher", "routing_map_to_topk", "expert_alignment_for", "get_buffer", "clear_buffers", "fused_dispatch",
+           "fused_combine", "set_deepep_num_sms"]
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,257 @@
+"""moe_comm.jit with the real nvcc on a CPU machine: build, cache hits, key, concurrent ranks, killed builds, errors.
+
+Libraries are built for sm_90a and loaded, never called (no GPU). Every test has its own cache folder; tests
+that count nvcc runs point CUDA_HOME at a folder whose bin/nvcc is a shell wrapper around the real nvcc.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from moe_comm import jit
+
+try:
+    REAL_NVCC = jit.find_nvcc()
+except RuntimeError:
+    REAL_NVCC = None
+
+pytestmark = pytest.mark.skipif(REAL_NVCC is None, reason="needs nvcc")
+
+KERNEL = r"""
+#include <cuda_runtime.h>
+#include "scale.cuh"
+
+__global__ void scale_impl(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= kScale * kExtra;
+}
+
+extern "C" int launch_scale(float* x, int n, cudaStream_t stream) {
+    scale_impl<<<(n + 255) / 256, 256, 0, stream>>>(x, n);
+    return static_cast<int>(cudaGetLastError());
+}
+"""
+
+# The wrappers leave `nvcc --version` (run once per process for the cache key) uncounted.
+COUNTING_NVCC = """#!/bin/sh
+case " $* " in *" --version "*) exec "{real}" "$@";; esac
+echo $$ >> "{log}"
+exec "{real}" "$@"
+"""
+# Stands for a build that is still running: records its pid, then never finishes.
+HANGING_NVCC = """#!/bin/sh
+case " $* " in *" --version "*) exec "{real}" "$@";; esac
+echo $$ > "{log}"
+exec sleep 300
+"""
+
+
+def _fake_cuda_home(folder: Path, script: str) -> tuple[Path, Path]:
+    """A CUDA_HOME whose bin/nvcc runs `script`, and the file the script writes pids to."""
+    log = folder / "nvcc.log"
+    nvcc = folder / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text(script.format(real=REAL_NVCC, log=log))
+    nvcc.chmod(0o755)
+    return folder, log
+
+
+def _logged_pids(log: Path) -> list[int]:
+    return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+def _wait_for_pid(log: Path, timeout_s: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log.exists() and log.read_text().endswith("\n"):
+            return _logged_pids(log)[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no nvcc started within {timeout_s} s ({log} not written)")
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _build_in_child(name, sources, include_dirs, barrier, results) -> None:
+    """Spawned process: build (after `barrier`, if any) and report the path or the error as a string."""
+    try:
+        if barrier is not None:
+            barrier.wait(timeout=60)
+        results.put(str(jit.build(name, sources, include_dirs=include_dirs)))
+    except BaseException as exc:
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def _start_child(name, project, barrier=None, results=None):
+    ctx = multiprocessing.get_context("spawn")
+    results = results if results is not None else ctx.Queue()
+    proc = ctx.Process(target=_build_in_child, args=(name, project.sources, project.include_dirs, barrier, results))
+    proc.start()
+    return proc, results
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("MOE_COMM_JIT_CACHE_DIR", str(folder))
+    monkeypatch.delenv("MOE_COMM_JIT_VERBOSE", raising=False)
+    return folder
+
+
+@pytest.fixture
+def project(tmp_path) -> SimpleNamespace:
+    """kernel.cu -> "scale.cuh" (next to it) -> <moe_test/extra.cuh> (include dir), plus unrelated files."""
+    src = tmp_path / "src"
+    include = tmp_path / "include"
+    (include / "moe_test").mkdir(parents=True)
+    src.mkdir()
+    (src / "kernel.cu").write_text(KERNEL)
+    (src / "scale.cuh").write_text("#pragma once\n#include <moe_test/extra.cuh>\nconstexpr float kScale = 2.0f;\n")
+    (include / "moe_test" / "extra.cuh").write_text("#pragma once\nconstexpr float kExtra = 1.0f;\n")
+    (include / "moe_test" / "unrelated.cuh").write_text("constexpr int kUnused = 0;\n")
+    (src / "notes.txt").write_text("not a source\n")
+    return SimpleNamespace(src=src, include=include, sources=[src / "kernel.cu"], include_dirs=[include])
+
+
+@pytest.fixture
+def nvcc_runs(tmp_path, monkeypatch):
+    """Point CUDA_HOME at a counting wrapper; returns a function giving the number of compiles so far."""
+    home, log = _fake_cuda_home(tmp_path / "cuda-counting", COUNTING_NVCC)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    return lambda: len(_logged_pids(log))
+
+
+def test_build_and_load(project, cache):
+    path = jit.build("scale", project.sources, include_dirs=project.include_dirs)
+    assert path.is_file() and path.name == "scale.so"
+    assert path.parent.parent == cache and re.fullmatch(r"scale-[0-9a-f]{16}", path.parent.name)
+    log = (path.parent / "build.log").read_text()
+    assert "-gencode=arch=compute_90a,code=sm_90a" in log and "seconds:" in log
+
+    lib = jit.load("scale", project.sources, include_dirs=project.include_dirs)
+    assert lib._name == str(path)
+    assert hasattr(lib, "launch_scale")
+    assert jit.load("scale", project.sources, include_dirs=project.include_dirs) is lib
+
+
+def test_second_build_is_a_cache_hit(project, nvcc_runs, monkeypatch, capsys):
+    monkeypatch.setenv("MOE_COMM_JIT_VERBOSE", "1")
+    first = jit.build("hit", project.sources, include_dirs=project.include_dirs)
+    assert nvcc_runs() == 1
+    assert jit.build("hit", project.sources, include_dirs=project.include_dirs) == first
+    assert nvcc_runs() == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "built hit-" in lines[0] and "cache hit" in lines[1], lines
+
+
+def test_key_follows_included_headers_only(project, nvcc_runs):
+    first = jit.build("key", project.sources, include_dirs=project.include_dirs)
+    (project.include / "moe_test" / "unrelated.cuh").write_text("constexpr int kUnused = 1;\n")
+    (project.src / "notes.txt").write_text("edited\n")
+    assert jit.build("key", project.sources, include_dirs=project.include_dirs) == first
+    assert nvcc_runs() == 1
+
+    # Reached only through scale.cuh's <...> include, resolved in the include dir
+    (project.include / "moe_test" / "extra.cuh").write_text("#pragma once\nconstexpr float kExtra = 3.0f;\n")
+    second = jit.build("key", project.sources, include_dirs=project.include_dirs)
+    assert second != first and second.is_file() and first.is_file()
+    assert nvcc_runs() == 2
+
+
+def test_concurrent_builds_run_nvcc_once(project, nvcc_runs, monkeypatch, capfd):
+    monkeypatch.setenv("MOE_COMM_JIT_VERBOSE", "1")
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [_start_child("concurrent", project, barrier, results)[0] for _ in range(4)]
+    paths = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    assert len(set(paths)) == 1 and Path(paths[0]).is_file(), paths
+    assert nvcc_runs() == 1
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("moe_comm.jit:")]
+    assert sorted(line.split()[1] for line in lines) == ["built", "cache", "cache", "cache"], lines
+
+
+def test_killed_build_leaves_no_trace_and_next_build_proceeds(project, cache, tmp_path, monkeypatch):
+    home, log = _fake_cuda_home(tmp_path / "cuda-hanging", HANGING_NVCC)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    proc, _ = _start_child("killed", project)
+    sleeper = _wait_for_pid(log)
+    try:
+        assert len(list(cache.glob(".tmp-killed-*"))) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=30)
+    finally:
+        _kill(proc.pid)
+        _kill(sleeper)
+    assert not [p for p in cache.iterdir() if p.is_dir() and p.name.startswith("killed-")]
+
+    # The dead builder's lock went with it: no wait, and its temp folder is cleaned up
+    home, log = _fake_cuda_home(tmp_path / "cuda-counting", COUNTING_NVCC)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    start = time.monotonic()
+    path = jit.build("killed", project.sources, include_dirs=project.include_dirs, timeout_s=30)
+    assert path.is_file() and len(_logged_pids(log)) == 1
+    assert time.monotonic() - start < 20
+    assert not list(cache.glob(".tmp-*"))
+
+
+def test_lock_timeout_names_lock_and_holder(project, cache, tmp_path, monkeypatch):
+    home, log = _fake_cuda_home(tmp_path / "cuda-hanging", HANGING_NVCC)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    proc, _ = _start_child("locked", project)
+    sleeper = _wait_for_pid(log)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            jit.build("locked", project.sources, include_dirs=project.include_dirs, timeout_s=1)
+        assert time.monotonic() - start < 10
+    finally:
+        _kill(proc.pid)
+        proc.join(timeout=30)
+        _kill(sleeper)
+    [lock] = cache.glob("locked-*.lock")
+    assert str(lock) in str(info.value) and f"pid {proc.pid} " in str(info.value)
+
+
+def test_syntax_error_raises_with_command_and_error_line(tmp_path, cache):
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" int launch_bad() {\n    return 1 +;\n}\n')
+    with pytest.raises(RuntimeError) as info:
+        jit.build("bad", [bad])
+    message = str(info.value)
+    assert f"command: {REAL_NVCC} " in message and str(bad) in message
+    assert "-gencode=arch=compute_90a,code=sm_90a" in message
+    assert re.search(r"bad\.cu\(2\): error", message), message
+    assert all(p.suffix == ".lock" for p in cache.iterdir()), list(cache.iterdir())
+
+
+def test_compile_check_uses_a_throwaway_cache(project, cache):
+    seconds = jit.compile_check(project.sources, include_dirs=project.include_dirs)
+    assert 0 < seconds < 60
+    assert not cache.exists()
+
+
+def test_invalid_arguments(project, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="arch='sm90'"):
+        jit.build("x", project.sources, arch="sm90")
+    with pytest.raises(ValueError, match="name='a/b'"):
+        jit.build("a/b", project.sources)
+    with pytest.raises(TypeError, match="must be a sequence"):
+        jit.build("x", project.sources[0])
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(RuntimeError, match=r"searched \$CUDA_HOME/bin/nvcc .* and nvcc on PATH"):
+        jit.find_nvcc()

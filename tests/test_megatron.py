@@ -1,0 +1,448 @@
+"""Megatron-core integration: moe_comm's dispatcher against Megatron's own alltoall dispatcher.
+
+CPU tier (always, when megatron-core is installed): 2 ranks over gloo, EP=2, fp32, the reference backend.
+Every case builds Megatron's alltoall MoE layer (or GPTModel) and ours with the same weights and inputs and
+compares outputs, input gradients and every parameter gradient.
+
+Exactness: bitwise, except for non-expand layouts (route A with `do_expand=False`, route B) at top-k >= 3.
+There a token's K expert outputs are summed per rank first (on the expert rank) and then across ranks, as
+DeepEP does, while Megatron's unpermute adds all K in ascending expert order: the same terms grouped
+differently, so the results differ by float32 rounding only. Those cases are checked to
+`NONEXACT_REL_TOL` (relative to the tensor's largest magnitude). Expand mode adds the K rows in ascending
+expert order and is bitwise for every top-k.
+
+The fast subset runs in CI; the full matrix (routes x top-k 1/2/4 x expand x sync/async) is marked `slow`.
+GPU tier (`gpu`, skipped without 2 GPUs): the same on NCCL with backend "auto" (the CUDA backend where
+built), fp32 and bf16, plus FP8 on the wire against alltoall over quantize-dequantized inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'moe_comm[megatron]')")
+
+from megatron_shims import EP_SIZE, compare, setup_worker  # noqa: E402
+
+from moe_comm.testing import WorkerPool  # noqa: E402
+from recipes.megatron_moe.model import (ModelDims, build_gpt, build_moe_layer, mock_batch,  # noqa: E402
+                                        transformer_config)
+
+NONEXACT_REL_TOL = 1e-6     # float32, top-k >= 3 in a non-expand layout (see the module docstring)
+BF16_REL_TOL = 2e-2         # GPU tier, bf16 (a few bf16 ulps of the largest value)
+LAYER_DIMS = ModelDims(hidden_size=64, num_experts=8, moe_ffn_hidden_size=32)
+GPT_DIMS = ModelDims(num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=8, moe_ffn_hidden_size=64,
+                     seq_length=16, vocab_size=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One parity case. `route`: "A" (moe_comm_layer_spec) or "B" (flex dispatcher with moe_comm inside)."""
+
+    route: str
+    topk: int
+    do_expand: bool = False
+    async_comm: bool = True
+    dtype: str = "float32"
+    backend: str = "torch"
+    seed: int = 0
+
+    @property
+    def dispatcher(self) -> str:
+        return "moe_comm" if self.route == "A" else "moe_comm_flex"
+
+    @property
+    def exact(self) -> bool:
+        return self.dtype == "float32" and (self.do_expand or self.topk <= 2)
+
+    def moe_comm_config(self):
+        from moe_comm.integrations.megatron import MoECommConfig
+
+        return MoECommConfig(backend=self.backend, do_expand=self.do_expand, async_comm=self.async_comm)
+
+
+def full_matrix() -> list[Case]:
+    cases = []
+    for topk in (1, 2, 4):
+        cases += [Case("A", topk, do_expand, async_comm) for do_expand in (False, True) for async_comm in (True, False)]
+        cases.append(Case("B", topk))
+    return cases
+
+
+FAST_LAYER_CASES = [Case("A", 2), Case("A", 4), Case("A", 4, do_expand=True), Case("B", 2)]
+FAST_GPT_CASES = [Case("A", 2, do_expand=True), Case("B", 2)]
+
+
+@pytest.fixture(scope="module")
+def mcore_pool():
+    """A private 2-rank gloo pool: the CPU shims patch torch.cuda inside its workers."""
+    with WorkerPool(2, backend="gloo", timeout_s=600) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def nccl_pool():
+    with WorkerPool(2, backend="nccl", timeout_s=600) as pool:
+        yield pool
+
+
+def assert_parity(results: list[dict], exact: bool, rel_tol: float = NONEXACT_REL_TOL) -> None:
+    """`results`: per rank, name -> (bitwise_equal, max_abs_diff, max_abs_ref)."""
+    for rank, per_name in enumerate(results):
+        assert per_name, f"rank {rank}: nothing compared"
+        for name, (same, diff, scale) in per_name.items():
+            if exact:
+                assert same, f"rank {rank}: {name} differs (max |diff| {diff:.3g}, max |ref| {scale:.3g})"
+            else:
+                assert diff <= rel_tol * max(scale, 1e-30), \
+                    f"rank {rank}: {name} max |diff| {diff:.3g} > {rel_tol:g} x max |ref| {scale:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker functions (module level, so the pool can pickle them)
+# ----------------------------------------------------------------------------------------------------
+def _flex_installed(case: Case):
+    from moe_comm.integrations.megatron import install_flex_dispatcher
+
+    return install_flex_dispatcher(backend=case.backend) if case.route == "B" else (lambda: None)
+
+
+def _grads(module: torch.nn.Module, prefix: str = "") -> dict:
+    return {f"{prefix}{name}.grad": p.grad for name, p in module.named_parameters()}
+
+
+def layer_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, overrides: dict) -> dict:
+    """MoE layer: alltoall vs ours, same weights; output, input grad and every parameter grad."""
+    device = setup_worker(case.seed)
+    dtype = getattr(torch, case.dtype)
+    restore = _flex_installed(case)
+    try:
+        dims = dataclasses.replace(dims, moe_router_topk=case.topk)
+        ref = build_moe_layer(transformer_config(dims, "alltoall", EP_SIZE, dtype, **overrides), dims, "alltoall")
+        test = build_moe_layer(transformer_config(dims, case.dispatcher, EP_SIZE, dtype, **overrides), dims,
+                               case.dispatcher, case.moe_comm_config())
+        ref, test = ref.to(device), test.to(device)
+        test.load_state_dict(ref.state_dict())
+        gen = torch.Generator().manual_seed(1000 * case.seed + rank)
+        x = torch.randn(16, 2, dims.hidden_size, generator=gen).to(device, dtype)
+        grad_out = torch.randn(16, 2, dims.hidden_size, generator=gen).to(device, dtype)
+        named = {}
+        for name, layer in (("ref", ref), ("test", test)):
+            x_in = x.clone().requires_grad_()
+            out, bias = layer(x_in)
+            assert bias is None
+            out.backward(grad_out)
+            named[name] = {"output": out.detach(), "input.grad": x_in.grad, **_grads(layer)}
+        return compare(named["ref"], named["test"])
+    finally:
+        restore()
+
+
+def gpt_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, num_steps: int) -> dict:
+    """2-layer GPTModel: alltoall vs ours, same weights and batches; first-step gradients and Adam losses."""
+    device = setup_worker(case.seed)
+    restore = _flex_installed(case)
+    try:
+        dims = dataclasses.replace(dims, moe_router_topk=case.topk)
+        ref = build_gpt(transformer_config(dims, "alltoall", EP_SIZE), dims, "alltoall").to(device)
+        test = build_gpt(transformer_config(dims, case.dispatcher, EP_SIZE), dims, case.dispatcher,
+                         case.moe_comm_config()).to(device)
+        test.load_state_dict(ref.state_dict(), strict=False)  # strict=False: `_extra_state` entries
+        for (n_ref, p_ref), (n_test, p_test) in zip(ref.named_parameters(), test.named_parameters()):
+            assert n_ref == n_test and torch.equal(p_ref, p_test), f"weights differ at {n_ref}"
+        losses, named = {}, {}
+        for name, model in (("ref", ref), ("test", test)):
+            gen = torch.Generator().manual_seed(1000 * case.seed + rank)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            losses[name] = []
+            for step in range(num_steps):
+                batch = mock_batch(dims, 2, gen, device)
+                opt.zero_grad()
+                loss = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                             labels=batch["labels"]).float().mean()
+                loss.backward()
+                if step == 0:
+                    named[name] = {"loss": loss.detach(), **_grads(model)}
+                opt.step()
+                losses[name].append(loss.detach())
+        named["ref"]["losses"] = torch.stack(losses["ref"])
+        named["test"]["losses"] = torch.stack(losses["test"])
+        return compare(named["ref"], named["test"])
+    finally:
+        restore()
+
+
+def _run_dispatcher(dispatcher, experts, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    """Megatron's six dispatcher steps around `experts`, as MoELayer calls them."""
+    h, p = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    h, p = dispatcher.token_dispatch(h, p)
+    h, tokens_per_expert, p = dispatcher.dispatch_postprocess(h, p)
+    out, _ = experts(h, tokens_per_expert, p)
+    out = dispatcher.combine_preprocess(out)
+    out = dispatcher.token_combine(out)
+    return dispatcher.combine_postprocess(out), tokens_per_expert
+
+
+def dispatcher_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, alignment: int,
+                           quantize) -> dict:
+    """Dispatcher level, fixed random routing: our dispatcher (optionally padded to `alignment`, optionally
+    FP8 on the wire) vs alltoall over the same (for FP8: quantize-dequantized) inputs, with the same experts."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from moe_comm import quant
+    from moe_comm.integrations.megatron import MoECommConfig, MoECommTokenDispatcher
+
+    device = setup_worker(case.seed)
+    dtype = getattr(torch, case.dtype)
+    dims = dataclasses.replace(dims, moe_router_topk=case.topk)
+    config = transformer_config(dims, "alltoall", EP_SIZE, dtype)
+    layer = build_moe_layer(config, dims, "alltoall").to(device)
+    num_local = layer.num_local_experts
+    ref_disp = MoEAlltoAllTokenDispatcher(num_local, layer.local_expert_indices, config, _pg())
+    options = MoECommConfig(backend=case.backend, do_expand=case.do_expand, async_comm=case.async_comm,
+                            expert_alignment=alignment, quantize=quantize)
+    test_disp = MoECommTokenDispatcher(num_local, layer.local_expert_indices, config, _pg(), options)
+    ref_experts, test_experts = layer.experts, build_moe_layer(config, dims, "alltoall").to(device).experts
+    test_experts.load_state_dict(ref_experts.state_dict())
+
+    gen = torch.Generator().manual_seed(1000 * case.seed + rank)
+    num_tokens, hidden = 32, dims.hidden_size
+    scores = torch.rand(num_tokens, dims.num_experts, generator=gen)
+    top = scores.topk(case.topk, dim=1).indices
+    routing_map = torch.zeros(num_tokens, dims.num_experts, dtype=torch.bool).scatter(1, top, True).to(device)
+    probs = (torch.softmax(scores, dim=1) * routing_map.cpu()).to(device)
+    x = torch.randn(num_tokens // 2, 2, hidden, generator=gen).to(device, dtype)
+    grad_out = torch.randn(num_tokens // 2, 2, hidden, generator=gen).to(device, dtype)
+    x_ref = x
+    if quantize is not None:  # the reference sees what our receivers see: the dequantized FP8 rows
+        x_ref = quant.dequantize(*quant.quantize(x.reshape(-1, hidden), quantize), dtype).view_as(x)
+
+    named, counts = {}, {}
+    for name, disp, experts, x_in in (("ref", ref_disp, ref_experts, x_ref), ("test", test_disp, test_experts, x)):
+        x_in = x_in.clone().requires_grad_()
+        p_in = probs.clone().requires_grad_()
+        out, tokens_per_expert = _run_dispatcher(disp, experts, x_in, routing_map, p_in)
+        out.backward(grad_out)
+        counts[name] = tokens_per_expert
+        named[name] = {"output": out.detach(), "input.grad": x_in.grad, "probs.grad": p_in.grad, **_grads(experts)}
+    tpe = counts["test"]
+    assert tpe.device.type == "cpu" and tpe.dtype == torch.int64, (tpe.device, tpe.dtype)
+    assert all(int(c) % alignment == 0 for c in tpe), f"tokens_per_expert={tpe.tolist()} not padded to {alignment}"
+    unpadded = counts["ref"].tolist()
+    assert [-(-c // alignment) * alignment for c in unpadded] == tpe.tolist(), (unpadded, tpe.tolist())
+    return compare(named["ref"], named["test"])
+
+
+def _pg():
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    return get_default_pg_collection()
+
+
+def async_overlap_rank(rank: int, world_size: int, case: Case, dims: ModelDims) -> dict:
+    """With async_comm the dispatch is still in flight after token_dispatch; dispatch_postprocess waits."""
+    from moe_comm.integrations.megatron import MoECommConfig
+
+    device = setup_worker(case.seed)
+    dims = dataclasses.replace(dims, moe_router_topk=case.topk)
+    config = transformer_config(dims, "alltoall", EP_SIZE)
+    layer = build_moe_layer(config, dims, "moe_comm", MoECommConfig(backend=case.backend, async_comm=True))
+    layer = layer.to(device)
+    x = torch.randn(16, 2, dims.hidden_size, generator=torch.Generator().manual_seed(rank)).to(device)
+    probs, routing_map = layer.route(x)
+    h, p = layer.preprocess(x, probs, routing_map)
+    h, p = layer.dispatch(h, p)
+    disp = layer.token_dispatcher
+    pending_after_dispatch = disp.dispatch_event is not None and not disp.dispatch_event.done
+    out, _ = layer.routed_experts_compute(h, p)
+    waited = disp.dispatch_event is None
+    out = layer.combine(out)
+    pending_after_combine = disp.combine_event is not None and not disp.combine_event.done
+    layer.postprocess(out, None)
+    return dict(pending_after_dispatch=pending_after_dispatch, waited=waited,
+                pending_after_combine=pending_after_combine, num_sms=disp.last_num_sms)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU tier
+# ----------------------------------------------------------------------------------------------------
+def test_core_never_imports_megatron():
+    code = "import moe_comm, sys; assert not [m for m in sys.modules if m.startswith('megatron')], 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_import_guard_names_the_package():
+    code = ("import sys; sys.modules['megatron'] = None\n"
+            "try:\n    import moe_comm.integrations.megatron\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    assert "needs megatron-core" in out.stdout and "pip install" in out.stdout, out.stdout
+
+
+def test_config_errors_name_the_argument():
+    from moe_comm.integrations.megatron import MoECommConfig
+
+    with pytest.raises(ValueError, match="quantize='fp4'"):
+        MoECommConfig(quantize="fp4")
+    with pytest.raises(ValueError, match="expert_alignment=0"):
+        MoECommConfig(expert_alignment=0)
+    with pytest.raises(ValueError, match="backend='nccl'"):
+        MoECommConfig(backend="nccl")
+    with pytest.raises(ValueError, match="num_sms=-1"):
+        MoECommConfig(num_sms=-1)
+
+
+def test_expert_alignment_follows_router_padding():
+    from moe_comm.integrations.megatron import MoECommConfig, expert_alignment_for
+
+    def cfg(**kw):
+        base = dict(moe_router_padding_for_quantization=False, fp8=None, fp8_recipe="delayed", fp4=None)
+        return types.SimpleNamespace(**{**base, **kw})
+
+    assert expert_alignment_for(cfg(), MoECommConfig()) == 1
+    assert expert_alignment_for(cfg(moe_router_padding_for_quantization=True, fp8="e4m3"), MoECommConfig()) == 16
+    assert expert_alignment_for(cfg(moe_router_padding_for_quantization=True, fp8="e4m3", fp8_recipe="mxfp8"),
+                                MoECommConfig()) == 32
+    assert expert_alignment_for(cfg(), MoECommConfig(expert_alignment=32)) == 32
+
+
+def test_routing_map_to_topk():
+    from moe_comm.integrations.megatron import routing_map_to_topk
+
+    routing_map = torch.tensor([[0, 1, 0, 1], [1, 0, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    probs = torch.tensor([[.1, .6, .1, .2], [.7, .1, .1, .1], [.1, .1, .3, .5]], requires_grad=True)
+    idx, weights = routing_map_to_topk(routing_map, probs, 2)
+    assert idx.tolist() == [[1, 3], [0, -1], [2, 3]]
+    assert torch.equal(weights, torch.tensor([[.6, .2], [.7, 0.], [.3, .5]]))
+    weights.sum().backward()
+    assert torch.equal(probs.grad, routing_map.float())
+
+
+def test_layer_spec_forms():
+    """ModuleSpec (<= 0.17), functools.partial (0.18+) and block specs are rewritten; the input is untouched."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from moe_comm.integrations.megatron import MoECommConfig, MoECommMoELayer, moe_comm_layer_spec
+
+    options = MoECommConfig(do_expand=True)
+    spec = get_gpt_layer_local_spec(num_experts=4)
+    new = moe_comm_layer_spec(spec, options)
+    assert spec.submodules.mlp.module is MoELayer
+    assert new.submodules.mlp.module is MoECommMoELayer and new.submodules.mlp.params["moe_comm_config"] is options
+    assert new.submodules.mlp.submodules == spec.submodules.mlp.submodules
+
+    submodules = MoESubmodules()
+    partial_spec = ModuleSpec(module=object, submodules=types.SimpleNamespace(
+        mlp=functools.partial(MoELayer, submodules=submodules)))
+    new = moe_comm_layer_spec(partial_spec, options)
+    assert new.submodules.mlp.func is MoECommMoELayer
+    assert new.submodules.mlp.keywords["moe_comm_config"] is options
+    assert isinstance(new.submodules.mlp.keywords["submodules"], MoESubmodules)
+
+    dense = get_gpt_layer_local_spec(num_experts=None)
+    block = types.SimpleNamespace(layer_specs=[dense, spec])
+    new = moe_comm_layer_spec(block)
+    assert new.layer_specs[0].submodules.mlp.module is dense.submodules.mlp.module
+    assert new.layer_specs[1].submodules.mlp.module is MoECommMoELayer
+    with pytest.raises(ValueError, match="no MoELayer"):
+        moe_comm_layer_spec(dense)
+
+
+@pytest.mark.parametrize("case", FAST_LAYER_CASES, ids=str)
+def test_moe_layer_parity(mcore_pool, case):
+    assert_parity(mcore_pool.run(layer_parity_rank, case, LAYER_DIMS, {}), case.exact)
+
+
+@pytest.mark.parametrize("case", FAST_GPT_CASES, ids=str)
+def test_gpt_parity(mcore_pool, case):
+    assert_parity(mcore_pool.run(gpt_parity_rank, case, GPT_DIMS, 3), case.exact)
+
+
+@pytest.mark.parametrize("do_expand,alignment", [(False, 16), (True, 32)])
+def test_expert_alignment_pads_tokens_per_expert(mcore_pool, do_expand, alignment):
+    """Padded blocks (FP8 16 / MXFP8 32) give the same results as Megatron's unpadded alltoall: outputs and
+    input/probs gradients bitwise; expert weight gradients to float32 rounding, since the zero padding rows
+    change the row count of the weight-gradient GEMM and with it how the GEMM splits its reduction."""
+    case = Case("A", 2, do_expand=do_expand)
+    results = mcore_pool.run(dispatcher_parity_rank, case, LAYER_DIMS, alignment, None)
+    assert_parity([{k: v for k, v in r.items() if "experts" not in k} for r in results], exact=True)
+    assert_parity([{k: v for k, v in r.items() if "experts" in k} for r in results], exact=False)
+
+
+@pytest.mark.parametrize("quantize", ["fp8_block128", "mxfp8"])
+def test_fp8_wire_matches_alltoall_on_dequantized_inputs(mcore_pool, quantize):
+    case = Case("A", 2, dtype="bfloat16")
+    dims = dataclasses.replace(LAYER_DIMS, hidden_size=128)
+    assert_parity(mcore_pool.run(dispatcher_parity_rank, case, dims, 1, quantize), exact=True)
+
+
+def test_async_comm_is_waited_where_used(mcore_pool):
+    results = mcore_pool.run(async_overlap_rank, Case("A", 2), LAYER_DIMS)
+    for r in results:
+        assert r["pending_after_dispatch"] and r["waited"] and r["pending_after_combine"], r
+        assert r["num_sms"] > 0, r
+
+
+def test_shared_expert_overlap_parity(mcore_pool):
+    overrides = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True)
+    assert_parity(mcore_pool.run(layer_parity_rank, Case("A", 2), LAYER_DIMS, overrides), exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", full_matrix(), ids=str)
+def test_moe_layer_parity_full(mcore_pool, case):
+    assert_parity(mcore_pool.run(layer_parity_rank, case, LAYER_DIMS, {}), case.exact)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", full_matrix(), ids=str)
+def test_gpt_parity_full(mcore_pool, case):
+    assert_parity(mcore_pool.run(gpt_parity_rank, case, GPT_DIMS, 3), case.exact)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU tier: 2 GPUs, NCCL, backend "auto" (the CUDA backend where it exists)
+# ----------------------------------------------------------------------------------------------------
+GPU_DIMS = dataclasses.replace(LAYER_DIMS, hidden_size=256, moe_ffn_hidden_size=512)
+GPU_CASES = [Case(route, topk, do_expand, backend="auto", dtype=dtype)
+             for dtype in ("float32", "bfloat16") for topk in (1, 2, 4)
+             for route, do_expand in (("A", False), ("A", True), ("B", False))]
+
+
+def _gpu_rel_tol(case: Case) -> float:
+    return NONEXACT_REL_TOL * 10 if case.dtype == "float32" else BF16_REL_TOL
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_moe_layer_parity(nccl_pool, case):
+    # GPU scatter-adds use atomics and cuBLAS may tile differently, so GPU results are compared to a tolerance.
+    assert_parity(nccl_pool.run(layer_parity_rank, case, GPU_DIMS, {}), exact=False, rel_tol=_gpu_rel_tol(case))
+
+
+@pytest.mark.parametrize("route", ["A", "B"])
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_gpt_parity_bf16(nccl_pool, route):
+    case = Case(route, 2, do_expand=route == "A", backend="auto", dtype="bfloat16")
+    results = nccl_pool.run(gpt_parity_rank, case, dataclasses.replace(GPT_DIMS, hidden_size=256), 3)
+    assert_parity(results, exact=False, rel_tol=BF16_REL_TOL)
+
+
+@pytest.mark.parametrize("quantize", ["fp8_block128", "mxfp8"])
+@pytest.mark.parametrize("do_expand", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_fp8_wire(nccl_pool, quantize, do_expand):
+    case = Case("A", 2, do_expand=do_expand, backend="auto", dtype="bfloat16")
+    results = nccl_pool.run(dispatcher_parity_rank, case, GPU_DIMS, 16, quantize)
+    assert_parity(results, exact=False, rel_tol=BF16_REL_TOL)
