@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import env, quant, sizing
+from .backends import cuda as cuda_backend
 from .backends.torch_ref import TorchRefBackend
 from .event import EventOverlap
 from .handle import EPHandle
@@ -156,7 +157,11 @@ class Buffer:
         self.device = self._group_device(group)
         self.backend = self._resolve_backend(backend)
         self.topology = self._machine_topology()
-        self._impl = TorchRefBackend(group, self.device, self.num_cpu_timeout_secs)
+        if self.backend == "cuda":
+            self._impl = cuda_backend.CudaBackend(group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
+                                                  self.num_gpu_timeout_secs)
+        else:
+            self._impl = TorchRefBackend(group, self.device, self.num_cpu_timeout_secs)
         self._destroyed = False
 
     # ------------------------------------------------------------------------------------------------
@@ -169,10 +174,14 @@ class Buffer:
         return torch.device("cpu")
 
     def _resolve_backend(self, backend: str) -> str:
-        if backend == "cuda":
-            raise ValueError("backend='cuda' is not available in this build of moe_comm yet; "
-                             "use backend='torch' or 'auto'")
-        return "torch"
+        if backend == "torch":
+            return "torch"
+        usable = self.device.type == "cuda" and cuda_backend.peers_reachable(self.group)
+        if backend == "cuda" and not usable:
+            raise ValueError(f"backend='cuda' needs every rank of the group on a GPU of this host with peer access "
+                             f"(group device: {self.device}, {self.num_ranks} ranks, "
+                             f"{torch.cuda.device_count()} local GPUs); use backend='torch' or 'auto'")
+        return "cuda" if usable else "torch"
 
     def _machine_topology(self) -> sizing.Topology:
         """The sizing model's inputs, read off this machine where possible.

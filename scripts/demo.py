@@ -26,7 +26,7 @@ from moe_comm.testing.routing import Case, rank_inputs
 def bench_rank(rank: int, world_size: int, args: dict) -> list[dict]:
     device = torch.device("cuda", rank) if args["backend"] == "nccl" else torch.device("cpu")
     buf = moe_comm.Buffer(None, num_max_tokens_per_rank=max(args["tokens"]), hidden=args["hidden"],
-                          num_topk=args["num_topk"], backend="torch")
+                          num_topk=args["num_topk"], backend=args["moe_backend"])
     # One bitwise check first, so the table below is about a backend that is right.
     check_case(buf, Case(seed=1, num_ranks=world_size, num_experts=args["num_experts"], num_topk=args["num_topk"],
                          hidden=args["hidden"], num_tokens=(min(args["tokens"]),) * world_size,
@@ -50,7 +50,7 @@ def bench_rank(rank: int, world_size: int, args: dict) -> list[dict]:
                                                num_iters=args["iters"]),
         }
         recv_bytes = recv_x.shape[0] * recv_x.shape[1] * recv_x.element_size()
-        rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0], "recv_bytes": recv_bytes,
+        rows.append({"backend": buf.backend, "tokens": num_tokens, "recv_rows": recv_x.shape[0], "recv_bytes": recv_bytes,
                      "num_sms": handle.num_sms, **{k: round(v, 1) for k, v in timings.items()}})
     return rows
 
@@ -63,14 +63,15 @@ def main() -> None:
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "cuda"], help="moe_comm backend")
     args = parser.parse_args()
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     config = {"tokens": args.tokens, "hidden": args.hidden, "num_experts": args.num_experts,
-              "num_topk": args.num_topk, "iters": args.iters, "backend": backend}
+              "num_topk": args.num_topk, "iters": args.iters, "backend": backend, "moe_backend": args.backend}
     per_rank = parallel_launch(2, bench_rank, config, backend=backend, timeout_s=1800)
 
     device = torch.cuda.get_device_name(0) if backend == "nccl" else platform.processor() or platform.machine()
-    print(f"moe_comm {moe_comm.__version__} reference backend, 2 ranks over {backend} on {device}; "
+    print(f"moe_comm {moe_comm.__version__} {per_rank[0][0]['backend']} backend, 2 ranks over {backend} on {device}; "
           f"hidden {args.hidden} bf16, top-{args.num_topk} of {args.num_experts} experts; "
           f"median of {args.iters}, slowest rank; bitwise check passed")
     header = ["tokens", "dispatch us", "cached us", "combine us", "baseline disp us", "baseline comb us",

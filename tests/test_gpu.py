@@ -1,7 +1,8 @@
-"""GPU tier: the reference backend over NCCL, one GPU per rank (skips without 2 GPUs).
+"""GPU tier: both backends (reference over NCCL, CUDA over NVLink) with one GPU per rank; skips without 2 GPUs.
 
 Same random cases and bitwise oracle as the CPU tier, plus what only CUDA has: the comm stream and events,
-and no host synchronization at all without a CPU sync (checked with CUDA's sync debug mode)."""
+no host synchronization at all without a CPU sync (checked with CUDA's sync debug mode), CUDA graph replay,
+and GPU-side timeouts."""
 
 from __future__ import annotations
 
@@ -25,29 +26,41 @@ def nccl_pool():
         yield pool
 
 
-def make_buffer(case: Case) -> moe_comm.Buffer:
+BACKENDS = ["torch", "cuda"]
+_BUFFERS: dict = {}
+
+
+def make_buffer(case: Case, backend: str = "torch", **kwargs) -> moe_comm.Buffer:
+    """A buffer large enough for `case`. Without extra arguments, CUDA cases share one large buffer (a symmetric
+    memory rendezvous per case would dominate the run)."""
+    if backend == "cuda" and not kwargs:
+        if "cuda" not in _BUFFERS:
+            _BUFFERS["cuda"] = moe_comm.Buffer(None, num_max_tokens_per_rank=4104, hidden=4 * 7168, num_topk=9,
+                                               use_fp8_dispatch=True, backend="cuda")
+        return _BUFFERS["cuda"]
     hidden = case.hidden * case.torch_dtype.itemsize // 2
     return moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=max(hidden, 8),
-                           num_topk=case.num_topk, use_fp8_dispatch=case.hidden % 128 == 0, backend="torch")
+                           num_topk=case.num_topk, use_fp8_dispatch=case.hidden % 128 == 0, backend=backend, **kwargs)
 
 
-def random_cases_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+def random_cases_rank(rank: int, world_size: int, cases: list[Case], backend: str) -> int:
     for i, case in enumerate(cases):
         try:
-            check_case(make_buffer(case), case, rank)
+            check_case(make_buffer(case, backend), case, rank)
         except AssertionError as exc:
             raise AssertionError(f"case {i}: {case}\n{exc}") from exc
     return len(cases)
 
 
-def test_random_cases_over_nccl(nccl_pool, seed):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_cases(nccl_pool, seed, backend):
     cases = draw_cases(seed * 10 + 102, 30, 2, max_tokens=4096) + draw_cases(seed * 10 + 103, 30, 2)
-    assert nccl_pool.run(random_cases_rank, cases) == [len(cases)] * 2
+    assert nccl_pool.run(random_cases_rank, cases, backend) == [len(cases)] * 2
 
 
-def no_host_sync_rank(rank: int, world_size: int, case: Case) -> bool:
+def no_host_sync_rank(rank: int, world_size: int, case: Case, backend: str) -> bool:
     """Dispatch without CPU sync, combine and cached dispatch must never synchronize with the host."""
-    buf = make_buffer(case)
+    buf = make_buffer(case, backend)
     x, idx, w = rank_inputs(case, rank, buf.device)
     bias = torch.randn_like(x)
     kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
@@ -65,18 +78,19 @@ def no_host_sync_rank(rank: int, world_size: int, case: Case) -> bool:
     return True
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("do_expand", [False, True])
-def test_no_host_sync(nccl_pool, do_expand):
+def test_no_host_sync(nccl_pool, do_expand, backend):
     case = Case(seed=71, num_ranks=2, num_experts=16, num_topk=4, hidden=256, num_tokens=(300, 200),
                 num_max_tokens_per_rank=512, do_expand=do_expand, expert_alignment=16)
-    assert nccl_pool.run(no_host_sync_rank, case) == [True, True]
+    assert nccl_pool.run(no_host_sync_rank, case, backend) == [True, True]
 
 
-def async_rank(rank: int, world_size: int) -> bool:
+def async_rank(rank: int, world_size: int, backend: str) -> bool:
     """async_with_compute_stream: work on the compute stream overlaps; after the wait, results equal sync."""
     case = Case(seed=72, num_ranks=2, num_experts=16, num_topk=4, hidden=1024, num_tokens=(2048, 1500),
                 num_max_tokens_per_rank=2048)
-    buf = make_buffer(case)
+    buf = make_buffer(case, backend)
     x, idx, w = rank_inputs(case, rank, buf.device)
     ref_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=16)
     ref_combined, _, _ = buf.combine(ref_x, handle)
@@ -91,27 +105,29 @@ def async_rank(rank: int, world_size: int) -> bool:
     return bool(busy.isfinite().all())
 
 
-def test_async_comm_stream(nccl_pool):
-    assert nccl_pool.run(async_rank) == [True, True]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_comm_stream(nccl_pool, backend):
+    assert nccl_pool.run(async_rank, backend) == [True, True]
 
 
-def gradcheck_rank(rank: int, world_size: int) -> bool:
+def gradcheck_rank(rank: int, world_size: int, backend: str) -> bool:
     base = dict(num_ranks=2, num_experts=4, num_topk=3, hidden=2, num_tokens=(3, 0), num_max_tokens_per_rank=4,
                 dtype="float64", drop_prob=0.25, num_bias=1)
     for case in (Case(seed=81, **base), Case(seed=82, do_expand=True, expert_alignment=3, do_cpu_sync=False, **base)):
-        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=8, num_topk=3, backend="torch")
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=8, num_topk=3, backend=backend)
         assert run_gradcheck(buf, case, rank)
     return True
 
 
-def test_gradcheck_over_nccl(nccl_pool):
-    assert nccl_pool.run(gradcheck_rank) == [True, True]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck(nccl_pool, backend):
+    assert nccl_pool.run(gradcheck_rank, backend) == [True, True]
 
 
-def autograd_async_rank(rank: int, world_size: int) -> list:
+def autograd_async_rank(rank: int, world_size: int, backend: str) -> list:
     case = Case(seed=83, num_ranks=2, num_experts=8, num_topk=2, hidden=64, num_tokens=(64, 32),
                 num_max_tokens_per_rank=64)
-    buf = make_buffer(case)
+    buf = make_buffer(case, backend)
     out = []
     for use_async in (False, True):
         x, idx, w = rank_inputs(case, rank, buf.device)
@@ -127,6 +143,82 @@ def autograd_async_rank(rank: int, world_size: int) -> list:
     return out
 
 
-def test_autograd_async_over_nccl(nccl_pool):
-    for sync_grad, async_grad in nccl_pool.run(autograd_async_rank):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autograd_async(nccl_pool, backend):
+    for sync_grad, async_grad in nccl_pool.run(autograd_async_rank, backend):
         assert sync_grad == async_grad
+
+
+def graph_rank(rank: int, world_size: int, do_expand: bool) -> int:
+    """A no-sync dispatch + combine + cached dispatch captured once in a CUDA graph, replayed on new data,
+    equals the same calls run eagerly (bitwise on every valid row)."""
+    case = Case(seed=90, num_ranks=2, num_experts=16, num_topk=4, hidden=512, num_tokens=(256, 256),
+                num_max_tokens_per_rank=256, do_expand=do_expand, expert_alignment=16, do_cpu_sync=False)
+    buf = make_buffer(case, "cuda")
+    kwargs = dict(num_experts=16, do_cpu_sync=False, do_expand=do_expand, expert_alignment=16)
+    static = [t.clone() for t in rank_inputs(case, rank, buf.device)]
+
+    def step():
+        recv_x, _, recv_w, handle, _ = buf.dispatch(*static, **kwargs)
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w * 3)
+        again, _, _, _, _ = buf.dispatch(combined, handle=handle, do_expand=do_expand, expert_alignment=16)
+        return recv_x, combined, combined_w, again, handle
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    replays = 0
+    for trial in range(3):
+        new = Case(**{**case.__dict__, "seed": 91 + trial})
+        for target, value in zip(static, rank_inputs(new, rank, buf.device)):
+            target.copy_(value)
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        rows = int(eager[4].psum_num_recv_tokens_per_expert[-1] if do_expand
+                   else eager[4].psum_num_recv_tokens_per_rank[-1])
+        assert int(graph_out[4].psum_num_recv_tokens_per_rank[-1]) == int(eager[4].psum_num_recv_tokens_per_rank[-1])
+        assert_same("graph recv_x", graph_out[0][:rows], eager[0][:rows].cpu())
+        assert_same("graph combined", graph_out[1], eager[1].cpu())
+        assert_same("graph combined_topk_weights", graph_out[2], eager[2].cpu())
+        assert_same("graph cached dispatch", graph_out[3][:rows], eager[3][:rows].cpu())
+        replays += 1
+    return replays
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_cuda_graph_replay(nccl_pool, do_expand):
+    assert nccl_pool.run(graph_rank, do_expand) == [3, 3]
+
+
+def missing_peer_rank(rank: int, world_size: int) -> str:
+    """Rank 1 skips a dispatch: rank 0's GPU wait ends within num_gpu_timeout_secs, naming rank, phase, peer."""
+    import time
+    case = Case(seed=92, num_ranks=2, num_experts=8, num_topk=2, hidden=128, num_tokens=(64, 64),
+                num_max_tokens_per_rank=64)
+    buf = make_buffer(case, "cuda", num_gpu_timeout_secs=3)
+    x, idx, w = rank_inputs(case, rank, buf.device)
+    buf.dispatch(x, idx, w, num_experts=8)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(8)
+        return "skipped"
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        buf.dispatch(x, idx, w, num_experts=8)
+    assert time.monotonic() - start < 6
+    with pytest.raises(RuntimeError, match="unusable after an earlier error"):
+        buf.dispatch(x, idx, w, num_experts=8)
+    return str(info.value)
+
+
+def test_cuda_missing_peer_times_out():
+    with WorkerPool(2, backend="nccl", timeout_s=120) as pool:
+        message, skipped = pool.run(missing_peer_rank)
+    assert skipped == "skipped"
+    assert "rank 0 timed out in barrier before dispatch argument agreement waiting for peer 1" in message, message

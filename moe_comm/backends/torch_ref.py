@@ -187,6 +187,10 @@ class TorchRefBackend:
         works = dist.batch_isend_irecv(ops) if ops else []
         return recv, list(zip(works, descriptions))
 
+    def after_host_sync(self) -> None:
+        """Called after every host read of device values and at the start of every call (a transport that
+        reports device-side errors raises them here)."""
+
     def _wait(self, works: list[tuple[object, str]]) -> None:
         """Block until `works` are done (CPU), or make the current stream wait for them (CUDA)."""
         if self.comm_stream is None:
@@ -278,7 +282,9 @@ class TorchRefBackend:
         flags_per_rank[self.rank] = flags
         work = dist.all_reduce(flags_per_rank, group=self.group, async_op=True)
         self._wait([(work, f"rank {self.rank} input check all-reduce")])
-        self.raise_for_flags(flags_per_rank.tolist(), topk_idx, num_experts, "")
+        flags = flags_per_rank.tolist()
+        self.after_host_sync()
+        self.raise_for_flags(flags, topk_idx, num_experts, "")
 
     def check_agreement(self, what: str, values: dict[str, int]) -> None:
         """Raise ValueError on every rank if the ranks called `what` with different `values`.
@@ -292,6 +298,7 @@ class TorchRefBackend:
                                          f"{what} argument agreement")
         self._wait(works)
         rows = everyone.tolist()
+        self.after_host_sync()
         differing = [f"{name}: {[row[i] for row in rows]}" for i, name in enumerate(values)
                      if len({row[i] for row in rows}) > 1]
         if differing:
@@ -309,6 +316,7 @@ class TorchRefBackend:
     # ------------------------------------------------------------------------------------------------
     def dispatch(self, c) -> tuple:
         """Run a validated `DispatchCall` (see `moe_comm.buffer`)."""
+        self.after_host_sync()
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
         body = (lambda: self._cached_dispatch_body(c)) if c.handle is not None else (lambda: self._dispatch_body(c))
         outputs, event = self._run(body, c.previous_event, c.async_with_compute_stream, inputs)
@@ -363,6 +371,7 @@ class TorchRefBackend:
         if c.do_cpu_sync:
             host = torch.cat([counts_recv[:, L + 1], self.pending_flags, recv_rows_per_rank, recv_pairs_per_rank,
                               own_pairs_per_rank, num_tokens_per_rank, aligned_per_expert]).tolist()
+            self.after_host_sync()
             flags_per_rank, pending = host[:R], host[R:2 * R]
             if any(pending):
                 self.check_pending_errors()
@@ -520,6 +529,7 @@ class TorchRefBackend:
     # ------------------------------------------------------------------------------------------------
     def combine(self, c) -> tuple:
         """Run a validated `CombineCall` (see `moe_comm.buffer`)."""
+        self.after_host_sync()
         inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None]
         outputs, event = self._run(lambda: self._combine_body(c), c.previous_event, c.async_with_compute_stream,
                                    inputs)
