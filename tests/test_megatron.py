@@ -270,6 +270,30 @@ def async_overlap_rank(rank: int, world_size: int, case: Case, dims: ModelDims) 
                 pending_after_combine=pending_after_combine, num_sms=disp.last_num_sms)
 
 
+def flex_build_rank(rank: int, world_size: int) -> dict:
+    """Route B: Megatron's flex dispatcher (backend deepep) builds without DeepEP once moe_comm is installed,
+    and refuses again after `restore()`."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    from moe_comm.integrations import megatron as integration
+
+    setup_worker(0)
+    config = transformer_config(LAYER_DIMS, "moe_comm_flex", EP_SIZE)
+    args = (LAYER_DIMS.num_experts // EP_SIZE, [rank * 4 + i for i in range(4)], config, _pg())
+    restore = integration.install_flex_dispatcher(backend="torch")
+    try:
+        dispatcher = MoEFlexTokenDispatcher(*args)
+        manager = type(dispatcher._comm_manager).__name__
+    finally:
+        restore()
+    try:
+        MoEFlexTokenDispatcher(*args)
+        refused_after_restore = False
+    except ImportError:
+        refused_after_restore = True
+    return dict(manager=manager, refused_after_restore=refused_after_restore)
+
+
 # ----------------------------------------------------------------------------------------------------
 # CPU tier
 # ----------------------------------------------------------------------------------------------------
@@ -354,6 +378,22 @@ def test_layer_spec_forms():
     assert new.layer_specs[1].submodules.mlp.module is MoECommMoELayer
     with pytest.raises(ValueError, match="no MoELayer"):
         moe_comm_layer_spec(dense)
+
+
+def test_flex_dispatcher_builds_on_moe_comm(mcore_pool):
+    for r in mcore_pool.run(flex_build_rank):
+        assert r == dict(manager="_DeepepManager", refused_after_restore=True), r
+
+
+def test_module_runner_installs_route_b(tmp_path):
+    """`python -m moe_comm.integrations.megatron SCRIPT ARGS` runs SCRIPT with route B installed."""
+    script = tmp_path / "pretrain_stub.py"
+    script.write_text("import sys\n"
+                      "from megatron.core.transformer.moe import token_dispatcher as td\n"
+                      "print(td.fused_dispatch.__module__, sys.argv[1:], __name__)\n")
+    out = subprocess.run([sys.executable, "-m", "moe_comm.integrations.megatron", "--moe-comm-backend=torch",
+                          str(script), "--num-layers", "2"], check=True, timeout=120, capture_output=True, text=True)
+    assert out.stdout.split("\n")[-2] == "moe_comm.integrations.megatron ['--num-layers', '2'] __main__", out.stdout
 
 
 @pytest.mark.parametrize("case", FAST_LAYER_CASES, ids=str)

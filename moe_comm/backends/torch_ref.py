@@ -382,6 +382,9 @@ class TorchRefBackend:
             num_recv_nonexpand = sum(recv_splits)
             num_recv_rows = sum(aligned_list) if c.do_expand else num_recv_nonexpand
             return_send_splits, return_recv_splits = recv_pairs, own_pairs
+            if self.fixed_blocks:
+                send_splits = recv_splits = [cap] * R
+                return_send_splits = return_recv_splits = [pair_cap] * R
         else:
             # Worst-case capacities; invalid slots were dropped, the flags wait for the next sync.
             torch.bitwise_or(self.pending_flags, counts_recv[:, L + 1], out=self.pending_flags)
@@ -391,7 +394,7 @@ class TorchRefBackend:
             num_recv_nonexpand = R * cap
             num_recv_rows = R * pair_cap + L * (c.expert_alignment - 1) if c.do_expand else num_recv_nonexpand
         send_offsets = _exclusive_cumsum(send_splits)
-        M = num_recv_nonexpand
+        M, B = num_recv_nonexpand, sum(recv_splits)
 
         # Metadata exchange: source token index, local expert ids and weights of every row.
         meta_fields = [("src", torch.int64, 1), ("idx", torch.int64, K)]
@@ -417,10 +420,10 @@ class TorchRefBackend:
         psum_per_rank = recv_rows_per_rank.cumsum(0)
         psum_per_expert = aligned_per_expert.cumsum(0)
         src_rank_B = _block_of_rows(recv_splits, dev)
-        row_in_block_B = torch.arange(M, **i64) - _block_starts(recv_splits, dev)[src_rank_B]
+        row_in_block_B = torch.arange(B, **i64) - _block_starts(recv_splits, dev)[src_rank_B]
         out_row_B = torch.where(row_in_block_B < recv_rows_per_rank[src_rank_B],
                                 (psum_per_rank - recv_rows_per_rank)[src_rank_B] + row_in_block_B, -1)
-        recv_src_M = _place(got["src"].view(M), out_row_B, M, fill=-1)
+        recv_src_M = _place(got["src"].view(B), out_row_B, M, fill=-1)
         recv_idx_MK = _place(got["idx"], out_row_B, M, fill=-1)
         recv_w_MK = None if "w" not in got else _place(got["w"], out_row_B, M, fill=0)
         src_rank_M = _place(src_rank_B, out_row_B, M, fill=0)
@@ -490,7 +493,7 @@ class TorchRefBackend:
         R, dev = self.num_ranks, self.device
         hidden = c.hidden
         codec = _RowCodec(self._data_fields(c, hidden))
-        num_send_rows, M = sum(lay.send_splits), sum(lay.recv_splits)
+        num_send_rows, M = sum(lay.send_splits), handle.recv_src_idx.shape[0]
         send = torch.zeros(num_send_rows + 1, codec.width, dtype=torch.uint8, device=dev)
         wire = self._wire_tensors(c)
         for d, offset in enumerate(_exclusive_cumsum(lay.send_splits)):

@@ -502,6 +502,7 @@ class _FlexSettings:
     options: MoECommConfig
     num_sms: Union[int, str, None]
     megatron_num_sms: int = 0
+    last_num_sms: int = 0  # SMs the last dispatch ran with (for logs)
 
     def resolve_num_sms(self) -> int:
         if self.num_sms is None:
@@ -536,6 +537,7 @@ def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: to
         num_sms=_flex.resolve_num_sms(), quantize=options.quantize, dequantize=options.quantize is not None,
         async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
     event.current_stream_wait()
+    _flex.last_num_sms = handle.num_sms
     tokens_per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
     return recv_x, recv_idx, recv_probs, tokens_per_expert, handle
 
@@ -558,6 +560,11 @@ def set_deepep_num_sms(num_sms: int) -> None:
     with `install_flex_dispatcher(num_sms="megatron")`)."""
     if _flex is not None:
         _flex.megatron_num_sms = int(num_sms)
+
+
+def flex_last_num_sms() -> int:
+    """SMs the last route-B dispatch ran with (0 before the first one or when not installed)."""
+    return _flex.last_num_sms if _flex is not None else 0
 
 
 _PATCHED_NAMES = ("fused_dispatch", "fused_combine", "set_deepep_num_sms")
@@ -623,7 +630,7 @@ def _main(argv: list[str]) -> None:
 
 
 __all__ = ["MoECommConfig", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec",
-           "install_flex_dispatcher", "routing_map_to_topk", "expert_alignment_for", "get_buffer", "clear_buffers", "fused_dispatch",
+           "install_flex_dispatcher", "flex_last_num_sms", "routing_map_to_topk", "expert_alignment_for", "get_buffer", "clear_buffers", "fused_dispatch",
            "fused_combine", "set_deepep_num_sms"]
 
 if __name__ == "__main__":
