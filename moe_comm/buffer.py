@@ -305,11 +305,10 @@ class Buffer:
                                        dequantize, previous_event, async_with_compute_stream,
                                        allocate_on_comm_stream)
         check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")
-        if (call.handle is None and call.do_cpu_sync) or check_inputs:
-            self._impl.check_agreement("dispatch", call.signature())
         if call.handle is None and check_inputs:
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
-        return self._impl.dispatch(call)
+        # Ranks must agree on the sizes: checked whenever the call syncs with the host anyway.
+        return self._impl.dispatch(call, verify_agreement=(call.handle is None and call.do_cpu_sync) or check_inputs)
 
     def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                            expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize, dequantize,

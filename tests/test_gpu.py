@@ -222,3 +222,21 @@ def test_cuda_missing_peer_times_out():
         message, skipped = pool.run(missing_peer_rank)
     assert skipped == "skipped"
     assert "rank 0 timed out in barrier before dispatch argument agreement waiting for peer 1" in message, message
+
+
+def rounds_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    """Expand combines whose slots do not all fit the region at once (a buffer sized exactly for the case)."""
+    for i, case in enumerate(cases):
+        buf = make_buffer(case, "cuda", num_gpu_timeout_secs=100)
+        try:
+            check_case(buf, case, rank)
+        except AssertionError as exc:
+            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
+        buf.destroy()
+    return len(cases)
+
+
+def test_cuda_expand_combine_in_rounds(nccl_pool, seed):
+    cases = [Case(**{**c.__dict__, "do_expand": True, "num_topk": min(c.num_experts, max(4, c.num_topk))})
+             for c in draw_cases(seed * 10 + 104, 6, 2, max_tokens=512, dtypes=("bfloat16",))]
+    assert nccl_pool.run(rounds_rank, cases) == [len(cases)] * 2

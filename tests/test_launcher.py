@@ -74,7 +74,7 @@ def missing_peer_rank(rank: int, world_size: int, phase: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("phase,fragment", [("dispatch", "rank 0 dispatch count exchange: receive from peer 1"),
+@pytest.mark.parametrize("phase,fragment", [("dispatch", "rank 0 dispatch argument agreement: receive from peer 1"),
                                             ("combine", "rank 0 combine exchange: receive from peer 1")])
 def test_missing_peer_times_out(phase, fragment):
     message, skipped = parallel_launch(2, missing_peer_rank, phase, timeout_s=120)

@@ -1,45 +1,61 @@
-"""CUDA backend: the reference backend's layout logic over a symmetric-memory transport on NVLink.
+"""CUDA backend: dispatch and combine kernels over NVLink peer memory (`csrc/ep_kernels.cu`).
 
 Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`, peers mapped through CUDA IPC):
 
-    [0, CONTROL_BYTES)          flags and sequence counters (see the offsets below)
-    [CONTROL_BYTES, num_bytes)  the receive region: one block per source rank
+    [0, CONTROL_BYTES)          flags and sequence counters (offsets below), then one control slot per source
+                                rank: the call's signature, rows sent to us, per-local-expert counts, error flags
+    [CONTROL_BYTES, num_bytes)  the receive region: block s (`num_max_tokens_per_rank` rows) from rank s
 
-An exchange of row blocks (`_exchange`) is: a barrier (nobody writes into a region its owner still reads), one
-kernel that writes every block straight into its destination rank's region (16-byte vector stores over
-NVLink, the local block by a local copy), and a signal/wait handshake (system-scope release/acquire flags).
-Blocks larger than the region go in rounds. Everything is stream-ordered on the comm stream and nothing reads
-device values on the host unless the call asked for a CPU sync, so no-sync steps can be captured in a CUDA graph.
+A dispatch: layout kernel (send positions, counts) -> barrier (nobody writes into a region its owner still
+reads) -> send kernel (each row written once per destination rank straight into that rank's block, with its
+metadata and our control slot) -> signal/wait (system-scope release/acquire flags) -> [host reads the control
+slots when the call syncs] -> receive kernel (blocks -> output rows, non-expand or expand with padding).
+A combine: barrier -> rows back to their sources -> signal/wait -> FP32/FP64 reduce in DESIGN 2.2's order.
+Small exchanges (argument agreement under MOE_COMM_CHECK_INPUTS) use `_exchange`: block copies into the region.
+Everything is stream-ordered on the comm stream and nothing reads device values on the host unless the call
+asked for a CPU sync, so no-sync steps can be captured in a CUDA graph.
 
 Every wait spins with a timeout (`num_gpu_timeout_secs`); a timed-out wait fills a host-mapped ErrorRecord and
 lets the stream go on, and the host raises a TimeoutError naming rank, phase and peer at its next check (the
 next host sync of a call, or the start of the next call). After a timeout the buffer refuses further work.
 
-Kernels: `csrc/transport.cu`, built by `moe_comm.jit` at first use (never at import).
+Kernels: `csrc/transport.cu` and `csrc/ep_kernels.cu`, built by `moe_comm.jit` at first use (never at import).
+The receive order is deterministic (source rank, then source token), so `deterministic=True` costs nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .. import jit, sizing
+from .. import jit, quant, sizing
+from ..handle import EPHandle
 from .torch_ref import TorchRefBackend
 
 # Kernel libraries of this backend: name -> sources under csrc/ (CI compiles every one of them).
-KERNEL_SOURCES = {"moe_comm_transport": ("transport.cu",)}
+KERNEL_SOURCES = {"moe_comm_kernels": ("transport.cu", "ep_kernels.cu")}
 KERNEL_INCLUDE_DIRS = ("include",)
 
-MAX_RANKS = 64                      # csrc/transport.cu kMaxRanks
+MAX_RANKS = 32                      # csrc/ep_kernels.cu kMaxEpRanks (destinations fit one warp)
 CONTROL_BYTES = sizing.BUFFER_CONTROL_BYTES
 BARRIER_FLAGS_OFFSET = 0            # [MAX_RANKS] int64, written by peers
 EXCHANGE_FLAGS_OFFSET = 4096        # [MAX_RANKS] int64, written by peers
 BARRIER_SEQ_OFFSET = 8192           # this rank's counters (device-side, so graph replays advance them)
 EXCHANGE_SEQ_OFFSET = 8200
+SLOTS_OFFSET = 16384                # control slots [num_ranks][SIGNATURE_LEN + num_local_experts + 2] int64
+SIGNATURE_LEN = 16                  # csrc/ep_kernels.cu kMaxSignature
 COPY_THREADS = 512
+REDUCE_THREADS = 256
+RECV_SMEM_LIMIT = 48 * 1024
+DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 class _BlockCopyParams(ctypes.Structure):
@@ -56,22 +72,69 @@ class _SyncParams(ctypes.Structure):
                 ("padding", ctypes.c_int32)]
 
 
+class _EpParams(ctypes.Structure):
+    _fields_ = [("peer_bases", ctypes.c_void_p), ("local_base", ctypes.c_void_p), ("region_offset", ctypes.c_int64),
+                ("counts_offset", ctypes.c_int64), ("counts_stride", ctypes.c_int64), ("num_tokens", ctypes.c_int64),
+                ("cap", ctypes.c_int64), ("row_stride", ctypes.c_int64), ("data_bytes", ctypes.c_int64),
+                ("scale_bytes", ctypes.c_int64), ("meta_offset", ctypes.c_int64), ("rank", ctypes.c_int32),
+                ("num_ranks", ctypes.c_int32), ("num_experts", ctypes.c_int32), ("num_local_experts", ctypes.c_int32),
+                ("num_topk", ctypes.c_int32), ("weight_bytes", ctypes.c_int32), ("expert_alignment", ctypes.c_int32),
+                ("num_signature", ctypes.c_int32), ("signature", ctypes.c_int64 * SIGNATURE_LEN)]
+
+
+class _RecvOutputs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "scales", "topk_idx", "weights", "src_idx", "expand_row",
+                                                     "psum_rank", "psum_expert")] + \
+               [("do_expand", ctypes.c_int32), ("padding", ctypes.c_int32)]
+
+
+class _ReduceArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("send_pos", "clean_idx", "acc", "bias0", "bias1", "out",
+                                                     "out_weights")] + \
+               [("hidden", ctypes.c_int64)] + \
+               [(name, ctypes.c_int32) for name in ("do_expand", "slot_begin", "slot_end", "num_slots", "first_round",
+                                                    "last_round")]
+
+
+@dataclass(frozen=True)
+class CudaLayout:
+    """Routing state of the CUDA backend, kept in `EPHandle.layout`.
+
+    send_pos_NR: `[N, R]` int64 row of each token inside its destination block, -1 if not sent there.
+    expert_rank_NK: `[N, K]` int32 tokens before this one (on this rank) that chose the slot's expert.
+    num_tokens_per_rank: `[R]` int64; num_tokens_per_expert: `[E]` int64 (what this rank sends).
+    flags: `[1]` int64 error flags of this rank's routing.
+    expand_row_MK: `[M, K]` int32 output row of each (received row, slot) in expand mode, else None.
+    """
+
+    send_pos_NR: torch.Tensor
+    expert_rank_NK: torch.Tensor
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
+    flags: torch.Tensor
+    expand_row_MK: Optional[torch.Tensor]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def kernel_sources() -> dict[str, tuple[list, list]]:
     """Every kernel library as `name -> (source paths, include dirs)`."""
     includes = [jit.CSRC_DIR / d for d in KERNEL_INCLUDE_DIRS]
     return {name: ([jit.CSRC_DIR / s for s in srcs], includes) for name, srcs in KERNEL_SOURCES.items()}
 
 
-def load_transport() -> ctypes.CDLL:
-    sources, includes = kernel_sources()["moe_comm_transport"]
-    lib = jit.load("moe_comm_transport", sources, include_dirs=includes)
-    for fn in (lib.moe_comm_copy_blocks, lib.moe_comm_signal_wait):
-        fn.restype = ctypes.c_int
+def load_kernels() -> ctypes.CDLL:
+    sources, includes = kernel_sources()["moe_comm_kernels"]
+    lib = jit.load("moe_comm_kernels", sources, include_dirs=includes)
     lib.moe_comm_error_string.restype = ctypes.c_char_p
-    lib.moe_comm_sizeof_params.restype = ctypes.c_int
     # The structs above must match the C++ ones byte for byte.
-    assert lib.moe_comm_sizeof_params(0) == ctypes.sizeof(_BlockCopyParams)
-    assert lib.moe_comm_sizeof_params(1) == ctypes.sizeof(_SyncParams)
+    sizes = {(lib.moe_comm_sizeof_params, 0): _BlockCopyParams, (lib.moe_comm_sizeof_params, 1): _SyncParams,
+             (lib.moe_comm_sizeof_ep_structs, 0): _EpParams, (lib.moe_comm_sizeof_ep_structs, 1): _RecvOutputs,
+             (lib.moe_comm_sizeof_ep_structs, 2): _ReduceArgs}
+    for (fn, which), struct in sizes.items():
+        assert fn(which) == ctypes.sizeof(struct), f"{struct.__name__}: C {fn(which)} != Python {ctypes.sizeof(struct)}"
     return lib
 
 
@@ -97,7 +160,7 @@ class CudaBackend(TorchRefBackend):
         import torch.distributed._symmetric_memory as symm_mem
 
         super().__init__(group, device, num_cpu_timeout_secs)
-        self.lib = load_transport()
+        self.lib = load_kernels()
         self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
         self.buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
         self.buffer.zero_()
@@ -179,3 +242,220 @@ class CudaBackend(TorchRefBackend):
             first += rows
         recv = recv[:, :nbytes].contiguous() if width != nbytes else recv
         return recv.view(dtype).view(R * block_rows, -1), []
+
+    # ------------------------------------------------------------------------------------------------
+    # Kernel plumbing
+    # ------------------------------------------------------------------------------------------------
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _ep_params(self, num_tokens: int, cap: int, num_experts: int, num_topk: int, row_stride: int,
+                   data_bytes: int, scale_bytes: int, meta_offset: int, weight_bytes: int, expert_alignment: int,
+                   signature: Sequence[int] = (), rows_per_token: int = 1) -> _EpParams:
+        R = self.num_ranks
+        L = num_experts // R
+        needed = R * cap * rows_per_token * row_stride
+        if needed > self.region_bytes:
+            raise ValueError(f"rows of {row_stride} bytes x {R} ranks x {cap} tokens x {rows_per_token} = {needed} "
+                             f"bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
+        if SLOTS_OFFSET + R * (SIGNATURE_LEN + L + 2) * 8 > CONTROL_BYTES:
+            raise ValueError(f"{L} local experts x {R} ranks do not fit the control region of the CUDA backend")
+        sig = (ctypes.c_int64 * SIGNATURE_LEN)(*signature)
+        return _EpParams(self.symm.buffer_ptrs_dev, self.buffer.data_ptr(), CONTROL_BYTES, SLOTS_OFFSET,
+                         SIGNATURE_LEN + L + 2, num_tokens, cap, row_stride, data_bytes, scale_bytes, meta_offset,
+                         self.rank, R, num_experts, L, num_topk, weight_bytes, expert_alignment, len(signature), sig)
+
+    def _slots(self, num_local_experts: int) -> torch.Tensor:
+        """The control slots as `[R, SIGNATURE_LEN + L + 2]` int64 (a view of our buffer)."""
+        stride = SIGNATURE_LEN + num_local_experts + 2
+        return self.buffer[SLOTS_OFFSET:SLOTS_OFFSET + self.num_ranks * stride * 8].view(torch.int64) \
+            .view(self.num_ranks, stride)
+
+    # ------------------------------------------------------------------------------------------------
+    # Dispatch
+    # ------------------------------------------------------------------------------------------------
+    def dispatch(self, c, verify_agreement: bool) -> tuple:
+        """Run a validated `DispatchCall`; the sizes' agreement travels in the control slots."""
+        self.after_host_sync()
+        inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
+        outputs, event = self._run(lambda: self._dispatch_kernels(c, verify_agreement), c.previous_event,
+                                   c.async_with_compute_stream, inputs)
+        recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
+        return recv_x, recv_topk_idx, recv_topk_weights, handle, event
+
+    def _dispatch_kernels(self, c, verify_agreement: bool):
+        R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
+        L, cap, dev, hidden = E // R, c.num_max_tokens_per_rank, self.device, c.hidden
+        handle: Optional[EPHandle] = c.handle
+        smem = 8 * (2 * R + 3 * L + R * L)
+        if smem > RECV_SMEM_LIMIT:
+            raise ValueError(f"num_experts={E} over {R} ranks needs {smem} bytes of shared memory in the receive "
+                             f"kernel (limit {RECV_SMEM_LIMIT}); use backend='torch'")
+
+        # Rows on the wire: x, or FP8 data and scales.
+        if c.wire_format is None:
+            data, scales = c.x.view(torch.uint8), None
+        elif c.quantize is not None:
+            q, scales = quant.quantize(c.x, c.quantize)
+            data = q.view(torch.uint8)
+        else:
+            data, scales = c.fp8_q.view(torch.uint8), c.fp8_scales
+        data_bytes = data.shape[1]
+        scale_bytes = 0 if scales is None else (hidden // 128) * 4
+        weights = c.topk_weights
+        wb = 0 if weights is None else weights.element_size()
+        meta_offset = _align16(data_bytes + scale_bytes)
+        row_stride = meta_offset + _align16(8 + 8 * K + wb * K)
+        params = self._ep_params(N, cap, E, K, row_stride, data_bytes, scale_bytes, meta_offset, wb,
+                                 c.expert_alignment, list(c.signature().values()))
+
+        # Layout (skipped by a cached dispatch: the handle has it).
+        if handle is None:
+            i64 = dict(dtype=torch.int64, device=dev)
+            clean_idx = torch.empty(N, K, **i64)
+            layout = CudaLayout(torch.empty(N, R, **i64), torch.empty(N, K, dtype=torch.int32, device=dev),
+                                torch.empty(R, **i64), torch.empty(E, **i64), torch.empty(1, **i64), None)
+            self._check(self.lib.moe_comm_layout(
+                ctypes.c_void_p(c.topk_idx.data_ptr()), ctypes.c_int64(N), K, E, R, ctypes.c_void_p(clean_idx.data_ptr()),
+                ctypes.c_void_p(layout.send_pos_NR.data_ptr()), ctypes.c_void_p(layout.expert_rank_NK.data_ptr()),
+                ctypes.c_void_p(layout.num_tokens_per_rank.data_ptr()),
+                ctypes.c_void_p(layout.num_tokens_per_expert.data_ptr()), ctypes.c_void_p(layout.flags.data_ptr()),
+                self._stream()), "dispatch layout")
+        else:
+            layout, clean_idx = handle.layout, handle.topk_idx
+
+        # Send, then wait for every peer's rows and control slot.
+        self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before dispatch")
+        self._check(self.lib.moe_comm_dispatch_send(
+            ctypes.byref(params), ctypes.c_void_p(_ptr(data)), ctypes.c_void_p(_ptr(scales)),
+            ctypes.c_void_p(clean_idx.data_ptr()), ctypes.c_void_p(_ptr(weights)),
+            ctypes.c_void_p(layout.send_pos_NR.data_ptr()), ctypes.c_void_p(layout.expert_rank_NK.data_ptr()),
+            ctypes.c_void_p(layout.num_tokens_per_rank.data_ptr()),
+            ctypes.c_void_p(layout.num_tokens_per_expert.data_ptr()), ctypes.c_void_p(layout.flags.data_ptr()),
+            c.num_sms, COPY_THREADS, self._stream()), "dispatch send")
+        self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "dispatch")
+
+        # Output sizes: from the handle, from the control slots (host sync), or the worst case.
+        slots = self._slots(L)
+        aligned_list = None
+        if verify_agreement or (handle is None and c.do_cpu_sync):
+            self._verify_slots(slots, c, L)
+        if handle is not None:
+            M, P = handle.recv_src_idx.shape[0], handle.num_recv_rows
+            aligned_list = handle.num_recv_tokens_per_expert_list
+        elif c.do_cpu_sync:
+            host = slots[:, SIGNATURE_LEN:].tolist()
+            self.after_host_sync()
+            M = sum(row[0] for row in host)
+            counts = [sum(row[1 + l] for row in host) for l in range(L)]
+            aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in counts]
+            P = sum(aligned_list) if c.do_expand else M
+        else:
+            torch.bitwise_or(self.pending_flags, slots[:, SIGNATURE_LEN + 1 + L], out=self.pending_flags)
+            M = R * cap
+            P = R * cap * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
+
+        # Receive: blocks -> output rows.
+        out_dtype = c.x.dtype if c.wire_format is None else torch.float8_e4m3fn
+        out_x = torch.empty(P, hidden, dtype=out_dtype, device=dev)
+        out_scales = None if scales is None else torch.empty(P, hidden // 128, dtype=scales.dtype, device=dev)
+        fresh = handle is None
+        out_idx = torch.full((M, K), -1, dtype=torch.int64, device=dev) if fresh else None
+        out_src = torch.full((M,), -1, dtype=torch.int64, device=dev) if fresh else None
+        out_w = None
+        if fresh and weights is not None:
+            out_w = torch.empty((P,) if c.do_expand else (M, K), dtype=weights.dtype, device=dev)
+        expand_row = torch.empty(M, K, dtype=torch.int32, device=dev) if fresh and c.do_expand else None
+        psum_rank = torch.empty(R, dtype=torch.int64, device=dev) if fresh else None
+        psum_expert = torch.empty(L, dtype=torch.int64, device=dev) if fresh else None
+        outputs = _RecvOutputs(_ptr(out_x), _ptr(out_scales), _ptr(out_idx), _ptr(out_w), _ptr(out_src),
+                               _ptr(expand_row), _ptr(psum_rank), _ptr(psum_expert), int(c.do_expand), 0)
+        self._check(self.lib.moe_comm_dispatch_recv(ctypes.byref(params), ctypes.byref(outputs), c.num_sms,
+                                                     COPY_THREADS, self._stream()), "dispatch receive")
+        recv_x = (out_x, out_scales) if scales is not None else out_x
+        if c.dequantize:
+            recv_x = quant.dequantize(out_x, out_scales)
+
+        if not fresh:
+            return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), \
+                [], []
+        layout = CudaLayout(layout.send_pos_NR, layout.expert_rank_NK, layout.num_tokens_per_rank,
+                            layout.num_tokens_per_expert, layout.flags, expand_row)
+        handle = EPHandle(
+            group=self.group, num_experts=E, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
+            do_expand=c.do_expand, expert_alignment=c.expert_alignment, num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync,
+            topk_idx=clean_idx, recv_src_idx=out_src, recv_topk_idx=out_idx, recv_topk_weights=out_w,
+            psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
+            num_recv_tokens=P if c.do_cpu_sync else None, num_recv_tokens_per_expert_list=aligned_list,
+            num_recv_rows=P, layout=layout)
+        return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
+
+    def _verify_slots(self, slots: torch.Tensor, c, num_local_experts: int) -> None:
+        """Host check of every rank's signature and error flags, as written into our control slots."""
+        host = slots.tolist()
+        self.after_host_sync()
+        names = list(c.signature())
+        differing = [f"{name}: {[row[i] for row in host]}" for i, name in enumerate(names)
+                     if len({row[i] for row in host}) > 1]
+        if differing:
+            raise ValueError("ranks called dispatch with different arguments (per rank): " + "; ".join(differing))
+        if c.handle is not None:
+            return
+        pending = self.pending_flags.tolist()
+        if any(pending):
+            self.check_pending_errors()
+        self.raise_for_flags([row[SIGNATURE_LEN + 1 + num_local_experts] for row in host], c.topk_idx,
+                             c.num_experts, "")
+
+    # ------------------------------------------------------------------------------------------------
+    # Combine
+    # ------------------------------------------------------------------------------------------------
+    def combine(self, c) -> tuple:
+        self.after_host_sync()
+        inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None]
+        outputs, event = self._run(lambda: self._combine_kernels(c), c.previous_event, c.async_with_compute_stream,
+                                   inputs)
+        combined, combined_w = outputs
+        return combined, combined_w, event
+
+    def _combine_kernels(self, c):
+        handle: EPHandle = c.handle
+        lay: CudaLayout = handle.layout
+        R, K, N, E = self.num_ranks, handle.num_topk, handle.num_tokens, handle.num_experts
+        cap, dev, hidden = handle.num_max_tokens_per_rank, self.device, c.x.shape[1]
+        data_bytes = hidden * c.x.element_size()
+        weights = c.topk_weights
+        wb = 0 if weights is None else weights.element_size()
+        meta_offset = _align16(data_bytes)
+        row_stride = meta_offset + _align16(wb * (1 if handle.do_expand else K))
+        num_slots = 1
+        if handle.do_expand:
+            # As many slots per round as the region holds: each round adds its slots in ascending order.
+            num_slots = min(K, self.region_bytes // max(1, R * cap * row_stride))
+            if num_slots == 0:
+                raise ValueError(f"combine rows of {row_stride} bytes do not fit the receive region "
+                                 f"({self.region_bytes} bytes for {R} ranks x {cap} tokens)")
+        num_rounds = -(-K // num_slots) if handle.do_expand else 1
+        params = self._ep_params(N, cap, E, K, row_stride, data_bytes, 0, meta_offset, wb, 1, rows_per_token=num_slots)
+
+        combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
+        combined_w = None if weights is None else torch.empty(N, K, dtype=weights.dtype, device=dev)
+        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        acc = torch.empty(N, hidden, dtype=acc_dtype, device=dev) if num_rounds > 1 else None
+        bias = list(c.bias) + [None] * (2 - len(c.bias))
+        for r in range(num_rounds):
+            slot_begin, slot_end = r * num_slots, min(K, (r + 1) * num_slots)
+            self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before combine")
+            self._check(self.lib.moe_comm_combine_send(
+                ctypes.byref(params), ctypes.c_void_p(c.x.data_ptr()), ctypes.c_void_p(_ptr(weights)),
+                ctypes.c_void_p(handle.psum_num_recv_tokens_per_rank.data_ptr()),
+                ctypes.c_void_p(_ptr(lay.expand_row_MK)), int(handle.do_expand), slot_begin, slot_end, num_slots,
+                c.num_sms, COPY_THREADS, self._stream()), "combine send")
+            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "combine")
+            args = _ReduceArgs(lay.send_pos_NR.data_ptr(), handle.topk_idx.data_ptr(), _ptr(acc), _ptr(bias[0]),
+                               _ptr(bias[1]), combined.data_ptr(), _ptr(combined_w), hidden, int(handle.do_expand),
+                               slot_begin, slot_end, num_slots, int(r == 0), int(r == num_rounds - 1))
+            self._check(self.lib.moe_comm_combine_reduce(ctypes.byref(params), ctypes.byref(args),
+                                                         DTYPE_CODES[c.x.dtype], c.num_sms, REDUCE_THREADS,
+                                                         self._stream()), "combine reduce")
+        return (combined, combined_w), [], []

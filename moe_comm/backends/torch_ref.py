@@ -314,9 +314,12 @@ class TorchRefBackend:
     # ------------------------------------------------------------------------------------------------
     # Dispatch
     # ------------------------------------------------------------------------------------------------
-    def dispatch(self, c) -> tuple:
-        """Run a validated `DispatchCall` (see `moe_comm.buffer`)."""
+    def dispatch(self, c, verify_agreement: bool) -> tuple:
+        """Run a validated `DispatchCall` (see `moe_comm.buffer`); first check that all ranks called it with the
+        same sizes when `verify_agreement`."""
         self.after_host_sync()
+        if verify_agreement:
+            self.check_agreement("dispatch", c.signature())
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
         body = (lambda: self._cached_dispatch_body(c)) if c.handle is not None else (lambda: self._dispatch_body(c))
         outputs, event = self._run(body, c.previous_event, c.async_with_compute_stream, inputs)
