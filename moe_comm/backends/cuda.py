@@ -130,10 +130,10 @@ def load_kernels() -> ctypes.CDLL:
     lib = jit.load("moe_comm_kernels", sources, include_dirs=includes)
     lib.moe_comm_error_string.restype = ctypes.c_char_p
     # The structs above must match the C++ ones byte for byte.
-    sizes = {(lib.moe_comm_sizeof_params, 0): _BlockCopyParams, (lib.moe_comm_sizeof_params, 1): _SyncParams,
-             (lib.moe_comm_sizeof_ep_structs, 0): _EpParams, (lib.moe_comm_sizeof_ep_structs, 1): _RecvOutputs,
-             (lib.moe_comm_sizeof_ep_structs, 2): _ReduceArgs}
-    for (fn, which), struct in sizes.items():
+    sizes = [(lib.moe_comm_sizeof_params, 0, _BlockCopyParams), (lib.moe_comm_sizeof_params, 1, _SyncParams),
+             (lib.moe_comm_sizeof_ep_structs, 0, _EpParams), (lib.moe_comm_sizeof_ep_structs, 1, _RecvOutputs),
+             (lib.moe_comm_sizeof_ep_structs, 2, _ReduceArgs)]
+    for fn, which, struct in sizes:
         assert fn(which) == ctypes.sizeof(struct), f"{struct.__name__}: C {fn(which)} != Python {ctypes.sizeof(struct)}"
     return lib
 
@@ -260,10 +260,11 @@ class CudaBackend(TorchRefBackend):
                              f"bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
         if SLOTS_OFFSET + R * (SIGNATURE_LEN + L + 2) * 8 > CONTROL_BYTES:
             raise ValueError(f"{L} local experts x {R} ranks do not fit the control region of the CUDA backend")
+        # Always SIGNATURE_LEN values (zero-padded): the slot layout must not depend on the call.
         sig = (ctypes.c_int64 * SIGNATURE_LEN)(*signature)
         return _EpParams(self.symm.buffer_ptrs_dev, self.buffer.data_ptr(), CONTROL_BYTES, SLOTS_OFFSET,
                          SIGNATURE_LEN + L + 2, num_tokens, cap, row_stride, data_bytes, scale_bytes, meta_offset,
-                         self.rank, R, num_experts, L, num_topk, weight_bytes, expert_alignment, len(signature), sig)
+                         self.rank, R, num_experts, L, num_topk, weight_bytes, expert_alignment, SIGNATURE_LEN, sig)
 
     def _slots(self, num_local_experts: int) -> torch.Tensor:
         """The control slots as `[R, SIGNATURE_LEN + L + 2]` int64 (a view of our buffer)."""
@@ -395,6 +396,7 @@ class CudaBackend(TorchRefBackend):
         host = slots.tolist()
         self.after_host_sync()
         names = list(c.signature())
+        assert len(names) <= SIGNATURE_LEN
         differing = [f"{name}: {[row[i] for row in host]}" for i, name in enumerate(names)
                      if len({row[i] for row in host}) > 1]
         if differing:
