@@ -180,11 +180,12 @@ __global__ void dispatch_send_impl(EpParams p, const uint8_t* x, const uint8_t* 
         // Data: 16-byte vectors, kUnroll loads in flight before the stores to every destination.
         const int4* src = reinterpret_cast<const int4*>(x + t * p.data_bytes);
         const int64_t num_vecs = p.data_bytes / 16;
-        for (int64_t v0 = lane; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
+        // NOTES: the loop bounds are warp-uniform, because the shuffle below needs every lane.
+        for (int64_t v0 = 0; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
             int4 values[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-                const int64_t v = v0 + u * kWarpSize;
+                const int64_t v = v0 + lane + u * kWarpSize;
                 if (v < num_vecs) values[u] = ld_nc_v4(src + v);
             }
             for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
@@ -193,7 +194,7 @@ __global__ void dispatch_send_impl(EpParams p, const uint8_t* x, const uint8_t* 
                 int4* dst = reinterpret_cast<int4*>(p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride);
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
-                    const int64_t v = v0 + u * kWarpSize;
+                    const int64_t v = v0 + lane + u * kWarpSize;
                     if (v < num_vecs) dst[v] = values[u];
                 }
             }
