@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Fresh-machine main job: creates .venv if missing, installs moe_comm, runs the 2-rank dispatch/combine demo
-# and benchmark (NCCL on 2 GPUs when present, else gloo on CPU). Extra arguments go to scripts/demo.py.
+# Fresh-machine main job: creates .venv if missing, installs moe_comm with megatron-core, wandb and tqdm, then
+# trains the GPT-MoE recipe (recipes/megatron_moe) on 2 processes with torchrun: the `tiny` preset over gloo on
+# CPU, the `small` preset on 2 GPUs. It trains with Megatron's alltoall dispatcher and with moe_comm from the
+# same seed, then compares the loss curves and speed; the last lines are the summary and the wandb run
+# directories (offline runs unless WANDB_MODE says otherwise; `wandb sync DIR` uploads one later).
+# First it prints the 2-rank dispatch/combine benchmark table (scripts/demo.py, with the NCCL/gloo baseline).
+# Extra arguments go to train.py, e.g. `scripts/run.sh --steps 10 --do-expand`; OUT sets the output folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -8,5 +13,22 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Pinned torch: the CPU wheel for Python 3.11 lies on disk; an unpinned resolve downloads GB of CUDA wheels.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e .
-exec .venv/bin/python scripts/demo.py "$@"
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[recipe]"
+
+num_gpus=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count())")
+preset=tiny
+if [ "$num_gpus" -ge 2 ]; then
+    preset=small
+fi
+echo "== scripts/demo.py: dispatch/combine on 2 processes"
+.venv/bin/python scripts/demo.py --iters 10
+out=${OUT:-runs/megatron_moe}
+mkdir -p "$out"
+export WANDB_MODE=${WANDB_MODE:-offline}
+echo "== recipes/megatron_moe: preset $preset on 2 processes ($num_gpus GPUs), output in $out"
+for dispatcher in alltoall moe_comm; do
+    .venv/bin/torchrun --standalone --nproc-per-node 2 recipes/megatron_moe/train.py --preset "$preset" \
+        --dispatcher "$dispatcher" --out "$out" --metrics-json "$out/metrics-$preset-$dispatcher.json" "$@"
+done
+exec .venv/bin/python recipes/megatron_moe/compare.py "$out/metrics-$preset-moe_comm.json" \
+    "$out/metrics-$preset-alltoall.json"

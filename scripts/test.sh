@@ -9,5 +9,7 @@ fi
 # torch first and pinned: the CPU wheel for Python 3.11 lies on the CI machines' disk; an unpinned
 # resolve would download several GB of CUDA wheels.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+# megatron-core, wandb and tqdm for the Megatron parity tests and the recipe smoke run (tests/test_megatron.py,
+# tests/test_recipe.py); torch stays pinned.
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev,recipe]"
 exec .venv/bin/python -m pytest -q --durations=15 "$@"

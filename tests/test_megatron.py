@@ -326,7 +326,8 @@ def test_expert_alignment_follows_router_padding():
     from moe_comm.integrations.megatron import MoECommConfig, expert_alignment_for
 
     def cfg(**kw):
-        base = dict(moe_router_padding_for_quantization=False, fp8=None, fp8_recipe="delayed", fp4=None)
+        base = dict(moe_router_padding_for_quantization=False, fp8=None, fp8_recipe="delayed", fp4=None,
+                    use_transformer_engine_op_fuser=False)  # read by megatron-core >= 0.18
         return types.SimpleNamespace(**{**base, **kw})
 
     assert expert_alignment_for(cfg(), MoECommConfig()) == 1
@@ -356,14 +357,25 @@ def test_layer_spec_forms():
 
     from moe_comm.integrations.megatron import MoECommConfig, MoECommMoELayer, moe_comm_layer_spec
 
-    options = MoECommConfig(do_expand=True)
-    spec = get_gpt_layer_local_spec(num_experts=4)
-    new = moe_comm_layer_spec(spec, options)
-    assert spec.submodules.mlp.module is MoELayer
-    assert new.submodules.mlp.module is MoECommMoELayer and new.submodules.mlp.params["moe_comm_config"] is options
-    assert new.submodules.mlp.submodules == spec.submodules.mlp.submodules
+    def target(builder):  # the class a builder makes, in either spec form
+        return builder.func if isinstance(builder, functools.partial) else builder.module
 
-    submodules = MoESubmodules()
+    def options_of(builder):
+        return builder.keywords["moe_comm_config"] if isinstance(builder, functools.partial) \
+            else builder.params["moe_comm_config"]
+
+    options = MoECommConfig(do_expand=True)
+    spec = get_gpt_layer_local_spec(num_experts=4)  # ModuleSpec mlp up to 0.17, partial from 0.18
+    new = moe_comm_layer_spec(spec, options)
+    assert target(spec.submodules.mlp) is MoELayer
+    assert target(new.submodules.mlp) is MoECommMoELayer and options_of(new.submodules.mlp) is options
+
+    old_mlp = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=None))
+    new = moe_comm_layer_spec(ModuleSpec(module=object, submodules=types.SimpleNamespace(mlp=old_mlp)), options)
+    assert new.submodules.mlp.module is MoECommMoELayer and new.submodules.mlp.params["moe_comm_config"] is options
+    assert new.submodules.mlp.submodules == old_mlp.submodules
+
+    submodules = MoESubmodules(experts=None)
     partial_spec = ModuleSpec(module=object, submodules=types.SimpleNamespace(
         mlp=functools.partial(MoELayer, submodules=submodules)))
     new = moe_comm_layer_spec(partial_spec, options)
@@ -374,8 +386,8 @@ def test_layer_spec_forms():
     dense = get_gpt_layer_local_spec(num_experts=None)
     block = types.SimpleNamespace(layer_specs=[dense, spec])
     new = moe_comm_layer_spec(block)
-    assert new.layer_specs[0].submodules.mlp.module is dense.submodules.mlp.module
-    assert new.layer_specs[1].submodules.mlp.module is MoECommMoELayer
+    assert target(new.layer_specs[0].submodules.mlp) == target(dense.submodules.mlp)
+    assert target(new.layer_specs[1].submodules.mlp) is MoECommMoELayer
     with pytest.raises(ValueError, match="no MoELayer"):
         moe_comm_layer_spec(dense)
 

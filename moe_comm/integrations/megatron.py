@@ -629,9 +629,9 @@ def _main(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-__all__ = ["MoECommConfig", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec",
-           "install_flex_dispatcher", "flex_last_num_sms", "routing_map_to_topk", "expert_alignment_for", "get_buffer", "clear_buffers", "fused_dispatch",
-           "fused_combine", "set_deepep_num_sms"]
+__all__ = ["MoECommConfig", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "expert_alignment_for",
+           "routing_map_to_topk", "install_flex_dispatcher", "flex_last_num_sms", "fused_dispatch", "fused_combine",
+           "set_deepep_num_sms", "get_buffer", "clear_buffers"]
 
 if __name__ == "__main__":
     _main(sys.argv[1:])

@@ -1,0 +1,44 @@
+"""Compare two runs of train.py (their --metrics-json files): loss curves and speed.
+
+    python recipes/megatron_moe/compare.py runs/moe_comm.json runs/alltoall.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("metrics", nargs=2, help="two --metrics-json files of runs with the same preset and seed")
+    p.add_argument("--max-loss-diff", type=float, default=None, help="exit 1 if the curves differ by more")
+    args = p.parse_args(argv)
+    a, b = (load(path) for path in args.metrics)
+    sa, sb = a["summary"], b["summary"]
+    for key in ("preset", "seed", "steps"):
+        if sa[key] != sb[key]:
+            print(f"error: the runs differ in {key}: {sa[key]!r} vs {sb[key]!r}", file=sys.stderr)
+            return 2
+    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a["history"], b["history"])]
+    max_diff = max(diffs)
+    worst = diffs.index(max_diff) + 1
+    print(f"COMPARE preset={sa['preset']} steps={sa['steps']} seed={sa['seed']} | max |loss diff| {max_diff:.3g} "
+          f"(step {worst}) | final loss {sa['dispatcher']} {sa['final_loss']:.4f}, {sb['dispatcher']} "
+          f"{sb['final_loss']:.4f} | tokens/s {sa['dispatcher']} {sa['mean_tokens_per_s']:.0f}, {sb['dispatcher']} "
+          f"{sb['mean_tokens_per_s']:.0f}")
+    print(f"wandb run directories: {sa['dispatcher']} {sa['wandb_run_dir']} | {sb['dispatcher']} {sb['wandb_run_dir']}")
+    if args.max_loss_diff is not None and max_diff > args.max_loss_diff:
+        print(f"error: max |loss diff| {max_diff:.3g} > --max-loss-diff {args.max_loss_diff:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Train a GPT-MoE with megatron-core APIs and moe_comm as the token dispatcher; log to wandb.
+
+    torchrun --nproc-per-node 2 recipes/megatron_moe/train.py --preset tiny                    # CPU, gloo
+    torchrun --nproc-per-node 2 recipes/megatron_moe/train.py --preset small --dispatcher alltoall  # 2 GPUs
+
+Every rank holds `num_experts / world_size` experts (expert parallelism over all ranks, no tensor or pipeline
+parallelism); dense weights are data-parallel (gradients averaged with all-reduce). Mock data: random tokens
+from a seeded generator, so two runs with the same seed see the same batches and their loss curves compare
+directly. `--dispatcher` picks moe_comm (route A, the layer spec), moe_comm_flex (route B, Megatron's flex
+dispatcher backed by moe_comm) or Megatron's alltoall.
+
+Logged every step (wandb, offline unless WANDB_MODE says otherwise; the run directory is printed at the end):
+loss, tokens/s, forward dispatch and combine time per step (summed over layers, from the call to the moment
+the result is usable) and their bandwidth (logical bytes: all received rows, DeepEP's metric), SMs the
+moe_comm kernels ran with, and the dispatcher (in the run config). `--metrics-json` keeps the same numbers
+for `compare.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repo root, for `recipes.megatron_moe`
+
+from recipes.megatron_moe.model import DISPATCHERS, ModelDims, build_gpt, initialize_megatron, mock_batch  # noqa: E402
+from recipes.megatron_moe.model import transformer_config  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model and run size."""
+
+    dims: ModelDims
+    micro_batch_size: int
+    dtype: torch.dtype
+    lr: float
+    steps: int
+
+
+PRESETS = {
+    # CPU smoke run over gloo: seconds per step on 2 cores.
+    "tiny": Preset(ModelDims(num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=8, moe_router_topk=2,
+                             moe_ffn_hidden_size=64, seq_length=64, vocab_size=256),
+                   micro_batch_size=2, dtype=torch.float32, lr=3e-3, steps=30),
+    # 2x H200: 8192 tokens per rank per step, bf16 with fp32 master weights.
+    "small": Preset(ModelDims(num_layers=4, hidden_size=1024, num_attention_heads=16, num_experts=16,
+                              moe_router_topk=4, moe_ffn_hidden_size=2048, seq_length=2048, vocab_size=32768),
+                    micro_batch_size=4, dtype=torch.bfloat16, lr=3e-4, steps=50),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--dispatcher", choices=DISPATCHERS, default="moe_comm")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto", help="moe_comm Buffer backend")
+    p.add_argument("--do-expand", action="store_true", help="moe_comm route A: expand layout (no local permute)")
+    p.add_argument("--quantize", choices=("fp8_block128", "mxfp8"), default=None, help="FP8 on the wire (bf16 only)")
+    p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--out", default="runs/megatron_moe", help="output folder (wandb runs, metrics)")
+    p.add_argument("--metrics-json", default=None, help="write per-step metrics here (rank 0)")
+    p.add_argument("--wandb-project", default="moe_comm-megatron")
+    p.add_argument("--wandb-run-name", default=None)
+    p.add_argument("--no-wandb", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps={args.steps} must be >= 1")
+    if args.log_interval < 1:
+        p.error(f"--log-interval={args.log_interval} must be >= 1")
+    return args
+
+
+class CommTimer:
+    """Forward dispatch/combine time and logical bytes per step, for any of the three dispatchers.
+
+    moe_comm (route A) times from `token_dispatch` to `wait_dispatch` (where the result becomes usable; the
+    communication may overlap other work in between), Megatron's dispatchers time `token_dispatch` /
+    `token_combine` (synchronous). CUDA events on GPUs, the host clock on CPU.
+    """
+
+    def __init__(self, use_cuda: bool) -> None:
+        self.use_cuda = use_cuda
+        self._open: dict[str, object] = {}
+        self._spans: dict[str, list] = {"dispatch": [], "combine": []}
+        self.bytes = {"dispatch": 0, "combine": 0}
+
+    def _mark(self):
+        if self.use_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, phase: str) -> None:
+        self._open[phase] = self._mark()
+
+    def stop(self, phase: str) -> None:
+        if phase in self._open:
+            self._spans[phase].append((self._open.pop(phase), self._mark()))
+
+    def step_metrics(self) -> dict[str, float]:
+        """Milliseconds and GB/s per phase for the step that just ended; resets the counters."""
+        if self.use_cuda:
+            torch.cuda.synchronize()
+        out = {}
+        for phase, spans in self._spans.items():
+            secs = sum(a.elapsed_time(b) / 1e3 if self.use_cuda else b - a for a, b in spans)
+            out[f"{phase}_ms"] = secs * 1e3
+            out[f"{phase}_gbps"] = self.bytes[phase] / secs / 1e9 if secs > 0 else 0.0
+            spans.clear()
+            self.bytes[phase] = 0
+        return out
+
+    def instrument(self, dispatcher) -> None:
+        """Wrap one layer's token dispatcher (instance attributes; the class is untouched)."""
+        token_dispatch, token_combine = dispatcher.token_dispatch, dispatcher.token_combine
+        is_async = hasattr(dispatcher, "wait_dispatch")
+
+        def timed_dispatch(hidden, probs):
+            self.start("dispatch")
+            out = token_dispatch(hidden, probs)
+            self.bytes["dispatch"] += out[0].numel() * out[0].element_size()
+            if not is_async:
+                self.stop("dispatch")
+            return out
+
+        def timed_combine(hidden):
+            self.start("combine")
+            self.bytes["combine"] += hidden.numel() * hidden.element_size()
+            out = token_combine(hidden)
+            if not is_async:
+                self.stop("combine")
+            return out
+
+        dispatcher.token_dispatch, dispatcher.token_combine = timed_dispatch, timed_combine
+        if is_async:
+            wait_dispatch, wait_combine = dispatcher.wait_dispatch, dispatcher.wait_combine
+
+            def timed_wait_dispatch():
+                wait_dispatch()
+                self.stop("dispatch")
+
+            def timed_wait_combine():
+                wait_combine()
+                self.stop("combine")
+
+            dispatcher.wait_dispatch, dispatcher.wait_combine = timed_wait_dispatch, timed_wait_combine
+
+
+def reduce_gradients(model: torch.nn.Module) -> None:
+    """Average gradients over data parallelism: dense weights over the data-parallel group, expert weights
+    (Megatron marks them `allreduce=False`) over the expert-data-parallel group, both scaled by 1/DP."""
+    from megatron.core import parallel_state as ps
+
+    dp_size = ps.get_data_parallel_world_size()
+    groups = {True: ps.get_data_parallel_group(), False: ps.get_expert_data_parallel_group()}
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        group = groups[getattr(param, "allreduce", True)]
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(dp_size)
+
+
+class MasterAdam:
+    """Adam on fp32 master copies of (possibly bf16) model weights."""
+
+    def __init__(self, params, lr: float) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = torch.optim.Adam(self.master, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+                p.grad = None
+
+
+def sms_in_use(dispatcher: str, model) -> int:
+    """SMs moe_comm's last dispatch ran with (0 for Megatron's alltoall, which runs on NCCL's channels)."""
+    if dispatcher == "moe_comm":
+        return max(layer.mlp.token_dispatcher.last_num_sms for layer in model.decoder.layers)
+    if dispatcher == "moe_comm_flex":
+        from moe_comm.integrations.megatron import flex_last_num_sms
+
+        return flex_last_num_sms()
+    return 0
+
+
+def init_wandb(args, preset: Preset, world_size: int, out_dir: str):
+    """wandb on rank 0, offline unless WANDB_MODE is set; None with --no-wandb."""
+    if args.no_wandb:
+        return None
+    import wandb
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    config = {**vars(args), **dataclasses.asdict(preset.dims), "dtype": str(preset.dtype).replace("torch.", ""),
+              "micro_batch_size": preset.micro_batch_size, "world_size": world_size, "lr": preset.lr}
+    name = args.wandb_run_name or f"{args.preset}-{args.dispatcher}-seed{args.seed}"
+    return wandb.init(project=args.wandb_project, name=name, dir=out_dir, config=config,
+                      settings=wandb.Settings(console="off"))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    preset = PRESETS[args.preset]
+    steps = args.steps or preset.steps
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(1)  # one core per rank
+        from recipes.megatron_moe.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    if preset.dtype == torch.bfloat16 and not use_cuda:
+        print("warning: the bf16 preset on CPU is slow; use --preset tiny", file=sys.stderr)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    initialize_megatron(world_size, args.seed)
+
+    restore_flex = None
+    moe_comm_config = None
+    if args.dispatcher.startswith("moe_comm"):
+        from moe_comm.integrations.megatron import MoECommConfig, install_flex_dispatcher
+
+        if args.dispatcher == "moe_comm_flex":
+            restore_flex = install_flex_dispatcher(backend=args.backend, quantize=args.quantize)
+        else:
+            moe_comm_config = MoECommConfig(backend=args.backend, do_expand=args.do_expand, quantize=args.quantize)
+    config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype)
+    model = build_gpt(config, preset.dims, args.dispatcher, moe_comm_config).to(device)
+    timer = CommTimer(use_cuda)
+    for layer in model.decoder.layers:
+        timer.instrument(layer.mlp.token_dispatcher)
+    optimizer = MasterAdam(model.parameters(), preset.lr)
+
+    out_dir = os.path.abspath(args.out)
+    run = None
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        run = init_wandb(args, preset, world_size, out_dir)
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    tokens_per_step = preset.micro_batch_size * preset.dims.seq_length * world_size
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc=f"{args.preset}/{args.dispatcher}", unit="step", dynamic_ncols=True,
+                   disable=None)  # None: shown on a terminal, off in logs (the log lines stay)
+    history = []
+    for step in range(1, steps + 1):
+        batch = mock_batch(preset.dims, preset.micro_batch_size, generator, device)
+        if use_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                     labels=batch["labels"]).float().mean()
+        loss.backward()
+        reduce_gradients(model)
+        optimizer.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        global_loss = global_loss.item() / world_size
+        elapsed = time.perf_counter() - start  # .item() above waited for the device
+        comm = timer.step_metrics()
+        num_sms = sms_in_use(args.dispatcher, model)
+        metrics = dict(step=step, loss=global_loss, tokens_per_s=tokens_per_step / elapsed, step_s=elapsed,
+                       num_sms=num_sms, **comm)
+        history.append(metrics)
+        if rank == 0:
+            if run is not None:
+                run.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{global_loss:.4f}")
+            if step % args.log_interval == 0 or step == steps:
+                bar.write(f"step {step:4d}/{steps} | loss {global_loss:.4f} | {metrics['tokens_per_s']:9.0f} tok/s | "
+                          f"dispatch {comm['dispatch_ms']:7.2f} ms {comm['dispatch_gbps']:6.2f} GB/s | "
+                          f"combine {comm['combine_ms']:7.2f} ms {comm['combine_gbps']:6.2f} GB/s | "
+                          f"SMs {num_sms or '-'} | {args.dispatcher}")
+    if rank == 0:
+        bar.close()
+        skip = min(3, steps - 1)  # first steps include warm-up (allocations, NCCL/buffer set-up)
+        steady = history[skip:]
+        mean = {k: sum(h[k] for h in steady) / len(steady) for k in ("tokens_per_s", "dispatch_ms", "combine_ms")}
+        run_dir = os.path.dirname(run.dir) if run is not None else "none (--no-wandb)"
+        summary = dict(preset=args.preset, dispatcher=args.dispatcher, steps=steps, seed=args.seed,
+                       world_size=world_size, first_loss=history[0]["loss"], final_loss=history[-1]["loss"],
+                       wandb_run_dir=run_dir, **{f"mean_{k}": v for k, v in mean.items()})
+        if run is not None:
+            run.summary.update({k: v for k, v in summary.items() if k != "wandb_run_dir"})
+            run.finish()
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as f:
+                json.dump(dict(summary=summary, history=history), f, indent=1)
+        print(f"SUMMARY preset={args.preset} dispatcher={args.dispatcher} steps={steps} "
+              f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
+              f"{mean['tokens_per_s']:.0f} tokens/s | dispatch {mean['dispatch_ms']:.2f} ms, "
+              f"combine {mean['combine_ms']:.2f} ms per step")
+        print(f"wandb run directory: {run_dir}")
+    if restore_flex is not None:
+        restore_flex()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
