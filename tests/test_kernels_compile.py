@@ -26,3 +26,14 @@ def test_kernel_library_compiles_for_sm90a(name):
     sources, include_dirs = cuda_backend.kernel_sources()[name]
     seconds = jit.compile_check(sources, include_dirs=include_dirs, arch="sm_90a")
     print(f"{name}: {seconds:.1f} s")
+
+
+def test_kernel_library_loads_and_structs_match(tmp_path, monkeypatch):
+    """The built library opens without a GPU (static CUDA runtime) and every ctypes struct the backend passes
+    has the size of its C++ twin (load_kernels asserts it)."""
+    nvcc_or_skip()
+    monkeypatch.setenv("MOE_COMM_JIT_CACHE_DIR", str(tmp_path))
+    lib = cuda_backend.load_kernels()
+    for symbol in ("moe_comm_layout", "moe_comm_dispatch_send", "moe_comm_dispatch_recv", "moe_comm_combine_send",
+                   "moe_comm_combine_reduce", "moe_comm_signal_wait", "moe_comm_copy_blocks"):
+        assert hasattr(lib, symbol), symbol
