@@ -245,10 +245,15 @@ class Buffer:
                 f"create the Buffer with larger maxima (Buffer.get_buffer_size_hint)")
 
     @staticmethod
-    def _check_row_bytes(name: str, hidden: int, elem_size: int) -> None:
+    def _check_rows(name: str, t: torch.Tensor) -> None:
+        """Rows move as 16-byte vectors: their size and the tensor's address must be multiples of 16 bytes."""
+        hidden, elem_size = t.shape[1], t.element_size()
         if hidden * elem_size % 16:
             raise ValueError(f"{name} rows are {hidden} x {elem_size} = {hidden * elem_size} bytes, "
                              f"not a multiple of 16")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} starts at an address that is not 16-byte aligned (data_ptr % 16 = "
+                             f"{t.data_ptr() % 16}); pass a fresh or cloned tensor")
 
     def _check_event(self, previous_event) -> None:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
@@ -333,6 +338,7 @@ class Buffer:
             for name, t in (("x[0]", fp8_q), ("x[1]", fp8_scales)):
                 if t.device != self.device:
                     raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
+            self._check_rows("x[0]", fp8_q)
             x = None
             num_tokens, hidden = fp8_q.shape
             elem_size = 2
@@ -340,7 +346,7 @@ class Buffer:
             self._check_tensor("x", x, DATA_DTYPES, 2)
             num_tokens, hidden = x.shape
             elem_size = x.dtype.itemsize
-            self._check_row_bytes("x", hidden, elem_size)
+            self._check_rows("x", x)
             wire_format = quantize
             if quantize is not None:
                 if x.dtype != torch.bfloat16:
@@ -437,9 +443,7 @@ class Buffer:
         self._check_alive()
         call = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
                                       async_with_compute_stream, allocate_on_comm_stream)
-        if env.get_bool("MOE_COMM_CHECK_INPUTS"):
-            self._impl.check_agreement("combine", call.signature())
-        return self._impl.combine(call)
+        return self._impl.combine(call, verify_agreement=env.get_bool("MOE_COMM_CHECK_INPUTS"))
 
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
                           allocate_on_comm_stream) -> CombineCall:
@@ -453,7 +457,7 @@ class Buffer:
             raise ValueError("handle was made by a buffer on another process group")
         self._check_tensor("x", x, DATA_DTYPES, 2)
         num_rows, hidden = x.shape
-        self._check_row_bytes("x", hidden, x.dtype.itemsize)
+        self._check_rows("x", x)
         if num_rows != handle.num_recv_rows:
             raise ValueError(f"x has {num_rows} rows, the handle's dispatch produced {handle.num_recv_rows}")
         if topk_weights is not None:
@@ -499,7 +503,9 @@ class Buffer:
         self._impl.check_pending_errors()
 
     def destroy(self) -> None:
-        """Release the buffer; later calls raise."""
+        """Release the buffer once its communication has finished; later calls raise."""
+        if self._impl is not None:
+            self._impl.close()
         self._impl = None
         self._destroyed = True
 

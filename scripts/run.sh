@@ -8,12 +8,8 @@
 # Extra arguments go to train.py, e.g. `scripts/run.sh --steps 10 --do-expand`; OUT sets the output folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-    "${PYTHON:-python3}" -m venv .venv
-fi
-# Pinned torch: the CPU wheel for Python 3.11 lies on disk; an unpinned resolve downloads GB of CUDA wheels.
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[recipe]"
+source scripts/venv.sh
+venv_install recipe
 
 num_gpus=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count())")
 preset=tiny

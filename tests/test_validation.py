@@ -38,6 +38,8 @@ def argument_errors(buf, rank):
         ("x 1-D", ValueError, "x must be 2-D", lambda: d(x[0], idx, w, num_experts=4)),
         ("x non-contiguous", ValueError, "contiguous", lambda: d(x[:, ::2], idx, w, num_experts=4)),
         ("x row bytes", ValueError, "12 x 2 = 24 bytes", lambda: d(x[:, :12].contiguous(), idx, w, num_experts=4)),
+        ("x alignment", ValueError, "x starts at an address that is not 16-byte aligned (data_ptr % 16 = 6)",
+         lambda: d(torch.cat([x.new_zeros(3), x.flatten()])[3:].view(x.shape), idx, w, num_experts=4)),
         ("too many tokens", ValueError, "(x rows) exceeds num_max_tokens_per_rank=3",
          lambda: d(x, idx, w, num_experts=4, num_max_tokens_per_rank=3)),
         ("experts per rank", ValueError, "num_experts=5 is not a multiple of the group size 2",

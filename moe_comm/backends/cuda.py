@@ -26,6 +26,7 @@ The receive order is deterministic (source rank, then source token), so `determi
 from __future__ import annotations
 
 import ctypes
+import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -139,14 +140,18 @@ def load_kernels() -> ctypes.CDLL:
 
 
 def peers_reachable(group: dist.ProcessGroup) -> bool:
-    """Whether every rank of `group` is a GPU of this host that this GPU can access directly (NVLink/P2P)."""
-    if not torch.cuda.is_available():
-        return False
-    num_ranks = dist.get_world_size(group)
-    if num_ranks > torch.cuda.device_count() or num_ranks > MAX_RANKS:
-        return False
-    me = torch.cuda.current_device()
-    return all(torch.cuda.can_device_access_peer(me, d) for d in range(torch.cuda.device_count()) if d != me)
+    """Whether every rank of `group` is a GPU of one host that can access every other directly (NVLink/P2P).
+
+    Collective over `group` (every rank must call it): ranks exchange their host name and local verdict, so all
+    of them reach the same answer.
+    """
+    local_ok = torch.cuda.is_available() and dist.get_world_size(group) <= MAX_RANKS
+    if local_ok:
+        me = torch.cuda.current_device()
+        local_ok = all(torch.cuda.can_device_access_peer(me, d) for d in range(torch.cuda.device_count()) if d != me)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (socket.gethostname(), bool(local_ok)), group=group)
+    return len({host for host, _ in everyone}) == 1 and all(ok for _, ok in everyone)
 
 
 class CudaBackend(TorchRefBackend):
@@ -175,6 +180,13 @@ class CudaBackend(TorchRefBackend):
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
+    def close(self) -> None:
+        """Wait for our streams to finish with the symmetric buffer, then free the error record."""
+        torch.cuda.synchronize(self.device)
+        if self._error_host is not None:
+            self._check(self.lib.moe_comm_free_error_record(ctypes.c_void_p(self._error_host)), "free")
+            self._error_host = None
+
     def _check(self, code: int, what: str) -> None:
         if code != 0:
             raise RuntimeError(f"moe_comm: {what} failed on rank {self.rank}: "
@@ -187,6 +199,8 @@ class CudaBackend(TorchRefBackend):
 
     def after_host_sync(self) -> None:
         """Raise (once, then refuse work) if a kernel wait timed out."""
+        if self._error_host is None:
+            raise RuntimeError("moe_comm: this buffer was destroyed")
         if self.broken is not None:
             raise RuntimeError(f"moe_comm: this buffer is unusable after an earlier error: {self.broken}")
         code, rank, phase, peer, observed, expected = (ctypes.c_int64 * 6).from_address(self._error_host)
@@ -275,16 +289,8 @@ class CudaBackend(TorchRefBackend):
     # ------------------------------------------------------------------------------------------------
     # Dispatch
     # ------------------------------------------------------------------------------------------------
-    def dispatch(self, c, verify_agreement: bool) -> tuple:
-        """Run a validated `DispatchCall`; the sizes' agreement travels in the control slots."""
-        self.after_host_sync()
-        inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
-        outputs, event = self._run(lambda: self._dispatch_kernels(c, verify_agreement), c.previous_event,
-                                   c.async_with_compute_stream, inputs)
-        recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
-        return recv_x, recv_topk_idx, recv_topk_weights, handle, event
-
-    def _dispatch_kernels(self, c, verify_agreement: bool):
+    def _dispatch_steps(self, c, verify_agreement: bool):
+        """Layout, send, wait, receive; the sizes' agreement travels in the control slots (no extra exchange)."""
         R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
         L, cap, dev, hidden = E // R, c.num_max_tokens_per_rank, self.device, c.hidden
         handle: Optional[EPHandle] = c.handle
@@ -412,15 +418,8 @@ class CudaBackend(TorchRefBackend):
     # ------------------------------------------------------------------------------------------------
     # Combine
     # ------------------------------------------------------------------------------------------------
-    def combine(self, c) -> tuple:
-        self.after_host_sync()
-        inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None]
-        outputs, event = self._run(lambda: self._combine_kernels(c), c.previous_event, c.async_with_compute_stream,
-                                   inputs)
-        combined, combined_w = outputs
-        return combined, combined_w, event
-
-    def _combine_kernels(self, c):
+    def _combine_steps(self, c):
+        """Rows back to their sources, then the reduce, in slot rounds for expand combines that need them."""
         handle: EPHandle = c.handle
         lay: CudaLayout = handle.layout
         R, K, N, E = self.num_ranks, handle.num_topk, handle.num_tokens, handle.num_experts

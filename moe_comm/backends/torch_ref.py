@@ -187,6 +187,9 @@ class TorchRefBackend:
         works = dist.batch_isend_irecv(ops) if ops else []
         return recv, list(zip(works, descriptions))
 
+    def close(self) -> None:
+        """Release what the backend holds (nothing for the reference backend)."""
+
     def after_host_sync(self) -> None:
         """Called after every host read of device values and at the start of every call (a transport that
         reports device-side errors raises them here)."""
@@ -318,13 +321,17 @@ class TorchRefBackend:
         """Run a validated `DispatchCall` (see `moe_comm.buffer`); first check that all ranks called it with the
         same sizes when `verify_agreement`."""
         self.after_host_sync()
-        if verify_agreement:
-            self.check_agreement("dispatch", c.signature())
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
-        body = (lambda: self._cached_dispatch_body(c)) if c.handle is not None else (lambda: self._dispatch_body(c))
-        outputs, event = self._run(body, c.previous_event, c.async_with_compute_stream, inputs)
+        outputs, event = self._run(lambda: self._dispatch_steps(c, verify_agreement), c.previous_event,
+                                   c.async_with_compute_stream, inputs)
         recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
         return recv_x, recv_topk_idx, recv_topk_weights, handle, event
+
+    def _dispatch_steps(self, c, verify_agreement: bool):
+        """The dispatch itself, inside the stream scope of `_run`: `(outputs, works, finalizers)`."""
+        if verify_agreement:
+            self.check_agreement("dispatch", c.signature())
+        return self._cached_dispatch_body(c) if c.handle is not None else self._dispatch_body(c)
 
     def _data_fields(self, c, hidden: int) -> list[tuple[str, torch.dtype, int]]:
         if c.wire_format is None:
@@ -533,16 +540,23 @@ class TorchRefBackend:
     # ------------------------------------------------------------------------------------------------
     # Combine
     # ------------------------------------------------------------------------------------------------
-    def combine(self, c) -> tuple:
-        """Run a validated `CombineCall` (see `moe_comm.buffer`)."""
+    def combine(self, c, verify_agreement: bool) -> tuple:
+        """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement`, first check on the
+        comm stream, after `previous_event`, that all ranks called it with the same sizes."""
         self.after_host_sync()
         inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None]
-        outputs, event = self._run(lambda: self._combine_body(c), c.previous_event, c.async_with_compute_stream,
-                                   inputs)
+
+        def steps():
+            if verify_agreement:
+                self.check_agreement("combine", c.signature())
+            return self._combine_steps(c)
+
+        outputs, event = self._run(steps, c.previous_event, c.async_with_compute_stream, inputs)
         combined_x, combined_w = outputs
         return combined_x, combined_w, event
 
-    def _combine_body(self, c):
+    def _combine_steps(self, c):
+        """The combine itself, inside the stream scope of `_run`: `(outputs, works, finalizers)`."""
         handle: EPHandle = c.handle
         lay: RefLayout = handle.layout
         R, K, N, dev = self.num_ranks, handle.num_topk, handle.num_tokens, self.device
