@@ -27,6 +27,7 @@ constexpr int kLayoutThreads = 256;
 constexpr int kWarpSize = 32;
 constexpr int kUnroll = 4;
 constexpr int kMaxSignature = 16;
+constexpr int kMaxReduceRows = 64;   // rows added per token and round: <= max(ranks, slots per round)
 
 struct EpParams {
     uint8_t* const* peer_bases;   // [num_ranks] buffer bases (device array)
@@ -63,12 +64,21 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
     return v;
 }
 
-// Copy `bytes` (a multiple of 16) with the lanes of one warp.
+// Copy `bytes` (a multiple of 16) with the lanes of one warp, kUnroll 16-byte loads in flight per lane before
+// the stores (the pointers may alias as far as the compiler knows, so the order is spelled out).
 __device__ __forceinline__ void warp_copy16(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
     const int64_t n = bytes / 16;
-    for (int64_t i = lane; i < n; i += kWarpSize) d[i] = s[i];
+    int64_t i = lane;
+    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = s[i + u * kWarpSize];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) d[i + u * kWarpSize] = v[u];
+    }
+    for (; i < n; i += kWarpSize) d[i] = s[i];
 }
 
 __device__ __forceinline__ void warp_copy4(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
@@ -240,6 +250,8 @@ struct RecvOutputs {
     int32_t* expand_row;     // [M, K] or null (non-expand)
     int64_t* psum_rank;      // [R] inclusive, or null
     int64_t* psum_expert;    // [L] inclusive aligned, or null
+    int64_t num_rows;        // M: rows of topk_idx / src_idx / expand_row (and x when not expanding)
+    int64_t num_expand_rows; // P when expanding
     int32_t do_expand;
     int32_t padding;
 };
@@ -256,7 +268,10 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
     int64_t* run_base = aligned + L;
     const int64_t* slots = reinterpret_cast<const int64_t*>(p.local_base + p.counts_offset);
 
-    for (int s = threadIdx.x; s < R; s += blockDim.x) rows_from[s] = slots[s * p.counts_stride + p.num_signature];
+    // NOTES: counts come from peers; clamping keeps a disagreeing or timed-out peer from pushing writes past
+    // the block or the outputs (its rows are then wrong, and the host raises for the timeout).
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+        rows_from[s] = min(max(slots[s * p.counts_stride + p.num_signature], int64_t(0)), p.cap);
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int64_t c = 0;
         for (int s = 0; s < R; ++s) c += slots[s * p.counts_stride + p.num_signature + 1 + l];
@@ -305,12 +320,14 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
         const int32_t* ranks = local_ids + K;
         const uint8_t* w = meta + 8 + 8 * K;
         const int64_t m = rank_start[s] + i;
+        if (m >= out.num_rows) continue;
         if (out.src_idx && lane == 0) out.src_idx[m] = *reinterpret_cast<const int64_t*>(meta);
         for (int j = lane; j < K; j += kWarpSize) {
             if (out.topk_idx) out.topk_idx[m * K + j] = local_ids[j];
             if (out.expand_row) {
                 const int32_t l = local_ids[j];
-                out.expand_row[m * K + j] = l >= 0 ? static_cast<int32_t>(run_base[s * L + l] + ranks[j]) : -1;
+                const int64_t r = l >= 0 && l < L ? run_base[s * L + l] + ranks[j] : -1;
+                out.expand_row[m * K + j] = r >= 0 && r < out.num_expand_rows ? static_cast<int32_t>(r) : -1;
             }
             if (out.weights && !out.do_expand)
                 for (int64_t b = 0; b < wb; ++b) out.weights[(m * K + j) * wb + b] = w[j * wb + b];
@@ -322,8 +339,9 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
         }
         for (int j = 0; j < K; ++j) {
             const int32_t l = local_ids[j];
-            if (l < 0) continue;
+            if (l < 0 || l >= L) continue;
             const int64_t r = run_base[s * L + l] + ranks[j];
+            if (r < 0 || r >= out.num_expand_rows) continue;
             warp_copy16(out.x + r * p.data_bytes, row, p.data_bytes, lane);
             if (out.scales) warp_copy4(out.scales + r * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
             if (out.weights && lane < wb) out.weights[r * wb + lane] = w[j * wb + lane];
@@ -332,7 +350,8 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
     // Expand padding rows are zero (data, scales, weight).
     if (out.do_expand) {
         for (int64_t l = warp; l < L; l += num_warps) {
-            for (int64_t r = expert_start[l] + expert_count[l]; r < expert_start[l] + aligned[l]; ++r) {
+            const int64_t end = min(expert_start[l] + aligned[l], out.num_expand_rows);
+            for (int64_t r = expert_start[l] + expert_count[l]; r < end; ++r) {
                 warp_zero16(out.x + r * p.data_bytes, p.data_bytes, lane);
                 if (out.scales)
                     for (int64_t b = lane; b < p.scale_bytes / 4; b += kWarpSize)
@@ -420,35 +439,60 @@ struct ReduceArgs {
 template <typename T>
 __global__ void combine_reduce_impl(EpParams p, ReduceArgs a) {
     using Acc = typename AccOf<T>::type;
+    constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+    __shared__ const uint8_t* rows[kMaxReduceRows];
+    __shared__ int num_rows;
     const int R = p.num_ranks, K = p.num_topk, L = p.num_local_experts;
     const uint8_t* region = p.local_base + p.region_offset;
-    const int64_t H = a.hidden, wb = p.weight_bytes;
+    const int64_t H = a.hidden, wb = p.weight_bytes, num_vecs = a.hidden / kVec;
     for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
         const int64_t* pos = a.send_pos + t * R;
         const int64_t* experts = a.clean_idx + t * K;
-        for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-            Acc acc = a.first_round ? Acc(0) : static_cast<Acc*>(a.acc)[t * H + h];
+        // The rows to add, in the documented order: ascending rank (non-expand) or ascending slot (expand).
+        if (threadIdx.x == 0) {
+            int n = 0;
             if (!a.do_expand) {
-                for (int d = 0; d < R; ++d) {
-                    if (pos[d] < 0) continue;
-                    const T* row = reinterpret_cast<const T*>(region + (static_cast<int64_t>(d) * p.cap + pos[d]) * p.row_stride);
-                    acc += to_acc<T>(row[h]);
-                }
+                for (int d = 0; d < R; ++d)
+                    if (pos[d] >= 0) rows[n++] = region + (static_cast<int64_t>(d) * p.cap + pos[d]) * p.row_stride;
             } else {
                 for (int j = a.slot_begin; j < a.slot_end; ++j) {
                     if (experts[j] < 0) continue;
                     const int d = static_cast<int>(experts[j] / L);
-                    const int64_t sub = (static_cast<int64_t>(d) * p.cap + pos[d]) * a.num_slots + (j - a.slot_begin);
-                    acc += to_acc<T>(reinterpret_cast<const T*>(region + sub * p.row_stride)[h]);
+                    rows[n++] = region + ((static_cast<int64_t>(d) * p.cap + pos[d]) * a.num_slots +
+                                          (j - a.slot_begin)) * p.row_stride;
                 }
             }
-            if (a.last_round) {
-                if (a.bias0) acc += to_acc<T>(static_cast<const T*>(a.bias0)[t * H + h]);
-                if (a.bias1) acc += to_acc<T>(static_cast<const T*>(a.bias1)[t * H + h]);
-                static_cast<T*>(a.out)[t * H + h] = from_acc<T>(acc);
-            } else {
-                static_cast<Acc*>(a.acc)[t * H + h] = acc;
+            num_rows = n;
+        }
+        __syncthreads();
+        for (int64_t v = threadIdx.x; v < num_vecs; v += blockDim.x) {
+            Acc acc[kVec];
+            const int64_t first = t * H + v * kVec;
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) acc[k] = a.first_round ? Acc(0) : static_cast<const Acc*>(a.acc)[first + k];
+            for (int r = 0; r < num_rows; ++r) {
+                const int4 raw = reinterpret_cast<const int4*>(rows[r])[v];
+                const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int k = 0; k < kVec; ++k) acc[k] += to_acc<T>(values[k]);
             }
+            if (!a.last_round) {
+#pragma unroll
+                for (int k = 0; k < kVec; ++k) static_cast<Acc*>(a.acc)[first + k] = acc[k];
+                continue;
+            }
+            for (const void* bias : {a.bias0, a.bias1}) {
+                if (bias == nullptr) continue;
+                const int4 raw = reinterpret_cast<const int4*>(static_cast<const T*>(bias) + first)[0];
+                const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int k = 0; k < kVec; ++k) acc[k] += to_acc<T>(values[k]);
+            }
+            int4 packed;
+            T* out_values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) out_values[k] = from_acc<T>(acc[k]);
+            reinterpret_cast<int4*>(static_cast<T*>(a.out) + first)[0] = packed;
         }
         if (a.out_weights) {
             for (int j = threadIdx.x; j < K; j += blockDim.x) {
@@ -466,6 +510,7 @@ __global__ void combine_reduce_impl(EpParams p, ReduceArgs a) {
                 for (int64_t b = 0; b < wb; ++b) dst[b] = src[b];
             }
         }
+        __syncthreads();  // rows[] is rebuilt for the next token
     }
 }
 

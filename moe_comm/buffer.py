@@ -478,6 +478,7 @@ class Buffer:
             raise TypeError(f"bias must be None, a tensor or a tuple of two tensors, got {type(bias).__name__}")
         for i, b in enumerate(bias):
             self._check_tensor(f"bias[{i}]", b, (x.dtype,), 2)
+            self._check_rows(f"bias[{i}]", b)
             if tuple(b.shape) != (handle.num_tokens, hidden):
                 raise ValueError(f"bias[{i}] must have shape {(handle.num_tokens, hidden)}, got {tuple(b.shape)}")
         self._check_fits(handle.num_max_tokens_per_rank, hidden, handle.num_topk, x.dtype.itemsize, False)

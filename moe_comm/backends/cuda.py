@@ -51,6 +51,7 @@ SLOTS_OFFSET = 16384                # control slots [num_ranks][SIGNATURE_LEN + 
 SIGNATURE_LEN = 16                  # csrc/ep_kernels.cu kMaxSignature
 COPY_THREADS = 512
 REDUCE_THREADS = 256
+MAX_REDUCE_ROWS = 64                # csrc/ep_kernels.cu kMaxReduceRows
 RECV_SMEM_LIMIT = 48 * 1024
 DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -86,7 +87,8 @@ class _EpParams(ctypes.Structure):
 class _RecvOutputs(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("x", "scales", "topk_idx", "weights", "src_idx", "expand_row",
                                                      "psum_rank", "psum_expert")] + \
-               [("do_expand", ctypes.c_int32), ("padding", ctypes.c_int32)]
+               [("num_rows", ctypes.c_int64), ("num_expand_rows", ctypes.c_int64), ("do_expand", ctypes.c_int32),
+                ("padding", ctypes.c_int32)]
 
 
 class _ReduceArgs(ctypes.Structure):
@@ -171,6 +173,7 @@ class CudaBackend(TorchRefBackend):
         self.buffer.zero_()
         self.symm = symm_mem.rendezvous(self.buffer, group.group_name)
         self.region_bytes = num_bytes - CONTROL_BYTES
+        self.num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
         host, dev = ctypes.c_void_p(), ctypes.c_void_p()
         self._check(self.lib.moe_comm_alloc_error_record(ctypes.byref(host), ctypes.byref(dev)), "error record")
         self._error_host, self._error_dev = host.value, dev.value
@@ -376,7 +379,7 @@ class CudaBackend(TorchRefBackend):
         psum_rank = torch.empty(R, dtype=torch.int64, device=dev) if fresh else None
         psum_expert = torch.empty(L, dtype=torch.int64, device=dev) if fresh else None
         outputs = _RecvOutputs(_ptr(out_x), _ptr(out_scales), _ptr(out_idx), _ptr(out_w), _ptr(out_src),
-                               _ptr(expand_row), _ptr(psum_rank), _ptr(psum_expert), int(c.do_expand), 0)
+                               _ptr(expand_row), _ptr(psum_rank), _ptr(psum_expert), M, P, int(c.do_expand), 0)
         self._check(self.lib.moe_comm_dispatch_recv(ctypes.byref(params), ctypes.byref(outputs), c.num_sms,
                                                      COPY_THREADS, self._stream()), "dispatch receive")
         recv_x = (out_x, out_scales) if scales is not None else out_x
@@ -432,7 +435,7 @@ class CudaBackend(TorchRefBackend):
         num_slots = 1
         if handle.do_expand:
             # As many slots per round as the region holds: each round adds its slots in ascending order.
-            num_slots = min(K, self.region_bytes // max(1, R * cap * row_stride))
+            num_slots = min(K, MAX_REDUCE_ROWS, self.region_bytes // max(1, R * cap * row_stride))
             if num_slots == 0:
                 raise ValueError(f"combine rows of {row_stride} bytes do not fit the receive region "
                                  f"({self.region_bytes} bytes for {R} ranks x {cap} tokens)")
@@ -456,7 +459,8 @@ class CudaBackend(TorchRefBackend):
             args = _ReduceArgs(lay.send_pos_NR.data_ptr(), handle.topk_idx.data_ptr(), _ptr(acc), _ptr(bias[0]),
                                _ptr(bias[1]), combined.data_ptr(), _ptr(combined_w), hidden, int(handle.do_expand),
                                slot_begin, slot_end, num_slots, int(r == 0), int(r == num_rounds - 1))
+            # The reduce is local work on data that has arrived: it takes the whole GPU, not num_sms.
             self._check(self.lib.moe_comm_combine_reduce(ctypes.byref(params), ctypes.byref(args),
-                                                         DTYPE_CODES[c.x.dtype], c.num_sms, REDUCE_THREADS,
-                                                         self._stream()), "combine reduce")
+                                                         DTYPE_CODES[c.x.dtype], 2 * self.num_device_sms,
+                                                         REDUCE_THREADS, self._stream()), "combine reduce")
         return (combined, combined_w), [], []
