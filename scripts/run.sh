@@ -4,7 +4,8 @@
 # CPU, the `small` preset on 2 GPUs. It trains with Megatron's alltoall dispatcher and with moe_comm from the
 # same seed, then compares the loss curves and speed; the last lines are the summary and the wandb run
 # directories (offline runs unless WANDB_MODE says otherwise; `wandb sync DIR` uploads one later).
-# First it prints the 2-rank dispatch/combine benchmark table (scripts/demo.py, with the NCCL/gloo baseline).
+# First it prints the 2-rank dispatch/combine benchmark table (scripts/bench.py, with the NCCL/gloo baseline;
+# small sizes on CPU, DESIGN section 7's sizes on GPUs).
 # Extra arguments go to train.py, e.g. `scripts/run.sh --steps 10 --do-expand`; OUT sets the output folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +17,12 @@ preset=tiny
 if [ "$num_gpus" -ge 2 ]; then
     preset=small
 fi
-echo "== scripts/demo.py: dispatch/combine on 2 processes"
-.venv/bin/python scripts/demo.py --iters 10
+echo "== scripts/bench.py: dispatch/combine on 2 processes"
+if [ "$num_gpus" -ge 2 ]; then
+    .venv/bin/python scripts/bench.py --sms
+else
+    .venv/bin/python scripts/bench.py --tokens 128 512 --hidden 2048 --num-experts 64 --sms --iters 10
+fi
 out=${OUT:-runs/megatron_moe}
 mkdir -p "$out"
 export WANDB_MODE=${WANDB_MODE:-offline}

@@ -1,0 +1,177 @@
+"""Dispatch/combine benchmark with the NCCL (or gloo) baseline from the same run (DESIGN section 7).
+
+Spawns 2 ranks (NCCL with one GPU each when 2 GPUs are present, else gloo on CPU), checks one case bitwise
+against the oracle, then per token count times, median of `--iters` runs after warm-up, slowest rank:
+dispatch BF16 (fresh layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple),
+combine BF16, and the all_to_all_single baseline (Megatron's alltoall path: dedup, permute, count exchange with
+host sync; combine = reverse + FP32 index_add). Then an SM sweep of cached dispatch and combine at the largest
+token count, next to the analytical `get_theoretical_num_sms`, and the JIT build times (CUDA backend).
+
+Bandwidths: logical GB/s = bytes of all received rows (own rank included) / time (DeepEP's metric);
+wire GB/s = bytes received from other ranks / time.
+
+    python scripts/bench.py [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
+                            [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--json F] [--md F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm import quant
+from moe_comm.testing import parallel_launch
+from moe_comm.testing.bench import AllToAllBaseline, median_time_us
+from moe_comm.testing.checks import check_case
+from moe_comm.testing.routing import Case, rank_inputs
+
+
+def bench_rank(rank: int, world_size: int, args: dict) -> dict:
+    device = torch.device("cuda", rank) if args["pg_backend"] == "nccl" else torch.device("cpu")
+    cap = max(args["tokens"])
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=cap, hidden=args["hidden"], num_topk=args["num_topk"],
+                          use_fp8_dispatch=args["hidden"] % 128 == 0, backend=args["backend"])
+    E, K, iters = args["num_experts"], args["num_topk"], args["iters"]
+    # One bitwise check first, so the numbers below are about a backend that is right.
+    check_case(buf, Case(seed=1, num_ranks=world_size, num_experts=E, num_topk=K, hidden=args["hidden"],
+                         num_tokens=(min(args["tokens"]),) * world_size, num_max_tokens_per_rank=cap), rank)
+    baseline = AllToAllBaseline(dist.group.WORLD, E)
+    rows, sweep = [], []
+    for num_tokens in args["tokens"]:
+        case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=args["hidden"],
+                    num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=cap, drop_prob=0.0)
+        x, idx, w = rank_inputs(case, rank, device)
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+        base_recv, state = baseline.dispatch(x, idx)
+        timings = {
+            "dispatch": median_time_us(lambda: buf.dispatch(x, idx, w, num_experts=E), device, num_iters=iters),
+            "cached dispatch": median_time_us(lambda: buf.dispatch(x, handle=handle), device, num_iters=iters),
+            "combine": median_time_us(lambda: buf.combine(recv_x, handle), device, num_iters=iters),
+            "baseline dispatch": median_time_us(lambda: baseline.dispatch(x, idx), device, num_iters=iters),
+            "baseline combine": median_time_us(lambda: baseline.combine(base_recv, state), device, num_iters=iters),
+        }
+        if args["hidden"] % 128 == 0:
+            x_fp8 = quant.quantize(x, "fp8_block128")
+            timings["dispatch fp8"] = median_time_us(lambda: buf.dispatch(x_fp8, idx, w, num_experts=E), device,
+                                                     num_iters=iters)
+        own = int(handle.psum_num_recv_tokens_per_rank[rank] -
+                  (handle.psum_num_recv_tokens_per_rank[rank - 1] if rank else 0))
+        rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0], "own_rows": own,
+                     "row_bytes": recv_x.shape[1] * recv_x.element_size(), "num_sms": handle.num_sms, **timings})
+        if num_tokens == cap:
+            for num_sms in args["sms"]:
+                sweep.append({"num_sms": num_sms,
+                              "cached dispatch": median_time_us(lambda: buf.dispatch(x, handle=handle, num_sms=num_sms),
+                                                                device, num_iters=iters),
+                              "combine": median_time_us(lambda: buf.combine(recv_x, handle, num_sms=num_sms), device,
+                                                        num_iters=iters)})
+    return {"backend": buf.backend, "theoretical_num_sms": buf.get_theoretical_num_sms(E, K), "rows": rows,
+            "sweep": sweep}
+
+
+def jit_times() -> dict:
+    """Cold build of every kernel library into an empty cache, and a warm first load in a fresh process."""
+    from moe_comm.backends import cuda as cuda_backend
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "MOE_COMM_JIT_CACHE_DIR": cache}
+        code = ("import time; from moe_comm.backends import cuda as c; t = time.perf_counter(); c.load_kernels(); "
+                "print(time.perf_counter() - t)")
+        cold = float(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                                    text=True).stdout.split()[-1])
+        warm = float(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                                    text=True).stdout.split()[-1])
+    return {"cold_build_s": round(cold, 2), "warm_first_load_s": round(warm, 3),
+            "libraries": sorted(cuda_backend.KERNEL_SOURCES)}
+
+
+def gbs(num_bytes: float, us: float) -> float:
+    return num_bytes / (us * 1e3)
+
+
+def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, dict]:
+    """The markdown table (slowest rank per cell) and the JSON record."""
+    device = torch.cuda.get_device_name(0) if config["pg_backend"] == "nccl" else platform.machine()
+    first = per_rank[0]
+    lines = [f"moe_comm {moe_comm.__version__}, backend {first['backend']}, 2 ranks over {config['pg_backend']} on "
+             f"{device}; hidden {config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts; "
+             f"median of {config['iters']}, slowest rank; bitwise check passed; "
+             f"analytical num_sms {first['theoretical_num_sms']}",
+             "",
+             "| tokens | op | us | SMs | logical GB/s | wire GB/s | baseline us |",
+             "|---|---|---|---|---|---|---|"]
+    table = []
+    for i, row in enumerate(first["rows"]):
+        slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k not in
+                   ("tokens", "recv_rows", "own_rows", "row_bytes", "num_sms")}
+        recv_bytes = sum(r["rows"][i]["recv_rows"] * r["rows"][i]["row_bytes"] for r in per_rank) / len(per_rank)
+        wire_bytes = sum((r["rows"][i]["recv_rows"] - r["rows"][i]["own_rows"]) * r["rows"][i]["row_bytes"]
+                         for r in per_rank) / len(per_rank)
+        for op, base in (("dispatch", "baseline dispatch"), ("cached dispatch", "baseline dispatch"),
+                         ("dispatch fp8", None), ("combine", "baseline combine")):
+            if op not in slowest:
+                continue
+            scale = 0.5 if op == "dispatch fp8" else 1.0  # e4m3 rows are half the bytes (scales not counted)
+            us = slowest[op]
+            entry = {"tokens": row["tokens"], "op": op, "us": us, "num_sms": row["num_sms"],
+                     "logical_gbs": gbs(recv_bytes * scale, us), "wire_gbs": gbs(wire_bytes * scale, us),
+                     "baseline_us": slowest.get(base) if base else None}
+            table.append(entry)
+            lines.append(f"| {row['tokens']} | {op} | {us:.1f} | {row['num_sms']} | {entry['logical_gbs']:.2f} | "
+                         f"{entry['wire_gbs']:.2f} | {'-' if base is None else f'{slowest[base]:.1f}'} |")
+    if first["sweep"]:
+        lines += ["", f"SM sweep at {max(config['tokens'])} tokens (analytical: {first['theoretical_num_sms']})", "",
+                  "| SMs | cached dispatch us | combine us |", "|---|---|---|"]
+        for i, point in enumerate(first["sweep"]):
+            d = max(r["sweep"][i]["cached dispatch"] for r in per_rank)
+            c = max(r["sweep"][i]["combine"] for r in per_rank)
+            lines.append(f"| {point['num_sms']} | {d:.1f} | {c:.1f} |")
+    if jit:
+        lines += ["", f"JIT: cold build {jit['cold_build_s']} s, warm first load {jit['warm_first_load_s']} s "
+                      f"({', '.join(jit['libraries'])})"]
+    record = {"date": datetime.date.today().isoformat(), "config": config, "device": device, "table": table,
+              "per_rank": per_rank, "jit": jit}
+    return "\n".join(lines), record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "cuda"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 4096])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--num-experts", type=int, default=256)
+    parser.add_argument("--num-topk", type=int, default=8)
+    parser.add_argument("--sms", type=int, nargs="*", default=[4, 8, 12, 16, 20, 24, 32, 48])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default=None, help="write the JSON record here")
+    parser.add_argument("--md", default=None, help="write the markdown table here")
+    args = parser.parse_args()
+    pg_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    config = {"backend": args.backend, "tokens": args.tokens, "hidden": args.hidden, "num_experts": args.num_experts,
+              "num_topk": args.num_topk, "sms": args.sms, "iters": args.iters, "pg_backend": pg_backend}
+    start = time.monotonic()
+    per_rank = parallel_launch(2, bench_rank, config, backend=pg_backend, timeout_s=1800)
+    jit = jit_times() if per_rank[0]["backend"] == "cuda" else None
+    text, record = report(config, per_rank, jit)
+    print(text)
+    print(f"({time.monotonic() - start:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
