@@ -157,7 +157,12 @@ def peers_reachable(group: dist.ProcessGroup) -> bool:
 
 
 class CudaBackend(TorchRefBackend):
-    """`Buffer(backend="cuda")`: layout as the reference, rows over NVLink peer writes."""
+    """`Buffer(backend="cuda")`: dispatch and combine kernels over NVLink peer memory.
+
+    It shares the reference backend's argument and value checks, stream handling (`_run`) and error flags; its
+    own `_dispatch_steps` / `_combine_steps` launch the kernels, and `_exchange` (block copies) serves the small
+    exchanges of the shared checks.
+    """
 
     name = "cuda"
     fixed_blocks = True
@@ -242,7 +247,7 @@ class CudaBackend(TorchRefBackend):
         recv = send.new_empty(R * block_rows, width)
         region = self.buffer[CONTROL_BYTES:]
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        num_blocks = max(1, min(sizing.H200_NUM_SMS, -(-R * block_rows * width // (COPY_THREADS * 16 * 4))))
+        num_blocks = max(1, min(self.num_device_sms, -(-R * block_rows * width // (COPY_THREADS * 16 * 4))))
         first = 0
         while first < block_rows:
             rows = min(region_block_rows, block_rows - first)
