@@ -30,6 +30,8 @@ VARIABLES = {
                  "including calls without a CPU sync (costs a host sync)."),
         Variable("MOE_COMM_TEST_SEED", "int", 0,
                  "Seed of the randomized property tests (the cases are drawn in the parent process)."),
+        Variable("MOE_COMM_GPU_RANKS", "int", 0,
+                 "Ranks of the GPU test tier (one GPU each); 0 = every GPU of the machine, at most 8."),
         Variable("MOE_COMM_TEST_TIMEOUT", "float", 60.0,
                  "Collective timeout in seconds for the test launcher's process groups."),
         Variable("MOE_COMM_JIT_CACHE_DIR", "str", "~/.cache/moe_comm",

@@ -1,6 +1,7 @@
 """Dispatch/combine benchmark with the NCCL (or gloo) baseline from the same run (DESIGN section 7).
 
-Spawns 2 ranks (NCCL with one GPU each when 2 GPUs are present, else gloo on CPU), checks one case bitwise
+Spawns `--num-ranks` ranks (default 2; NCCL with one GPU each when the machine has that many GPUs, else gloo
+on CPU), checks one case bitwise
 against the oracle, then per token count times, median of `--iters` runs after warm-up, slowest rank:
 dispatch BF16 (fresh layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple),
 combine BF16, and the all_to_all_single baseline (Megatron's alltoall path: dedup, permute, count exchange with
@@ -10,7 +11,7 @@ token count, next to the analytical `get_theoretical_num_sms`, and the JIT build
 Bandwidths: logical GB/s = bytes of all received rows (own rank included) / time (DeepEP's metric);
 wire GB/s = bytes received from other ranks / time.
 
-    python scripts/bench.py [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
+    python scripts/bench.py [--num-ranks 2] [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
                             [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--json F] [--md F]
 """
 
@@ -103,7 +104,8 @@ def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, d
     """The markdown table (slowest rank per cell) and the JSON record."""
     device = torch.cuda.get_device_name(0) if config["pg_backend"] == "nccl" else platform.machine()
     first = per_rank[0]
-    lines = [f"moe_comm {moe_comm.__version__}, backend {first['backend']}, 2 ranks over {config['pg_backend']} on "
+    lines = [f"moe_comm {moe_comm.__version__}, backend {first['backend']}, {config['num_ranks']} ranks over "
+             f"{config['pg_backend']} on "
              f"{device}; hidden {config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts; "
              f"median of {config['iters']}, slowest rank; bitwise check passed; "
              f"analytical num_sms {first['theoretical_num_sms']}",
@@ -146,6 +148,7 @@ def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-ranks", type=int, default=2)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "cuda"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 4096])
     parser.add_argument("--hidden", type=int, default=7168)
@@ -156,11 +159,13 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the JSON record here")
     parser.add_argument("--md", default=None, help="write the markdown table here")
     args = parser.parse_args()
-    pg_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    config = {"backend": args.backend, "tokens": args.tokens, "hidden": args.hidden, "num_experts": args.num_experts,
+    if args.num_ranks < 1:
+        parser.error(f"--num-ranks={args.num_ranks} must be >= 1")
+    pg_backend = "nccl" if torch.cuda.device_count() >= max(args.num_ranks, 2) else "gloo"
+    config = {"num_ranks": args.num_ranks, "backend": args.backend, "tokens": args.tokens, "hidden": args.hidden, "num_experts": args.num_experts,
               "num_topk": args.num_topk, "sms": args.sms, "iters": args.iters, "pg_backend": pg_backend}
     start = time.monotonic()
-    per_rank = parallel_launch(2, bench_rank, config, backend=pg_backend, timeout_s=1800)
+    per_rank = parallel_launch(args.num_ranks, bench_rank, config, backend=pg_backend, timeout_s=1800)
     jit = jit_times() if per_rank[0]["backend"] == "cuda" else None
     text, record = report(config, per_rank, jit)
     print(text)

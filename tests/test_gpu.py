@@ -11,6 +11,7 @@ import torch
 
 import moe_comm
 from moe_comm import autograd as moe_autograd
+from moe_comm import env
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import assert_same, check_case
 from moe_comm.testing.gradcheck import run_gradcheck
@@ -19,10 +20,18 @@ from moe_comm.testing.routing import Case, draw_cases, rank_inputs
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
+# Every GPU of the machine is a rank (EP = GPU count, at most 8) unless MOE_COMM_GPU_RANKS says fewer.
+WORLD_SIZE = env.get_int("MOE_COMM_GPU_RANKS") or min(torch.cuda.device_count(), 8)
+
+
+def per_rank(*values: int) -> tuple[int, ...]:
+    """Token counts for every rank, cycling through `values`."""
+    return tuple(values[r % len(values)] for r in range(WORLD_SIZE))
+
 
 @pytest.fixture(scope="module")
 def nccl_pool():
-    with WorkerPool(2, backend="nccl", timeout_s=600) as pool:
+    with WorkerPool(WORLD_SIZE, backend="nccl", timeout_s=600) as pool:
         yield pool
 
 
@@ -54,8 +63,8 @@ def random_cases_rank(rank: int, world_size: int, cases: list[Case], backend: st
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_cases(nccl_pool, seed, backend):
-    cases = draw_cases(seed * 10 + 102, 30, 2, max_tokens=4096) + draw_cases(seed * 10 + 103, 30, 2)
-    assert nccl_pool.run(random_cases_rank, cases, backend) == [len(cases)] * 2
+    cases = draw_cases(seed * 10 + 102, 30, WORLD_SIZE, max_tokens=4096) + draw_cases(seed * 10 + 103, 30, WORLD_SIZE)
+    assert nccl_pool.run(random_cases_rank, cases, backend) == [len(cases)] * WORLD_SIZE
 
 
 def no_host_sync_rank(rank: int, world_size: int, case: Case, backend: str) -> bool:
@@ -81,14 +90,15 @@ def no_host_sync_rank(rank: int, world_size: int, case: Case, backend: str) -> b
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("do_expand", [False, True])
 def test_no_host_sync(nccl_pool, do_expand, backend):
-    case = Case(seed=71, num_ranks=2, num_experts=16, num_topk=4, hidden=256, num_tokens=(300, 200),
+    case = Case(seed=71, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=256, num_tokens=per_rank(300, 200),
                 num_max_tokens_per_rank=512, do_expand=do_expand, expert_alignment=16)
-    assert nccl_pool.run(no_host_sync_rank, case, backend) == [True, True]
+    assert nccl_pool.run(no_host_sync_rank, case, backend) == [True] * WORLD_SIZE
 
 
 def async_rank(rank: int, world_size: int, backend: str) -> bool:
     """async_with_compute_stream: work on the compute stream overlaps; after the wait, results equal sync."""
-    case = Case(seed=72, num_ranks=2, num_experts=16, num_topk=4, hidden=1024, num_tokens=(2048, 1500),
+    case = Case(seed=72, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=1024,
+                num_tokens=per_rank(2048, 1500),
                 num_max_tokens_per_rank=2048)
     buf = make_buffer(case, backend)
     x, idx, w = rank_inputs(case, rank, buf.device)
@@ -107,11 +117,12 @@ def async_rank(rank: int, world_size: int, backend: str) -> bool:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_async_comm_stream(nccl_pool, backend):
-    assert nccl_pool.run(async_rank, backend) == [True, True]
+    assert nccl_pool.run(async_rank, backend) == [True] * WORLD_SIZE
 
 
 def gradcheck_rank(rank: int, world_size: int, backend: str) -> bool:
-    base = dict(num_ranks=2, num_experts=4, num_topk=3, hidden=2, num_tokens=(3, 0), num_max_tokens_per_rank=4,
+    base = dict(num_ranks=WORLD_SIZE, num_experts=2 * WORLD_SIZE, num_topk=3, hidden=2, num_tokens=per_rank(3, 0),
+                num_max_tokens_per_rank=4,
                 dtype="float64", drop_prob=0.25, num_bias=1)
     for case in (Case(seed=81, **base), Case(seed=82, do_expand=True, expert_alignment=3, do_cpu_sync=False, **base)):
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=8, num_topk=3, backend=backend)
@@ -121,11 +132,11 @@ def gradcheck_rank(rank: int, world_size: int, backend: str) -> bool:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradcheck(nccl_pool, backend):
-    assert nccl_pool.run(gradcheck_rank, backend) == [True, True]
+    assert nccl_pool.run(gradcheck_rank, backend) == [True] * WORLD_SIZE
 
 
 def autograd_async_rank(rank: int, world_size: int, backend: str) -> list:
-    case = Case(seed=83, num_ranks=2, num_experts=8, num_topk=2, hidden=64, num_tokens=(64, 32),
+    case = Case(seed=83, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=64, num_tokens=per_rank(64, 32),
                 num_max_tokens_per_rank=64)
     buf = make_buffer(case, backend)
     out = []
@@ -152,7 +163,7 @@ def test_autograd_async(nccl_pool, backend):
 def graph_rank(rank: int, world_size: int, do_expand: bool) -> int:
     """A no-sync dispatch + combine + cached dispatch captured once in a CUDA graph, replayed on new data,
     equals the same calls run eagerly (bitwise on every valid row)."""
-    case = Case(seed=90, num_ranks=2, num_experts=16, num_topk=4, hidden=512, num_tokens=(256, 256),
+    case = Case(seed=90, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=512, num_tokens=per_rank(256),
                 num_max_tokens_per_rank=256, do_expand=do_expand, expert_alignment=16, do_cpu_sync=False)
     buf = make_buffer(case, "cuda")
     kwargs = dict(num_experts=16, do_cpu_sync=False, do_expand=do_expand, expert_alignment=16)
@@ -193,13 +204,13 @@ def graph_rank(rank: int, world_size: int, do_expand: bool) -> int:
 
 @pytest.mark.parametrize("do_expand", [False, True])
 def test_cuda_graph_replay(nccl_pool, do_expand):
-    assert nccl_pool.run(graph_rank, do_expand) == [3, 3]
+    assert nccl_pool.run(graph_rank, do_expand) == [3] * WORLD_SIZE
 
 
 def missing_peer_rank(rank: int, world_size: int) -> str:
     """Rank 1 skips a dispatch: rank 0's GPU wait ends within num_gpu_timeout_secs, naming rank, phase, peer."""
     import time
-    case = Case(seed=92, num_ranks=2, num_experts=8, num_topk=2, hidden=128, num_tokens=(64, 64),
+    case = Case(seed=92, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(64),
                 num_max_tokens_per_rank=64)
     buf = make_buffer(case, "cuda", num_gpu_timeout_secs=3)
     x, idx, w = rank_inputs(case, rank, buf.device)
@@ -218,8 +229,8 @@ def missing_peer_rank(rank: int, world_size: int) -> str:
 
 
 def test_cuda_missing_peer_times_out():
-    with WorkerPool(2, backend="nccl", timeout_s=120) as pool:
-        message, skipped = pool.run(missing_peer_rank)
+    with WorkerPool(WORLD_SIZE, backend="nccl", timeout_s=120) as pool:
+        message, skipped = pool.run(missing_peer_rank)[:2]
     assert skipped == "skipped"
     assert "rank 0 timed out in barrier before dispatch waiting for peer 1" in message, message
 
@@ -238,5 +249,5 @@ def rounds_rank(rank: int, world_size: int, cases: list[Case]) -> int:
 
 def test_cuda_expand_combine_in_rounds(nccl_pool, seed):
     cases = [Case(**{**c.__dict__, "do_expand": True, "num_topk": min(c.num_experts, max(4, c.num_topk))})
-             for c in draw_cases(seed * 10 + 104, 6, 2, max_tokens=512, dtypes=("bfloat16",))]
-    assert nccl_pool.run(rounds_rank, cases) == [len(cases)] * 2
+             for c in draw_cases(seed * 10 + 104, 6, WORLD_SIZE, max_tokens=512, dtypes=("bfloat16",))]
+    assert nccl_pool.run(rounds_rank, cases) == [len(cases)] * WORLD_SIZE
