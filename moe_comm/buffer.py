@@ -154,7 +154,7 @@ class Buffer:
         self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
         self.num_bytes = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
                                                      use_fp8_dispatch)
-        self.device = self._group_device(group)
+        self.device = self.group_device(group)
         self.backend = self._resolve_backend(backend)
         self.topology = self._machine_topology()
         if self.backend == "cuda":
@@ -168,7 +168,8 @@ class Buffer:
     # Set-up helpers
     # ------------------------------------------------------------------------------------------------
     @staticmethod
-    def _group_device(group: dist.ProcessGroup) -> torch.device:
+    def group_device(group: dist.ProcessGroup) -> torch.device:
+        """The device a group's tensors live on: the current CUDA device for NCCL, else the CPU."""
         if "nccl" in str(dist.get_backend(group)).lower():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")

@@ -165,7 +165,6 @@ class CudaBackend(TorchRefBackend):
     """
 
     name = "cuda"
-    fixed_blocks = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int, num_cpu_timeout_secs: float,
                  num_gpu_timeout_secs: float) -> None:
@@ -224,8 +223,7 @@ class CudaBackend(TorchRefBackend):
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._check(self.lib.moe_comm_signal_wait(ctypes.byref(params), ctypes.c_void_p(stream)), phase)
 
-    def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str,
-                  send_rows: Optional[torch.Tensor] = None):
+    def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str):
         R = self.num_ranks
         block_rows = send_splits[0]
         assert list(send_splits) == [block_rows] * R == list(recv_splits), "fixed blocks expected"
@@ -242,8 +240,6 @@ class CudaBackend(TorchRefBackend):
         if block_rows and region_block_rows == 0:
             raise ValueError(f"rows of {width} bytes do not fit the buffer's receive region ({self.region_bytes} "
                              f"bytes for {R} ranks); create the Buffer with a larger hidden size")
-        # Rows past a block's count are not sent; the layout never reads them on arrival.
-        rows_dev = None if send_rows is None else send_rows.to(torch.int64).contiguous()
         recv = send.new_empty(R * block_rows, width)
         region = self.buffer[CONTROL_BYTES:]
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -252,7 +248,8 @@ class CudaBackend(TorchRefBackend):
         while first < block_rows:
             rows = min(region_block_rows, block_rows - first)
             self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, f"barrier before {phase}")
-            params = _BlockCopyParams(send.data_ptr(), 0 if rows_dev is None else rows_dev.data_ptr(),
+            # send_rows = null: whole blocks (the small exchanges that use this path have no unused rows).
+            params = _BlockCopyParams(send.data_ptr(), 0,
                                       self.symm.buffer_ptrs_dev, width, block_rows, first, rows, CONTROL_BYTES,
                                       self.rank, R)
             self._check(self.lib.moe_comm_copy_blocks(ctypes.byref(params), num_blocks, COPY_THREADS,
@@ -307,14 +304,9 @@ class CudaBackend(TorchRefBackend):
             raise ValueError(f"num_experts={E} over {R} ranks needs {smem} bytes of shared memory in the receive "
                              f"kernel (limit {RECV_SMEM_LIMIT}); use backend='torch'")
 
-        # Rows on the wire: x, or FP8 data and scales.
-        if c.wire_format is None:
-            data, scales = c.x.view(torch.uint8), None
-        elif c.quantize is not None:
-            q, scales = quant.quantize(c.x, c.quantize)
-            data = q.view(torch.uint8)
-        else:
-            data, scales = c.fp8_q.view(torch.uint8), c.fp8_scales
+        # Rows on the wire: x, or FP8 data and scales (cast here for `quantize=`), as bytes.
+        wire = self._wire_tensors(c)
+        data, scales = (wire["x"].view(torch.uint8), None) if c.wire_format is None else (wire["q"], wire["scales"])
         data_bytes = data.shape[1]
         scale_bytes = 0 if scales is None else (hidden // 128) * 4
         weights = c.topk_weights

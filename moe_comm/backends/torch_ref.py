@@ -42,7 +42,6 @@ class RefLayout:
     """Routing state of the reference backend, kept in `EPHandle.layout`.
 
     send_pos_NR: `[N, R]` row of each token inside the block it is sent to, -1 if not sent to that rank.
-    send_rows_R: `[R]` rows sent to each rank (the true counts, on the device).
     send_splits / recv_splits: rows per peer block in the send / receive buffer (capacities without sync).
     out_row_B: `[B]` output row (compact, source ranks ascending) of each receive-buffer row, -1 for the
         unused tail of a block without CPU sync; the identity with a CPU sync.
@@ -54,7 +53,6 @@ class RefLayout:
     """
 
     send_pos_NR: torch.Tensor
-    send_rows_R: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
     out_row_B: torch.Tensor
@@ -157,12 +155,11 @@ class TorchRefBackend:
     fixed_blocks = False
 
     def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str,
-                  send_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[tuple[object, str]]]:
+) -> tuple[torch.Tensor, list[tuple[object, str]]]:
         """All-to-all-v of row blocks: `send`'s block p (rows from `exclusive_cumsum(send_splits)[p]`) goes to
         rank p; rank p's block lands at `exclusive_cumsum(recv_splits)[p]` of the returned `recv`.
 
-        `send` may have trailing rows past its blocks. `send_rows` (device, `[R]`) may say how many rows of each
-        block are used; a transport may skip the rest (their content is unspecified on arrival).
+        `send` may have trailing rows past its blocks.
         Returns `(recv, works)`: the works in flight, described by rank, phase and peer for timeout errors.
         Zero-row blocks are skipped on both sides (both know the size).
         """
@@ -421,8 +418,7 @@ class TorchRefBackend:
             if c.topk_weights is not None:
                 fields["w"] = torch.where(on_d, c.topk_weights, 0)
             meta.pack_into(meta_send, rows, fields)
-        meta_recv, works = self._exchange(meta_send, send_splits, recv_splits, "dispatch metadata exchange",
-                                          num_tokens_per_rank)
+        meta_recv, works = self._exchange(meta_send, send_splits, recv_splits, "dispatch metadata exchange")
         self._wait(works)
         got = meta.unpack(meta_recv)
 
@@ -438,7 +434,7 @@ class TorchRefBackend:
         recv_w_MK = None if "w" not in got else _place(got["w"], out_row_B, M, fill=0)
         src_rank_M = _place(src_rank_B, out_row_B, M, fill=0)
 
-        layout = dict(send_pos_NR=send_pos_NR, send_rows_R=num_tokens_per_rank, send_splits=send_splits, recv_splits=recv_splits,
+        layout = dict(send_pos_NR=send_pos_NR, send_splits=send_splits, recv_splits=recv_splits,
                       out_row_B=out_row_B, src_rank_M=src_rank_M)
         out_w = recv_w_MK
         if c.do_expand:
@@ -509,8 +505,7 @@ class TorchRefBackend:
         for d, offset in enumerate(_exclusive_cumsum(lay.send_splits)):
             pos = lay.send_pos_NR[:, d]
             codec.pack_into(send, torch.where(pos >= 0, offset + pos, num_send_rows), wire)
-        recv, works = self._exchange(send, lay.send_splits, lay.recv_splits, "dispatch data exchange",
-                                     lay.send_rows_R)
+        recv, works = self._exchange(send, lay.send_splits, lay.recv_splits, "dispatch data exchange")
 
         # Outputs exist now; the finalizer fills them once the rows have arrived.
         P = handle.num_recv_rows

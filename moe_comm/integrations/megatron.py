@@ -127,14 +127,8 @@ class MoECommConfig:
 _buffers: dict[tuple, tuple[dist.ProcessGroup, Buffer]] = {}
 
 
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _max_over_ranks(group: dist.ProcessGroup, value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=_group_device(group))
+    t = torch.tensor([value], dtype=torch.int64, device=Buffer.group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
 
