@@ -23,7 +23,8 @@
 namespace moe_comm {
 
 constexpr int kMaxEpRanks = 32;      // destinations fit one warp's lanes
-constexpr int kLayoutThreads = 256;
+constexpr int kLayoutThreads = 1024;
+constexpr int kLayoutItems = 8;     // consecutive tokens per layout thread and pass
 constexpr int kWarpSize = 32;
 constexpr int kUnroll = 4;
 constexpr int kMaxSignature = 16;
@@ -93,10 +94,11 @@ __device__ __forceinline__ void warp_zero16(uint8_t* dst, int64_t bytes, int lan
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Layout: one block per column (R destination ranks, then E experts). A column's block scans all tokens in
-// order, so positions are deterministic: send_pos[t, d] = tokens before t that go to rank d; expert_rank[t, j]
-// = tokens before t that chose slot j's expert. Block 0 also writes the cleaned routing (invalid slots -> -1)
-// and the error flags (1: out of range, 2: duplicate expert in a row).
+// Layout: one block per column (R destination ranks, then E experts). A column's block walks the tokens in order,
+// kLayoutItems consecutive tokens per thread and pass (one pass up to 8192 tokens), so positions are
+// deterministic: send_pos[t, d] = tokens before t that go to rank d; expert_rank[t, j] = tokens before t that
+// chose slot j's expert. Block 0 also writes the cleaned routing (invalid slots -> -1) and the error flags
+// (1: out of range, 2: duplicate expert in a row).
 // ------------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kLayoutThreads)
 layout_impl(const int64_t* topk_idx, int64_t num_tokens, int num_topk, int num_experts, int num_ranks,
@@ -114,10 +116,15 @@ layout_impl(const int64_t* topk_idx, int64_t num_tokens, int num_topk, int num_e
 
     int64_t carry = 0;
     int my_flags = 0;
-    for (int64_t base = 0; base < num_tokens; base += kLayoutThreads) {
-        const int64_t t = base + threadIdx.x;
-        int hit = 0, hit_slot = -1;
-        if (t < num_tokens) {
+    for (int64_t base = 0; base < num_tokens; base += static_cast<int64_t>(kLayoutThreads) * kLayoutItems) {
+        const int64_t first = base + static_cast<int64_t>(threadIdx.x) * kLayoutItems;
+        int hit_slot[kLayoutItems];  // slot of the token that hits this column, -1: no hit
+        int hits = 0;
+#pragma unroll
+        for (int i = 0; i < kLayoutItems; ++i) {
+            const int64_t t = first + i;
+            hit_slot[i] = -1;
+            if (t >= num_tokens) continue;
             const int64_t* row = topk_idx + t * num_topk;
             for (int j = 0; j < num_topk; ++j) {
                 const int64_t e = row[j];
@@ -126,27 +133,31 @@ layout_impl(const int64_t* topk_idx, int64_t num_tokens, int num_topk, int num_e
                 if (e >= 0 && !out_of_range)
                     for (int k = 0; k < j; ++k) duplicate |= row[k] == e;
                 const bool valid = e >= 0 && !out_of_range && !duplicate;
-                if (valid && (is_rank ? e / num_local == target : e == target)) {
-                    hit = 1;
-                    hit_slot = j;
-                }
+                if (valid && (is_rank ? e / num_local == target : e == target)) hit_slot[i] = j;
                 if (column == 0) {
                     clean_idx[t * num_topk + j] = valid ? e : -1;
                     if (!valid) expert_rank[t * num_topk + j] = -1;
                     my_flags |= (out_of_range ? 1 : 0) | (duplicate ? 2 : 0);
                 }
             }
+            hits += hit_slot[i] >= 0;
         }
         int prefix, total;
-        Scan(scan_storage).ExclusiveSum(hit, prefix, total);
-        __syncthreads();
-        if (t < num_tokens) {
+        Scan(scan_storage).ExclusiveSum(hits, prefix, total);
+        int64_t pos = carry + prefix;
+#pragma unroll
+        for (int i = 0; i < kLayoutItems; ++i) {
+            const int64_t t = first + i;
+            if (t >= num_tokens) continue;
+            const bool hit = hit_slot[i] >= 0;
             if (is_rank)
-                send_pos[t * num_ranks + target] = hit ? carry + prefix : -1;
+                send_pos[t * num_ranks + target] = hit ? pos : -1;
             else if (hit)
-                expert_rank[t * num_topk + hit_slot] = static_cast<int32_t>(carry + prefix);
+                expert_rank[t * num_topk + hit_slot[i]] = static_cast<int32_t>(pos);
+            pos += hit;
         }
         carry += total;
+        __syncthreads();  // scan_storage is reused by the next pass
     }
     if (column == 0 && my_flags) atomicOr(&flag_bits, my_flags);
     __syncthreads();

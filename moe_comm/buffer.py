@@ -157,6 +157,7 @@ class Buffer:
         self.device = self.group_device(group)
         self.backend = self._resolve_backend(backend)
         self.topology = self._machine_topology()
+        self._num_sms_cache: dict[tuple[int, int], int] = {}
         if self.backend == "cuda":
             self._impl = cuda_backend.CudaBackend(group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
                                                   self.num_gpu_timeout_secs)
@@ -209,7 +210,10 @@ class Buffer:
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
         """SMs that saturate the bottleneck link for this routing (`moe_comm.sizing`, DESIGN 2.4)."""
         _check_int(1, num_experts=num_experts, num_topk=num_topk)
-        return sizing.get_num_sms(self.topology, num_experts, num_topk)
+        key = (num_experts, num_topk)
+        if key not in self._num_sms_cache:  # the model costs tens of us: once per routing shape
+            self._num_sms_cache[key] = sizing.get_num_sms(self.topology, num_experts, num_topk)
+        return self._num_sms_cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """RDMA queue pairs an RDMA transport would use with `num_sms`; informational for NVLink-only groups."""
@@ -291,8 +295,9 @@ class Buffer:
             dequantize: with FP8 on the wire, return bf16 rows (cast back on the receiver).
             previous_event: an `EventOverlap` the communication must wait for.
             async_with_compute_stream: return at once; wait on the returned event before using the outputs.
-            allocate_on_comm_stream: allocate outputs on the comm stream (CUDA). The reference backend always
-                allocates there and records the outputs for the compute stream, so both values are safe.
+            allocate_on_comm_stream: allocate outputs on the comm stream (CUDA). Accepted for DeepEP
+                compatibility: a synchronous call runs and allocates on the current stream, an async one on the
+                comm stream with its outputs recorded for the current stream, so both values are safe.
 
         Returns:
             `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`:

@@ -151,8 +151,9 @@ def gpt_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, num
     restore = _flex_installed(case)
     try:
         dims = dataclasses.replace(dims, moe_router_topk=case.topk)
-        ref = build_gpt(transformer_config(dims, "alltoall", EP_SIZE), dims, "alltoall").to(device)
-        test = build_gpt(transformer_config(dims, case.dispatcher, EP_SIZE), dims, case.dispatcher,
+        dtype = getattr(torch, case.dtype)
+        ref = build_gpt(transformer_config(dims, "alltoall", EP_SIZE, dtype), dims, "alltoall").to(device)
+        test = build_gpt(transformer_config(dims, case.dispatcher, EP_SIZE, dtype), dims, case.dispatcher,
                          case.moe_comm_config()).to(device)
         test.load_state_dict(ref.state_dict(), strict=False)  # strict=False: `_extra_state` entries
         for (n_ref, p_ref), (n_test, p_test) in zip(ref.named_parameters(), test.named_parameters()):

@@ -26,6 +26,7 @@ The receive order is deterministic (source rank, then source token), so `determi
 from __future__ import annotations
 
 import ctypes
+import functools
 import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -217,11 +218,10 @@ class CudaBackend(TorchRefBackend):
                            f"expected {expected}) after num_gpu_timeout_secs={self.timeout_ns / 1e9:g}")
             raise TimeoutError(f"moe_comm: {self.broken}")
 
-    def _signal_wait(self, flags_offset: int, seq_offset: int, phase: str) -> None:
+    def _signal_wait(self, flags_offset: int, seq_offset: int, phase: str, stream: ctypes.c_void_p) -> None:
         params = _SyncParams(self.symm.buffer_ptrs_dev, self.buffer.data_ptr(), self._error_dev, flags_offset,
                              seq_offset, self.timeout_ns, self.rank, self.num_ranks, self._phase_id(phase), 0)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._check(self.lib.moe_comm_signal_wait(ctypes.byref(params), ctypes.c_void_p(stream)), phase)
+        self._check(self.lib.moe_comm_signal_wait(ctypes.byref(params), stream), phase)
 
     def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str):
         R = self.num_ranks
@@ -242,19 +242,19 @@ class CudaBackend(TorchRefBackend):
                              f"bytes for {R} ranks); create the Buffer with a larger hidden size")
         recv = send.new_empty(R * block_rows, width)
         region = self.buffer[CONTROL_BYTES:]
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._stream()
         num_blocks = max(1, min(self.num_device_sms, -(-R * block_rows * width // (COPY_THREADS * 16 * 4))))
         first = 0
         while first < block_rows:
             rows = min(region_block_rows, block_rows - first)
-            self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, f"barrier before {phase}")
+            self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, f"barrier before {phase}", stream)
             # send_rows = null: whole blocks (the small exchanges that use this path have no unused rows).
             params = _BlockCopyParams(send.data_ptr(), 0,
                                       self.symm.buffer_ptrs_dev, width, block_rows, first, rows, CONTROL_BYTES,
                                       self.rank, R)
-            self._check(self.lib.moe_comm_copy_blocks(ctypes.byref(params), num_blocks, COPY_THREADS,
-                                                      ctypes.c_void_p(stream)), phase)
-            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, phase)
+            self._check(self.lib.moe_comm_copy_blocks(ctypes.byref(params), num_blocks, COPY_THREADS, stream),
+                        phase)
+            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, phase, stream)
             # This round's blocks, source s at s * rows in the region, into their place in `recv`.
             arrived = region[:R * rows * width].view(R, rows, width)
             recv.view(R, block_rows, width)[:, first:first + rows] = arrived
@@ -266,6 +266,7 @@ class CudaBackend(TorchRefBackend):
     # Kernel plumbing
     # ------------------------------------------------------------------------------------------------
     def _stream(self) -> ctypes.c_void_p:
+        """The stream kernels go to (read once per operation: the lookup costs host time)."""
         return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _ep_params(self, num_tokens: int, cap: int, num_experts: int, num_topk: int, row_stride: int,
@@ -315,6 +316,7 @@ class CudaBackend(TorchRefBackend):
         row_stride = meta_offset + _align16(8 + 8 * K + wb * K)
         params = self._ep_params(N, cap, E, K, row_stride, data_bytes, scale_bytes, meta_offset, wb,
                                  c.expert_alignment, list(c.signature().values()))
+        stream = self._stream()
 
         # Layout (skipped by a cached dispatch: the handle has it).
         if handle is None:
@@ -327,32 +329,31 @@ class CudaBackend(TorchRefBackend):
                 ctypes.c_void_p(layout.send_pos_NR.data_ptr()), ctypes.c_void_p(layout.expert_rank_NK.data_ptr()),
                 ctypes.c_void_p(layout.num_tokens_per_rank.data_ptr()),
                 ctypes.c_void_p(layout.num_tokens_per_expert.data_ptr()), ctypes.c_void_p(layout.flags.data_ptr()),
-                self._stream()), "dispatch layout")
+                stream), "dispatch layout")
         else:
             layout, clean_idx = handle.layout, handle.topk_idx
 
         # Send, then wait for every peer's rows and control slot.
-        self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before dispatch")
+        self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before dispatch", stream)
         self._check(self.lib.moe_comm_dispatch_send(
             ctypes.byref(params), ctypes.c_void_p(_ptr(data)), ctypes.c_void_p(_ptr(scales)),
             ctypes.c_void_p(clean_idx.data_ptr()), ctypes.c_void_p(_ptr(weights)),
             ctypes.c_void_p(layout.send_pos_NR.data_ptr()), ctypes.c_void_p(layout.expert_rank_NK.data_ptr()),
             ctypes.c_void_p(layout.num_tokens_per_rank.data_ptr()),
             ctypes.c_void_p(layout.num_tokens_per_expert.data_ptr()), ctypes.c_void_p(layout.flags.data_ptr()),
-            c.num_sms, COPY_THREADS, self._stream()), "dispatch send")
-        self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "dispatch")
+            c.num_sms, COPY_THREADS, stream), "dispatch send")
+        self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "dispatch", stream)
 
         # Output sizes: from the handle, from the control slots (host sync), or the worst case.
         slots = self._slots(L)
         aligned_list = None
         if verify_agreement or (handle is None and c.do_cpu_sync):
-            self._verify_slots(slots, c, L)
+            host = self._read_slots(slots, c, L)
         if handle is not None:
             M, P = handle.recv_src_idx.shape[0], handle.num_recv_rows
             aligned_list = handle.num_recv_tokens_per_expert_list
         elif c.do_cpu_sync:
-            host = slots[:, SIGNATURE_LEN:].tolist()
-            self.after_host_sync()
+            host = [row[SIGNATURE_LEN:] for row in host]
             M = sum(row[0] for row in host)
             counts = [sum(row[1 + l] for row in host) for l in range(L)]
             aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in counts]
@@ -367,8 +368,10 @@ class CudaBackend(TorchRefBackend):
         out_x = torch.empty(P, hidden, dtype=out_dtype, device=dev)
         out_scales = None if scales is None else torch.empty(P, hidden // 128, dtype=scales.dtype, device=dev)
         fresh = handle is None
-        out_idx = torch.full((M, K), -1, dtype=torch.int64, device=dev) if fresh else None
-        out_src = torch.full((M,), -1, dtype=torch.int64, device=dev) if fresh else None
+        # With a CPU sync every row is received; the worst-case outputs of a no-sync call end in -1 rows.
+        alloc = torch.empty if c.do_cpu_sync else functools.partial(torch.full, fill_value=-1)
+        out_idx = alloc((M, K), dtype=torch.int64, device=dev) if fresh else None
+        out_src = alloc((M,), dtype=torch.int64, device=dev) if fresh else None
         out_w = None
         if fresh and weights is not None:
             out_w = torch.empty((P,) if c.do_expand else (M, K), dtype=weights.dtype, device=dev)
@@ -378,7 +381,7 @@ class CudaBackend(TorchRefBackend):
         outputs = _RecvOutputs(_ptr(out_x), _ptr(out_scales), _ptr(out_idx), _ptr(out_w), _ptr(out_src),
                                _ptr(expand_row), _ptr(psum_rank), _ptr(psum_expert), M, P, int(c.do_expand), 0)
         self._check(self.lib.moe_comm_dispatch_recv(ctypes.byref(params), ctypes.byref(outputs), c.num_sms,
-                                                     COPY_THREADS, self._stream()), "dispatch receive")
+                                                     COPY_THREADS, stream), "dispatch receive")
         recv_x = (out_x, out_scales) if scales is not None else out_x
         if c.dequantize:
             recv_x = quant.dequantize(out_x, out_scales)
@@ -397,10 +400,13 @@ class CudaBackend(TorchRefBackend):
             num_recv_rows=P, layout=layout)
         return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
 
-    def _verify_slots(self, slots: torch.Tensor, c, num_local_experts: int) -> None:
-        """Host check of every rank's signature and error flags, as written into our control slots."""
-        host = slots.tolist()
+    def _read_slots(self, slots: torch.Tensor, c, num_local_experts: int) -> list[list[int]]:
+        """Our control slots on the host (one device-to-host read, with the pending error flags), after checking
+        every rank's signature and error flags. Returns the slots as `[R][stride]` ints."""
+        R = self.num_ranks
+        values = torch.cat([slots.flatten(), self.pending_flags]).tolist()
         self.after_host_sync()
+        host, pending = [values[s * slots.shape[1]:(s + 1) * slots.shape[1]] for s in range(R)], values[-R:]
         names = list(c.signature())
         assert len(names) <= SIGNATURE_LEN
         differing = [f"{name}: {[row[i] for row in host]}" for i, name in enumerate(names)
@@ -408,12 +414,12 @@ class CudaBackend(TorchRefBackend):
         if differing:
             raise ValueError("ranks called dispatch with different arguments (per rank): " + "; ".join(differing))
         if c.handle is not None:
-            return
-        pending = self.pending_flags.tolist()
+            return host
         if any(pending):
             self.check_pending_errors()
         self.raise_for_flags([row[SIGNATURE_LEN + 1 + num_local_experts] for row in host], c.topk_idx,
                              c.num_experts, "")
+        return host
 
     # ------------------------------------------------------------------------------------------------
     # Combine
@@ -444,20 +450,21 @@ class CudaBackend(TorchRefBackend):
         acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
         acc = torch.empty(N, hidden, dtype=acc_dtype, device=dev) if num_rounds > 1 else None
         bias = list(c.bias) + [None] * (2 - len(c.bias))
+        stream = self._stream()
         for r in range(num_rounds):
             slot_begin, slot_end = r * num_slots, min(K, (r + 1) * num_slots)
-            self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before combine")
+            self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before combine", stream)
             self._check(self.lib.moe_comm_combine_send(
                 ctypes.byref(params), ctypes.c_void_p(c.x.data_ptr()), ctypes.c_void_p(_ptr(weights)),
                 ctypes.c_void_p(handle.psum_num_recv_tokens_per_rank.data_ptr()),
                 ctypes.c_void_p(_ptr(lay.expand_row_MK)), int(handle.do_expand), slot_begin, slot_end, num_slots,
-                c.num_sms, COPY_THREADS, self._stream()), "combine send")
-            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "combine")
+                c.num_sms, COPY_THREADS, stream), "combine send")
+            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "combine", stream)
             args = _ReduceArgs(lay.send_pos_NR.data_ptr(), handle.topk_idx.data_ptr(), _ptr(acc), _ptr(bias[0]),
                                _ptr(bias[1]), combined.data_ptr(), _ptr(combined_w), hidden, int(handle.do_expand),
                                slot_begin, slot_end, num_slots, int(r == 0), int(r == num_rounds - 1))
             # The reduce is local work on data that has arrived: it takes the whole GPU, not num_sms.
             self._check(self.lib.moe_comm_combine_reduce(ctypes.byref(params), ctypes.byref(args),
                                                          DTYPE_CODES[c.x.dtype], 2 * self.num_device_sms,
-                                                         REDUCE_THREADS, self._stream()), "combine reduce")
+                                                         REDUCE_THREADS, stream), "combine reduce")
         return (combined, combined_w), [], []

@@ -144,6 +144,7 @@ class TorchRefBackend:
         self.device = device
         self.timeout_secs = num_cpu_timeout_secs
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._comm_stream_busy = False  # an async call ran on the comm stream since the last synchronous one
         # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
         self.pending_flags = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
 
@@ -205,6 +206,9 @@ class TorchRefBackend:
 
         `body` returns `(outputs, works, finalizers)`: outputs are allocated, works are the data exchange in
         flight, finalizers fill the outputs once the works are done. Returns `(outputs, event)`.
+        On CUDA a synchronous call runs on the current stream (stream-ordered, nothing to hand over between
+        streams); an async call runs on the comm stream, ordered after the current stream, and the outputs are
+        recorded for the current stream. The host never waits for the device here.
         """
         if previous_event is not None:
             previous_event.current_stream_wait()
@@ -214,24 +218,31 @@ class TorchRefBackend:
             if not async_with_compute_stream:
                 event.current_stream_wait()
             return outputs, event
-        # CUDA: everything is stream-ordered on the comm stream; the host never waits.
         compute_stream = torch.cuda.current_stream(self.device)
+        if not async_with_compute_stream:
+            # An async call may still be using the buffer on the comm stream.
+            if self._comm_stream_busy:
+                compute_stream.wait_stream(self.comm_stream)
+                self._comm_stream_busy = False
+            outputs, works, finalizers = body()
+            self._wait(works)
+            for finalize in finalizers:
+                finalize()
+            return outputs, EventOverlap()
         self.comm_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self.comm_stream):
             outputs, works, finalizers = body()
             self._wait(works)
             for finalize in finalizers:
                 finalize()
+        self._comm_stream_busy = True
         for t in inputs:
             t.record_stream(self.comm_stream)
         for t in _flatten_tensors(outputs):
             t.record_stream(compute_stream)
         cuda_event = torch.cuda.Event()
         cuda_event.record(self.comm_stream)
-        event = EventOverlap(event=cuda_event, extra_tensors=tuple(inputs))
-        if not async_with_compute_stream:
-            event.current_stream_wait()
-        return outputs, event
+        return outputs, EventOverlap(event=cuda_event, extra_tensors=tuple(inputs))
 
     # ------------------------------------------------------------------------------------------------
     # Value checks

@@ -85,9 +85,12 @@ def build_gpt(config, dims: ModelDims, dispatcher: str, moe_comm_config=None):
     """A `GPTModel` with rotary positions and the dispatcher's MoE layers."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config=config, transformer_layer_spec=layer_spec(dims, dispatcher, moe_comm_config),
-                    vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
-                    position_embedding_type="rope")
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(dims, dispatcher, moe_comm_config),
+                     vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
+                     position_embedding_type="rope")
+    # Every weight in the config's dtype, as Megatron's Float16Module does for bf16 (`module.bfloat16()`): the
+    # local spec's torch LayerNorm ignores `params_dtype` and would stay float32 next to bf16 activations.
+    return model.to(config.params_dtype)
 
 
 def mock_batch(dims: ModelDims, micro_batch_size: int, generator: torch.Generator,

@@ -1,0 +1,121 @@
+"""Where the time of a dispatch/combine goes: host issue time, device time per kernel, Python hot spots.
+
+For each token count and op (dispatch with CPU sync, cached dispatch, combine) on the CUDA backend:
+- host us/call: wall time of issuing `--iters` calls back to back, divided by the count (the GPU is not waited
+  for, so for ops without a host sync this is the Python + launch cost alone);
+- stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
+- per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
+Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
+
+    python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm.testing import parallel_launch
+from moe_comm.testing.routing import Case, rank_inputs
+
+
+def loop_times(fn, iters: int, device: torch.device) -> tuple[float, float]:
+    """(host us per call, stream us per call) of `iters` back-to-back calls."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t0) * 1e6 / iters
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Keep the stream busy for longer than the host needs to issue the loop (about 2 GHz clock cycles per ns),
+    # so that the events measure the stream, not the host.
+    torch.cuda._sleep(int(host * iters * 1.5 * 2000) + 100_000)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) * 1e3 / iters
+
+
+def kernel_times(fn, iters: int) -> dict[str, float]:
+    """Mean device us per call of every kernel that `fn` launches."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[evt.name[:60]] += evt.device_time / iters
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def profile_rank(rank: int, world_size: int, args: dict) -> str:
+    device = torch.device("cuda", rank)
+    E, K, hidden = 256, 8, 7168
+    cap = max(args["tokens"])
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=cap, hidden=hidden, num_topk=K, backend="cuda")
+    iters, lines = args["iters"], []
+    for num_tokens in args["tokens"]:
+        case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
+                    num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=cap, drop_prob=0.0)
+        x, idx, w = rank_inputs(case, rank, device)
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+        ops = {"dispatch": lambda: buf.dispatch(x, idx, w, num_experts=E),
+               "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+               "combine": lambda: buf.combine(recv_x, handle)}
+        for name, fn in ops.items():
+            for _ in range(3):
+                fn()
+            host, stream = loop_times(fn, iters, device)
+            lines.append(f"\n{num_tokens} tokens, {name}: host {host:.1f} us/call, stream {stream:.1f} us/call")
+            for kernel, us in kernel_times(fn, iters).items():
+                lines.append(f"    {us:9.1f} us  {100 * us / stream:5.1f}%  {kernel}")
+    small = min(args["tokens"])
+    case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
+                num_tokens=(small,) * world_size, num_max_tokens_per_rank=cap, drop_prob=0.0)
+    x, idx, w = rank_inputs(case, rank, device)
+    _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        buf.dispatch(x, handle=handle)
+    prof.disable()
+    torch.cuda.synchronize(device)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    lines.append(f"\ncProfile, cached dispatch at {small} tokens, {iters} calls:\n{text.getvalue()}")
+    buf.destroy()
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", default=None, help="also write the report to DIR/profile.txt")
+    args = parser.parse_args()
+    report = parallel_launch(2, profile_rank, {"tokens": args.tokens, "iters": args.iters}, backend="nccl",
+                             timeout_s=600)[0]
+    print(report)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "profile.txt"), "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()
