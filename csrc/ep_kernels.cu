@@ -1,17 +1,21 @@
 // Dispatch and combine kernels of the CUDA backend (intranode, NVLink peer memory).
 //
-// A dispatch is: layout_impl (send positions and counts, one pass over topk_idx per rank/expert column),
-// the barrier (transport.cu), dispatch_send_impl (every row written once per destination rank straight into
-// that rank's receive block, with its metadata; counts and the call's signature into the rank's control slot),
-// the signal/wait handshake, then dispatch_recv_impl (receive blocks -> output rows, non-expand or expand).
-// A combine is: barrier, combine_send_impl (rows back to their source rank's receive blocks), signal/wait,
-// combine_reduce_impl (FP32/FP64 sum in the order of DESIGN 2.2, then the biases). Expand combines move one row
-// per (token, slot); when the region cannot hold every slot at once they go in rounds of `num_slots` slots,
-// accumulating into a float buffer between rounds (the order stays ascending slot order).
+// A dispatch is: layout_impl (send positions and counts, one pass over topk_idx per rank/expert column; skipped
+// when cached), the barrier (transport.cu: nobody writes into a region its owner still reads), dispatch_notify_impl
+// + the exchange signal/wait (counts and the call's signature into every peer's control slot; skipped when
+// cached), then dispatch_impl: sender blocks write every row once per destination rank straight into that rank's
+// receive block with its metadata and release a per-row tag; receiver blocks, running at the same time, acquire
+// each row's tag and copy it to the output rows (non-expand or expand), so the copy overlaps the transfer.
+// A combine is: barrier, then combine_impl: sender blocks write rows back to their source rank's receive blocks and
+// release a per-row tag; reducer blocks, at the same time, acquire the tags of each token's rows and add them in
+// FP32/FP64 in the order of DESIGN 2.2, then the biases. Expand combines move one row per (token, slot); when the
+// region cannot hold every slot at once they go in rounds of `num_slots` (<= 32) slots, accumulating into a float
+// buffer between rounds (the order stays ascending slot order).
 //
-// Region row layout (bytes): [data | scales][pad to 16][meta], meta = int64 source token index,
-// int32 local expert id per slot, int32 rank of the token among this source's tokens of that expert per slot,
-// weight per slot (4 or 8 bytes). Combine rows: [data][pad to 16][weights].
+// Region row layout (bytes): [data | scales][pad to 16][meta][pad to 16][tag, pad: 16], meta = int64 source token
+// index, int32 local expert id per slot, int32 rank of the token among this source's tokens of that expert per
+// slot, weight per slot (4 or 8 bytes); tag = kTagMagic << 32 | the operation's barrier sequence number.
+// Combine rows: [data][pad to 16][weights][pad to 16][tag, pad: 16].
 // No torch headers: plain nvcc builds this (CI compiles it for sm_90a without CUDA torch).
 
 #include <cuda_bf16.h>
@@ -20,15 +24,19 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "moe_comm/comm.cuh"
+
 namespace moe_comm {
 
 constexpr int kMaxEpRanks = 32;      // destinations fit one warp's lanes
 constexpr int kLayoutThreads = 1024;
-constexpr int kLayoutItems = 8;     // consecutive tokens per layout thread and pass
+constexpr int kMaxLayoutTopk = 16;  // slots a layout thread keeps in registers (more are re-read)
 constexpr int kWarpSize = 32;
 constexpr int kUnroll = 4;
 constexpr int kMaxSignature = 16;
-constexpr int kMaxReduceRows = 64;   // rows added per token and round: <= max(ranks, slots per round)
+constexpr int kMaxWarpsPerBlock = 16;  // dispatch_impl / combine_impl blocks: at most 512 threads
+constexpr int64_t kTagMagic = 0x6d6f6563;  // high word of a row tag
+constexpr int kTagBytes = 16;        // the last 16 bytes of a dispatch region row: its tag (int64) and padding
 
 struct EpParams {
     uint8_t* const* peer_bases;   // [num_ranks] buffer bases (device array)
@@ -51,6 +59,11 @@ struct EpParams {
     int32_t expert_alignment;
     int32_t num_signature;        // values of `signature` written at the start of a control slot
     int64_t signature[kMaxSignature];  // the call's sizes, compared on the host when it syncs
+    ErrorRecord* error;           // host-mapped: what a timed-out wait reports
+    uint64_t timeout_ns;
+    int64_t seq_offset;           // this rank's barrier counter (names the operation in row tags)
+    int32_t phase;                // reported on timeout
+    int32_t num_send_blocks;      // dispatch_impl: blocks [0, n) send, the others receive
 };
 
 // Control slot: [signature (num_signature)] [rows] [per-local-expert counts (L)] [error flags].
@@ -95,15 +108,17 @@ __device__ __forceinline__ void warp_zero16(uint8_t* dst, int64_t bytes, int lan
 
 // ------------------------------------------------------------------------------------------------------------
 // Layout: one block per column (R destination ranks, then E experts). A column's block walks the tokens in order,
-// kLayoutItems consecutive tokens per thread and pass (one pass up to 8192 tokens), so positions are
-// deterministic: send_pos[t, d] = tokens before t that go to rank d; expert_rank[t, j] = tokens before t that
-// chose slot j's expert. Block 0 also writes the cleaned routing (invalid slots -> -1) and the error flags
-// (1: out of range, 2: duplicate expert in a row).
+// one token per thread and pass, so positions are deterministic: send_pos[t, d] = tokens before t that go to
+// rank d; expert_rank[t, j] = tokens before t that chose slot j's expert. Block 0 also writes the cleaned routing
+// (invalid slots -> -1) and the error flags (1: out of range, 2: duplicate expert in a row).
+// NOTES: a row is read into registers once (up to kMaxLayoutTopk slots): re-reading it from global memory inside
+// the duplicate check, behind stores the compiler must assume may alias, made this kernel 10x slower.
 // ------------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kLayoutThreads)
-layout_impl(const int64_t* topk_idx, int64_t num_tokens, int num_topk, int num_experts, int num_ranks,
-            int64_t* clean_idx, int64_t* send_pos, int32_t* expert_rank, int64_t* num_tokens_per_rank,
-            int64_t* num_tokens_per_expert, int64_t* flags) {
+layout_impl(const int64_t* __restrict__ topk_idx, int64_t num_tokens, int num_topk, int num_experts,
+            int num_ranks, int64_t* __restrict__ clean_idx, int64_t* __restrict__ send_pos,
+            int32_t* __restrict__ expert_rank, int64_t* num_tokens_per_rank, int64_t* num_tokens_per_expert,
+            int64_t* flags) {
     using Scan = cub::BlockScan<int, kLayoutThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
     __shared__ int flag_bits;
@@ -116,45 +131,47 @@ layout_impl(const int64_t* topk_idx, int64_t num_tokens, int num_topk, int num_e
 
     int64_t carry = 0;
     int my_flags = 0;
-    for (int64_t base = 0; base < num_tokens; base += static_cast<int64_t>(kLayoutThreads) * kLayoutItems) {
-        const int64_t first = base + static_cast<int64_t>(threadIdx.x) * kLayoutItems;
-        int hit_slot[kLayoutItems];  // slot of the token that hits this column, -1: no hit
-        int hits = 0;
+    for (int64_t base = 0; base < num_tokens; base += kLayoutThreads) {
+        const int64_t t = base + threadIdx.x;
+        int hit_slot = -1;
+        if (t < num_tokens) {
+            const int64_t* src = topk_idx + t * num_topk;
+            int64_t row[kMaxLayoutTopk];
 #pragma unroll
-        for (int i = 0; i < kLayoutItems; ++i) {
-            const int64_t t = first + i;
-            hit_slot[i] = -1;
-            if (t >= num_tokens) continue;
-            const int64_t* row = topk_idx + t * num_topk;
-            for (int j = 0; j < num_topk; ++j) {
-                const int64_t e = row[j];
+            for (int j = 0; j < kMaxLayoutTopk; ++j) row[j] = j < num_topk ? src[j] : -1;
+            // Slot j of this token: valid (in range, not a repeat of an earlier slot), hit, cleaned copy, flags.
+            auto visit = [&](int j, int64_t e, bool duplicate) {
                 const bool out_of_range = e < -1 || e >= num_experts;
-                bool duplicate = false;
-                if (e >= 0 && !out_of_range)
-                    for (int k = 0; k < j; ++k) duplicate |= row[k] == e;
+                duplicate = duplicate && e >= 0 && !out_of_range;
                 const bool valid = e >= 0 && !out_of_range && !duplicate;
-                if (valid && (is_rank ? e / num_local == target : e == target)) hit_slot[i] = j;
+                if (valid && (is_rank ? e / num_local == target : e == target)) hit_slot = j;
                 if (column == 0) {
                     clean_idx[t * num_topk + j] = valid ? e : -1;
                     if (!valid) expert_rank[t * num_topk + j] = -1;
                     my_flags |= (out_of_range ? 1 : 0) | (duplicate ? 2 : 0);
                 }
+            };
+#pragma unroll
+            for (int j = 0; j < kMaxLayoutTopk; ++j) {
+                if (j >= num_topk) break;
+                bool duplicate = false;
+#pragma unroll
+                for (int k = 0; k < j; ++k) duplicate |= row[k] == row[j];
+                visit(j, row[j], duplicate);
             }
-            hits += hit_slot[i] >= 0;
+            for (int j = kMaxLayoutTopk; j < num_topk; ++j) {  // rare wide rows: the extra slots from memory
+                bool duplicate = false;
+                for (int k = 0; k < j; ++k) duplicate |= src[k] == src[j];
+                visit(j, src[j], duplicate);
+            }
         }
         int prefix, total;
-        Scan(scan_storage).ExclusiveSum(hits, prefix, total);
-        int64_t pos = carry + prefix;
-#pragma unroll
-        for (int i = 0; i < kLayoutItems; ++i) {
-            const int64_t t = first + i;
-            if (t >= num_tokens) continue;
-            const bool hit = hit_slot[i] >= 0;
+        Scan(scan_storage).ExclusiveSum(hit_slot >= 0 ? 1 : 0, prefix, total);
+        if (t < num_tokens) {
             if (is_rank)
-                send_pos[t * num_ranks + target] = hit ? pos : -1;
-            else if (hit)
-                expert_rank[t * num_topk + hit_slot[i]] = static_cast<int32_t>(pos);
-            pos += hit;
+                send_pos[t * num_ranks + target] = hit_slot >= 0 ? carry + prefix : -1;
+            else if (hit_slot >= 0)
+                expert_rank[t * num_topk + hit_slot] = static_cast<int32_t>(carry + prefix);
         }
         carry += total;
         __syncthreads();  // scan_storage is reused by the next pass
@@ -169,37 +186,109 @@ layout_impl(const int64_t* topk_idx, int64_t num_tokens, int num_topk, int num_e
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Dispatch send: one warp per token. The row is read once (16-byte loads, several in flight) and stored into the
-// receive block of every destination rank (the local one included), followed by that rank's view of the
-// metadata. Block 0 writes this rank's control slot on every peer: signature, rows, expert counts, flags.
+// Dispatch notify: this rank's control slot on every peer (signature, rows, per-expert counts, flags). The host
+// then runs the exchange signal/wait, after which every slot is readable (by the host when the call syncs).
 // ------------------------------------------------------------------------------------------------------------
-__global__ void dispatch_send_impl(EpParams p, const uint8_t* x, const uint8_t* scales, const int64_t* clean_idx,
-                                   const uint8_t* weights, const int64_t* send_pos, const int32_t* expert_rank,
-                                   const int64_t* num_tokens_per_rank, const int64_t* num_tokens_per_expert,
-                                   const int64_t* flags) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
-    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
-    const int L = p.num_local_experts, K = p.num_topk;
+__global__ void dispatch_notify_impl(EpParams p, const int64_t* num_tokens_per_rank,
+                                     const int64_t* num_tokens_per_expert, const int64_t* flags) {
+    const int d = threadIdx.x;
+    if (d >= p.num_ranks) return;
+    const int L = p.num_local_experts;
+    int64_t* slot = control_slot(p.peer_bases[d], p, p.rank);
+    for (int i = 0; i < p.num_signature; ++i) slot[i] = p.signature[i];
+    int64_t* counts = slot + p.num_signature;
+    counts[0] = num_tokens_per_rank[d];
+    for (int l = 0; l < L; ++l) counts[1 + l] = num_tokens_per_expert[d * L + l];
+    counts[1 + L] = flags[0];
+    __threadfence_system();
+}
 
-    // Control slots: ours on every rank.
-    if (blockIdx.x == 0 && threadIdx.x < p.num_ranks) {
-        const int d = threadIdx.x;
-        int64_t* slot = control_slot(p.peer_bases[d], p, p.rank);
-        for (int i = 0; i < p.num_signature; ++i) slot[i] = p.signature[i];
-        int64_t* counts = slot + p.num_signature;
-        counts[0] = num_tokens_per_rank[d];
-        for (int l = 0; l < L; ++l) counts[1 + l] = num_tokens_per_expert[d * L + l];
-        counts[1 + L] = flags[0];
+// ------------------------------------------------------------------------------------------------------------
+// Dispatch: one kernel, blocks [0, num_send_blocks) send and the others receive, at the same time.
+// Send: one warp per token; the row is read once (16-byte loads, several in flight) and stored into the receive
+// block of every destination rank (ours included) with that rank's view of the metadata; then the warp's lane d
+// publishes the row on rank d with a release store of the row tag (the warp barrier orders every lane's stores
+// before it). Receive: one warp per received row; lane 0 acquires the row's tag, then the warp copies the row
+// from the region (L2 loads: the region is written by peers) into the output rows (non-expand or expand).
+// The rows received from each source come from the counts (control slots of a fresh dispatch, or the handle's
+// copy of them for a cached one).
+// ------------------------------------------------------------------------------------------------------------
+struct DispatchInputs {
+    const uint8_t* x;            // [N, data_bytes]
+    const uint8_t* scales;       // [N, scale_bytes] or null
+    const int64_t* clean_idx;    // [N, K]
+    const uint8_t* weights;      // [N, K * wb] or null
+    const int64_t* send_pos;     // [N, R]
+    const int32_t* expert_rank;  // [N, K]
+};
+
+struct RecvOutputs {
+    const int64_t* counts;   // [R][counts_stride]: rows from source s, then its per-local-expert counts
+    uint8_t* x;              // [P, data_bytes]
+    uint8_t* scales;         // [P, scale_bytes] or null
+    int64_t* topk_idx;       // [M, K] local ids, or null (cached dispatch)
+    uint8_t* weights;        // non-expand [M, K * wb], expand [P * wb], or null
+    int64_t* src_idx;        // [M] or null
+    int32_t* expand_row;     // [M, K] or null (non-expand)
+    int64_t* psum_rank;      // [R] inclusive, or null
+    int64_t* psum_expert;    // [L] inclusive aligned, or null
+    int64_t num_rows;        // M: rows of topk_idx / src_idx / expand_row (and x when not expanding)
+    int64_t num_expand_rows; // P when expanding
+    int32_t do_expand;
+    int32_t padding;
+};
+
+__device__ __forceinline__ int64_t row_tag(const EpParams& p) {
+    // The barrier before every operation advances this counter on all ranks alike, so it names the operation;
+    // the high word keeps a tag from matching row data left over from an earlier combine by chance.
+    const int64_t seq = *reinterpret_cast<const int64_t*>(p.local_base + p.seq_offset);
+    return (kTagMagic << 32) | (seq & 0xffffffffll);
+}
+
+__device__ __forceinline__ int64_t* row_tag_ptr(uint8_t* row, const EpParams& p) {
+    return reinterpret_cast<int64_t*>(row + p.row_stride - kTagBytes);
+}
+
+// Loads of what peers wrote into our region go through L2 only (`__ldcg`): L1 is not coherent with them.
+__device__ __forceinline__ int64_t ld_cg_i64(const int64_t* ptr) {
+    return __ldcg(reinterpret_cast<const long long*>(ptr));
+}
+__device__ __forceinline__ int32_t ld_cg_i32(const int32_t* ptr) { return __ldcg(ptr); }
+__device__ __forceinline__ uint8_t ld_cg_u8(const uint8_t* ptr) { return __ldcg(ptr); }
+
+// As warp_copy16 / warp_copy4, reading through L2 only.
+__device__ __forceinline__ void warp_copy16_cg(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int64_t n = bytes / 16;
+    int64_t i = lane;
+    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(s + i + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) d[i + u * kWarpSize] = v[u];
     }
+    for (; i < n; i += kWarpSize) d[i] = __ldcg(s + i);
+}
 
+__device__ __forceinline__ void warp_copy4_cg(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
+    const int* s = reinterpret_cast<const int*>(src);
+    int* d = reinterpret_cast<int*>(dst);
+    for (int64_t i = lane; i < bytes / 4; i += kWarpSize) d[i] = __ldcg(s + i);
+}
+
+__device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, int64_t warp, int64_t num_warps,
+                                   int lane) {
+    const int L = p.num_local_experts, K = p.num_topk;
+    const int64_t tag = row_tag(p);
     const int64_t block_base = static_cast<int64_t>(p.rank) * p.cap;
     for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
-        const int64_t my_pos = lane < p.num_ranks ? send_pos[t * p.num_ranks + lane] : -1;
+        const int64_t my_pos = lane < p.num_ranks ? in.send_pos[t * p.num_ranks + lane] : -1;
         const unsigned dest_mask = __ballot_sync(0xffffffffu, my_pos >= 0);
 
         // Data: 16-byte vectors, kUnroll loads in flight before the stores to every destination.
-        const int4* src = reinterpret_cast<const int4*>(x + t * p.data_bytes);
+        const int4* src = reinterpret_cast<const int4*>(in.x + t * p.data_bytes);
         const int64_t num_vecs = p.data_bytes / 16;
         // NOTES: the loop bounds are warp-uniform, because the shuffle below needs every lane.
         for (int64_t v0 = 0; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
@@ -225,50 +314,33 @@ __global__ void dispatch_send_impl(EpParams p, const uint8_t* x, const uint8_t* 
             const int d = __ffs(mask) - 1;
             const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
             uint8_t* row = p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride;
-            if (p.scale_bytes) warp_copy4(row + p.data_bytes, scales + t * p.scale_bytes, p.scale_bytes, lane);
+            if (p.scale_bytes) warp_copy4(row + p.data_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
             uint8_t* meta = row + p.meta_offset;
             if (lane == 0) *reinterpret_cast<int64_t*>(meta) = t;
             int32_t* local_ids = reinterpret_cast<int32_t*>(meta + 8);
             int32_t* ranks = local_ids + K;
             uint8_t* w = meta + 8 + 8 * K;
             for (int j = lane; j < K; j += kWarpSize) {
-                const int64_t e = clean_idx[t * K + j];
+                const int64_t e = in.clean_idx[t * K + j];
                 const bool local = e >= 0 && e / L == d;
                 local_ids[j] = local ? static_cast<int32_t>(e - static_cast<int64_t>(d) * L) : -1;
-                ranks[j] = local ? expert_rank[t * K + j] : -1;
+                ranks[j] = local ? in.expert_rank[t * K + j] : -1;
                 if (p.weight_bytes == 4)
-                    reinterpret_cast<int32_t*>(w)[j] = local ? reinterpret_cast<const int32_t*>(weights)[t * K + j] : 0;
+                    reinterpret_cast<int32_t*>(w)[j] = local ? reinterpret_cast<const int32_t*>(in.weights)[t * K + j] : 0;
                 else if (p.weight_bytes == 8)
-                    reinterpret_cast<int64_t*>(w)[j] = local ? reinterpret_cast<const int64_t*>(weights)[t * K + j] : 0;
+                    reinterpret_cast<int64_t*>(w)[j] = local ? reinterpret_cast<const int64_t*>(in.weights)[t * K + j] : 0;
             }
         }
+        // Publish: every lane's stores above happen before lane d's release of the row on rank d.
+        __syncwarp();
+        if (my_pos >= 0)
+            st_release_sys(row_tag_ptr(p.peer_bases[lane] + p.region_offset + (block_base + my_pos) * p.row_stride, p),
+                           tag);
     }
-    // NOTES: the flag that publishes these rows is written by the next kernel on the stream (release, system
-    // scope); the fence makes each thread's remote stores visible before this kernel retires.
-    __threadfence_system();
 }
 
-// ------------------------------------------------------------------------------------------------------------
-// Dispatch receive: from the receive blocks to the output rows. Every block first derives, from the control
-// slots, where each source's rows start (non-expand) and where each (source, expert) run starts (expand).
-// ------------------------------------------------------------------------------------------------------------
-struct RecvOutputs {
-    uint8_t* x;              // [P, data_bytes]
-    uint8_t* scales;         // [P, scale_bytes] or null
-    int64_t* topk_idx;       // [M, K] local ids, or null (cached dispatch)
-    uint8_t* weights;        // non-expand [M, K * wb], expand [P * wb], or null
-    int64_t* src_idx;        // [M] or null
-    int32_t* expand_row;     // [M, K] or null (non-expand)
-    int64_t* psum_rank;      // [R] inclusive, or null
-    int64_t* psum_expert;    // [L] inclusive aligned, or null
-    int64_t num_rows;        // M: rows of topk_idx / src_idx / expand_row (and x when not expanding)
-    int64_t num_expand_rows; // P when expanding
-    int32_t do_expand;
-    int32_t padding;
-};
-
-__global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
-    extern __shared__ int64_t smem[];
+__device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, int64_t warp, int64_t num_warps,
+                                   int lane, int64_t* smem) {
     const int R = p.num_ranks, L = p.num_local_experts, K = p.num_topk;
     // smem: rows_from[R], rank_start[R], expert_start[L], expert_count[L], aligned[L], base[R * L]
     int64_t* rows_from = smem;
@@ -277,15 +349,19 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
     int64_t* expert_count = expert_start + L;
     int64_t* aligned = expert_count + L;
     int64_t* run_base = aligned + L;
-    const int64_t* slots = reinterpret_cast<const int64_t*>(p.local_base + p.counts_offset);
+    __shared__ int timed_out;  // a wait of this block timed out: later rows are skipped, not waited for
+    const int64_t* counts = out.counts;
+    const int64_t stride = p.counts_stride;
+    const bool first_block = blockIdx.x == p.num_send_blocks;
 
     // NOTES: counts come from peers; clamping keeps a disagreeing or timed-out peer from pushing writes past
     // the block or the outputs (its rows are then wrong, and the host raises for the timeout).
+    if (threadIdx.x == 0) timed_out = 0;
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-        rows_from[s] = min(max(slots[s * p.counts_stride + p.num_signature], int64_t(0)), p.cap);
+        rows_from[s] = min(max(counts[s * stride], int64_t(0)), p.cap);
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int64_t c = 0;
-        for (int s = 0; s < R; ++s) c += slots[s * p.counts_stride + p.num_signature + 1 + l];
+        for (int s = 0; s < R; ++s) c += counts[s * stride + 1 + l];
         expert_count[l] = c;
         aligned[l] = (c + p.expert_alignment - 1) / p.expert_alignment * p.expert_alignment;
     }
@@ -296,13 +372,13 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
         for (int s = 0; s < R; ++s) {
             rank_start[s] = acc;
             acc += rows_from[s];
-            if (blockIdx.x == 0 && out.psum_rank) out.psum_rank[s] = acc;
+            if (first_block && out.psum_rank) out.psum_rank[s] = acc;
         }
         acc = 0;
         for (int l = 0; l < L; ++l) {
             expert_start[l] = acc;
             acc += aligned[l];
-            if (blockIdx.x == 0 && out.psum_expert) out.psum_expert[l] = acc;
+            if (first_block && out.psum_expert) out.psum_expert[l] = acc;
         }
     }
     __syncthreads();
@@ -311,51 +387,57 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
             int64_t acc = expert_start[l];
             for (int s = 0; s < R; ++s) {
                 run_base[s * L + l] = acc;
-                acc += slots[s * p.counts_stride + p.num_signature + 1 + l];
+                acc += counts[s * stride + 1 + l];
             }
         }
         __syncthreads();
     }
 
-    const int lane = threadIdx.x % kWarpSize;
-    const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
-    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+    const int64_t tag = row_tag(p);
     const int64_t wb = p.weight_bytes;
     for (int64_t g = warp; g < static_cast<int64_t>(R) * p.cap; g += num_warps) {
         const int s = static_cast<int>(g / p.cap);
         const int64_t i = g - static_cast<int64_t>(s) * p.cap;
         if (i >= rows_from[s]) continue;
-        const uint8_t* row = p.local_base + p.region_offset + g * p.row_stride;
+        uint8_t* row = p.local_base + p.region_offset + g * p.row_stride;
+        const int64_t m = rank_start[s] + i;
+        if (m >= out.num_rows) continue;
+        // Wait for the row (lane 0), then let the whole warp read it.
+        int arrived = 1;
+        if (lane == 0) {
+            arrived = !*reinterpret_cast<volatile int*>(&timed_out) &&
+                      wait_flag_equal(row_tag_ptr(row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, s);
+            if (!arrived) timed_out = 1;
+        }
+        if (!__shfl_sync(0xffffffffu, arrived, 0)) continue;
         const uint8_t* meta = row + p.meta_offset;
         const int32_t* local_ids = reinterpret_cast<const int32_t*>(meta + 8);
         const int32_t* ranks = local_ids + K;
         const uint8_t* w = meta + 8 + 8 * K;
-        const int64_t m = rank_start[s] + i;
-        if (m >= out.num_rows) continue;
-        if (out.src_idx && lane == 0) out.src_idx[m] = *reinterpret_cast<const int64_t*>(meta);
+        if (out.src_idx && lane == 0) out.src_idx[m] = ld_cg_i64(reinterpret_cast<const int64_t*>(meta));
         for (int j = lane; j < K; j += kWarpSize) {
-            if (out.topk_idx) out.topk_idx[m * K + j] = local_ids[j];
+            const int32_t l = ld_cg_i32(local_ids + j);
+            if (out.topk_idx) out.topk_idx[m * K + j] = l;
             if (out.expand_row) {
-                const int32_t l = local_ids[j];
-                const int64_t r = l >= 0 && l < L ? run_base[s * L + l] + ranks[j] : -1;
+                const int64_t r = l >= 0 && l < L ? run_base[s * L + l] + ld_cg_i32(ranks + j) : -1;
                 out.expand_row[m * K + j] = r >= 0 && r < out.num_expand_rows ? static_cast<int32_t>(r) : -1;
             }
             if (out.weights && !out.do_expand)
-                for (int64_t b = 0; b < wb; ++b) out.weights[(m * K + j) * wb + b] = w[j * wb + b];
+                for (int64_t b = 0; b < wb; ++b) out.weights[(m * K + j) * wb + b] = ld_cg_u8(w + j * wb + b);
         }
         if (!out.do_expand) {
-            warp_copy16(out.x + m * p.data_bytes, row, p.data_bytes, lane);
-            if (out.scales) warp_copy4(out.scales + m * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
+            warp_copy16_cg(out.x + m * p.data_bytes, row, p.data_bytes, lane);
+            if (out.scales) warp_copy4_cg(out.scales + m * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
             continue;
         }
         for (int j = 0; j < K; ++j) {
-            const int32_t l = local_ids[j];
+            const int32_t l = ld_cg_i32(local_ids + j);
             if (l < 0 || l >= L) continue;
-            const int64_t r = run_base[s * L + l] + ranks[j];
+            const int64_t r = run_base[s * L + l] + ld_cg_i32(ranks + j);
             if (r < 0 || r >= out.num_expand_rows) continue;
-            warp_copy16(out.x + r * p.data_bytes, row, p.data_bytes, lane);
-            if (out.scales) warp_copy4(out.scales + r * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
-            if (out.weights && lane < wb) out.weights[r * wb + lane] = w[j * wb + lane];
+            warp_copy16_cg(out.x + r * p.data_bytes, row, p.data_bytes, lane);
+            if (out.scales) warp_copy4_cg(out.scales + r * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
+            if (out.weights && lane < wb) out.weights[r * wb + lane] = ld_cg_u8(w + j * wb + lane);
         }
     }
     // Expand padding rows are zero (data, scales, weight).
@@ -373,47 +455,29 @@ __global__ void dispatch_recv_impl(EpParams p, RecvOutputs out) {
     }
 }
 
-// ------------------------------------------------------------------------------------------------------------
-// Combine send: row m of the dispatch output goes back to its source rank s, into block `rank` at the row it
-// came from. Expand: one row per (token, slot) for the slots of this round, at sub-row (slot - slot_begin).
-// ------------------------------------------------------------------------------------------------------------
-__global__ void combine_send_impl(EpParams p, const uint8_t* x, const uint8_t* weights, const int64_t* psum_rank,
-                                  const int32_t* expand_row, int do_expand, int slot_begin, int slot_end,
-                                  int num_slots) {
+__global__ void dispatch_impl(EpParams p, DispatchInputs in, RecvOutputs out) {
+    extern __shared__ int64_t smem[];
     const int lane = threadIdx.x % kWarpSize;
-    const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
-    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
-    const int R = p.num_ranks, K = p.num_topk;
-    const int64_t total = psum_rank[R - 1];
-    const int64_t wb = p.weight_bytes;
-    for (int64_t m = warp; m < total; m += num_warps) {
-        int s = 0;
-        while (psum_rank[s] <= m) ++s;
-        const int64_t i = m - (s ? psum_rank[s - 1] : 0);
-        const int64_t block_row = static_cast<int64_t>(p.rank) * p.cap + i;
-        uint8_t* region = p.peer_bases[s] + p.region_offset;
-        if (!do_expand) {
-            uint8_t* dst = region + block_row * p.row_stride;
-            warp_copy16(dst, x + m * p.data_bytes, p.data_bytes, lane);
-            if (weights)
-                for (int64_t b = lane; b < K * wb; b += kWarpSize) dst[p.meta_offset + b] = weights[m * K * wb + b];
-            continue;
-        }
-        for (int j = slot_begin; j < slot_end; ++j) {
-            const int32_t r = expand_row[m * K + j];
-            if (r < 0) continue;
-            uint8_t* dst = region + (block_row * num_slots + (j - slot_begin)) * p.row_stride;
-            warp_copy16(dst, x + r * p.data_bytes, p.data_bytes, lane);
-            if (weights && lane < wb) dst[p.meta_offset + lane] = weights[static_cast<int64_t>(r) * wb + lane];
-        }
+    const int warps_per_block = blockDim.x / kWarpSize;
+    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+        const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / kWarpSize;
+        dispatch_send_rows(p, in, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
+    } else {
+        const int64_t warp = static_cast<int64_t>(blockIdx.x - p.num_send_blocks) * warps_per_block +
+                             threadIdx.x / kWarpSize;
+        const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
+        dispatch_recv_rows(p, out, warp, num_warps, lane, smem);
     }
-    __threadfence_system();
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Combine reduce on the source: per token, start from zero and add the rows in ascending destination rank
-// order (non-expand) or ascending slot order (expand), in Acc precision; after the last round add bias[0],
-// then bias[1], and cast. combined_topk_weights is the select of slot j's value on its owner rank.
+// Combine: one kernel, blocks [0, num_send_blocks) send and the others reduce, at the same time.
+// Send: row m of the dispatch output goes back to its source rank s, into block `rank` at the row it came from
+// (expand: one row per (token, slot) of this round, at sub-row slot - slot_begin), then lane 0 releases the
+// row's tag. Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order
+// (ascending rank, or ascending slot in expand mode), each acquires its row's tag, then the warp adds them in
+// that order in Acc precision from zero (or the accumulator of earlier rounds); after the last round bias[0],
+// then bias[1], and the cast. combined_topk_weights is the select of slot j's value on its owner rank.
 // ------------------------------------------------------------------------------------------------------------
 template <typename T>
 struct AccOf { using type = float; };
@@ -430,7 +494,13 @@ __device__ __forceinline__ T from_acc(typename AccOf<T>::type v) { return static
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-struct ReduceArgs {
+struct CombineArgs {
+    // Send side (the dispatch outputs of this rank).
+    const uint8_t* x;             // [M or P, data_bytes]
+    const uint8_t* weights;       // non-expand [M, K * wb], expand [P * wb], or null
+    const int64_t* psum_rank;     // [R] inclusive rows received from each source
+    const int32_t* expand_row;    // [M, K] or null (non-expand)
+    // Reduce side (this rank's tokens).
     const int64_t* send_pos;      // [N, R]
     const int64_t* clean_idx;     // [N, K]
     void* acc;                    // [N, H] Acc between rounds, or null (single round)
@@ -442,71 +512,134 @@ struct ReduceArgs {
     int32_t do_expand;
     int32_t slot_begin;
     int32_t slot_end;
-    int32_t num_slots;
+    int32_t num_slots;            // sub-rows per token in the region this round
     int32_t first_round;
     int32_t last_round;
 };
 
+__device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
+                                  int lane) {
+    const int R = p.num_ranks, K = p.num_topk;
+    const int64_t total = a.psum_rank[R - 1];
+    const int64_t wb = p.weight_bytes;
+    const int64_t tag = row_tag(p);
+    for (int64_t m = warp; m < total; m += num_warps) {
+        int s = 0;
+        while (a.psum_rank[s] <= m) ++s;
+        const int64_t i = m - (s ? a.psum_rank[s - 1] : 0);
+        const int64_t block_row = static_cast<int64_t>(p.rank) * p.cap + i;
+        uint8_t* region = p.peer_bases[s] + p.region_offset;
+        if (!a.do_expand) {
+            uint8_t* dst = region + block_row * p.row_stride;
+            warp_copy16(dst, a.x + m * p.data_bytes, p.data_bytes, lane);
+            if (a.weights)
+                for (int64_t b = lane; b < K * wb; b += kWarpSize) dst[p.meta_offset + b] = a.weights[m * K * wb + b];
+            __syncwarp();
+            if (lane == 0) st_release_sys(row_tag_ptr(dst, p), tag);
+            continue;
+        }
+        for (int j = a.slot_begin; j < a.slot_end; ++j) {
+            const int32_t r = a.expand_row[m * K + j];
+            if (r < 0) continue;
+            uint8_t* dst = region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride;
+            warp_copy16(dst, a.x + r * p.data_bytes, p.data_bytes, lane);
+            if (a.weights && lane < wb) dst[p.meta_offset + lane] = a.weights[static_cast<int64_t>(r) * wb + lane];
+            __syncwarp();
+            if (lane == 0) st_release_sys(row_tag_ptr(dst, p), tag);
+        }
+    }
+}
+
 template <typename T>
-__global__ void combine_reduce_impl(EpParams p, ReduceArgs a) {
+__device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
+                                    int lane, const uint8_t** rows) {
     using Acc = typename AccOf<T>::type;
     constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
-    __shared__ const uint8_t* rows[kMaxReduceRows];
-    __shared__ int num_rows;
     const int R = p.num_ranks, K = p.num_topk, L = p.num_local_experts;
-    const uint8_t* region = p.local_base + p.region_offset;
+    uint8_t* region = p.local_base + p.region_offset;
     const int64_t H = a.hidden, wb = p.weight_bytes, num_vecs = a.hidden / kVec;
-    for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    const int64_t tag = row_tag(p);
+    __shared__ int timed_out;  // a wait of this block timed out: later rows are not waited for
+    if (threadIdx.x == 0) timed_out = 0;
+    __syncthreads();
+    for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
         const int64_t* pos = a.send_pos + t * R;
         const int64_t* experts = a.clean_idx + t * K;
-        // The rows to add, in the documented order: ascending rank (non-expand) or ascending slot (expand).
-        if (threadIdx.x == 0) {
-            int n = 0;
-            if (!a.do_expand) {
-                for (int d = 0; d < R; ++d)
-                    if (pos[d] >= 0) rows[n++] = region + (static_cast<int64_t>(d) * p.cap + pos[d]) * p.row_stride;
-            } else {
-                for (int j = a.slot_begin; j < a.slot_end; ++j) {
-                    if (experts[j] < 0) continue;
-                    const int d = static_cast<int>(experts[j] / L);
-                    rows[n++] = region + ((static_cast<int64_t>(d) * p.cap + pos[d]) * a.num_slots +
-                                          (j - a.slot_begin)) * p.row_stride;
+        // Lane r owns one candidate row (rank r, or slot slot_begin + r); the rows that exist, in lane order,
+        // are the documented order.
+        uint8_t* row = nullptr;
+        int peer = 0;
+        if (!a.do_expand) {
+            if (lane < R && pos[lane] >= 0) {
+                row = region + (static_cast<int64_t>(lane) * p.cap + pos[lane]) * p.row_stride;
+                peer = lane;
+            }
+        } else {
+            const int j = a.slot_begin + lane;
+            if (j < a.slot_end && experts[j] >= 0) {
+                peer = static_cast<int>(experts[j] / L);
+                row = region + ((static_cast<int64_t>(peer) * p.cap + pos[peer]) * a.num_slots + lane) * p.row_stride;
+            }
+        }
+        const unsigned present = __ballot_sync(0xffffffffu, row != nullptr);
+        const int num_rows = __popc(present);
+        if (row != nullptr) {
+            rows[__popc(present & ((1u << lane) - 1))] = row;
+            if (!*reinterpret_cast<volatile int*>(&timed_out) &&
+                !wait_flag_equal(row_tag_ptr(row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, peer))
+                timed_out = 1;
+        }
+        __syncwarp();
+        for (int64_t v0 = 0; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
+            Acc acc[kUnroll][kVec];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t v = v0 + lane + u * kWarpSize;
+#pragma unroll
+                for (int k = 0; k < kVec; ++k)
+                    acc[u][k] = a.first_round || v >= num_vecs ? Acc(0) : static_cast<const Acc*>(a.acc)[t * H + v * kVec + k];
+            }
+            for (int r = 0; r < num_rows; ++r) {
+                const int4* src = reinterpret_cast<const int4*>(rows[r]);
+                int4 raw[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int64_t v = v0 + lane + u * kWarpSize;
+                    if (v < num_vecs) raw[u] = __ldcg(src + v);
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const T* values = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+                    for (int k = 0; k < kVec; ++k) acc[u][k] += to_acc<T>(values[k]);
                 }
             }
-            num_rows = n;
-        }
-        __syncthreads();
-        for (int64_t v = threadIdx.x; v < num_vecs; v += blockDim.x) {
-            Acc acc[kVec];
-            const int64_t first = t * H + v * kVec;
 #pragma unroll
-            for (int k = 0; k < kVec; ++k) acc[k] = a.first_round ? Acc(0) : static_cast<const Acc*>(a.acc)[first + k];
-            for (int r = 0; r < num_rows; ++r) {
-                const int4 raw = reinterpret_cast<const int4*>(rows[r])[v];
-                const T* values = reinterpret_cast<const T*>(&raw);
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t v = v0 + lane + u * kWarpSize;
+                if (v >= num_vecs) continue;
+                const int64_t first = t * H + v * kVec;
+                if (!a.last_round) {
 #pragma unroll
-                for (int k = 0; k < kVec; ++k) acc[k] += to_acc<T>(values[k]);
+                    for (int k = 0; k < kVec; ++k) static_cast<Acc*>(a.acc)[first + k] = acc[u][k];
+                    continue;
+                }
+                for (const void* bias : {a.bias0, a.bias1}) {
+                    if (bias == nullptr) continue;
+                    const int4 raw = reinterpret_cast<const int4*>(static_cast<const T*>(bias) + first)[0];
+                    const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                    for (int k = 0; k < kVec; ++k) acc[u][k] += to_acc<T>(values[k]);
+                }
+                int4 packed;
+                T* out_values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+                for (int k = 0; k < kVec; ++k) out_values[k] = from_acc<T>(acc[u][k]);
+                reinterpret_cast<int4*>(static_cast<T*>(a.out) + first)[0] = packed;
             }
-            if (!a.last_round) {
-#pragma unroll
-                for (int k = 0; k < kVec; ++k) static_cast<Acc*>(a.acc)[first + k] = acc[k];
-                continue;
-            }
-            for (const void* bias : {a.bias0, a.bias1}) {
-                if (bias == nullptr) continue;
-                const int4 raw = reinterpret_cast<const int4*>(static_cast<const T*>(bias) + first)[0];
-                const T* values = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-                for (int k = 0; k < kVec; ++k) acc[k] += to_acc<T>(values[k]);
-            }
-            int4 packed;
-            T* out_values = reinterpret_cast<T*>(&packed);
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) out_values[k] = from_acc<T>(acc[k]);
-            reinterpret_cast<int4*>(static_cast<T*>(a.out) + first)[0] = packed;
         }
         if (a.out_weights) {
-            for (int j = threadIdx.x; j < K; j += blockDim.x) {
+            for (int j = lane; j < K; j += kWarpSize) {
                 if (a.do_expand && (j < a.slot_begin || j >= a.slot_end)) continue;
                 uint8_t* dst = a.out_weights + (t * K + j) * wb;
                 if (experts[j] < 0) {
@@ -518,17 +651,33 @@ __global__ void combine_reduce_impl(EpParams p, ReduceArgs a) {
                 const uint8_t* src = a.do_expand
                     ? region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride + p.meta_offset
                     : region + block_row * p.row_stride + p.meta_offset + j * wb;
-                for (int64_t b = 0; b < wb; ++b) dst[b] = src[b];
+                for (int64_t b = 0; b < wb; ++b) dst[b] = ld_cg_u8(src + b);
             }
         }
-        __syncthreads();  // rows[] is rebuilt for the next token
+        __syncwarp();  // rows[] is rebuilt for the next token
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) combine_impl(EpParams p, CombineArgs a) {
+    __shared__ const uint8_t* rows[kMaxWarpsPerBlock][kWarpSize];
+    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
+    const int warps_per_block = blockDim.x / kWarpSize;
+    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+        const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
+        combine_send_rows(p, a, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
+    } else {
+        const int64_t warp = static_cast<int64_t>(blockIdx.x - p.num_send_blocks) * warps_per_block + warp_in_block;
+        const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
+        combine_reduce_rows<T>(p, a, warp, num_warps, lane, rows[warp_in_block]);
     }
 }
 
 }  // namespace moe_comm
 
+using moe_comm::DispatchInputs;
 using moe_comm::EpParams;
-using moe_comm::ReduceArgs;
+using moe_comm::CombineArgs;
 using moe_comm::RecvOutputs;
 
 extern "C" {
@@ -544,43 +693,40 @@ int moe_comm_layout(const int64_t* topk_idx, int64_t num_tokens, int num_topk, i
     return static_cast<int>(cudaGetLastError());
 }
 
-int moe_comm_dispatch_send(const EpParams* p, const uint8_t* x, const uint8_t* scales, const int64_t* clean_idx,
-                           const uint8_t* weights, const int64_t* send_pos, const int32_t* expert_rank,
-                           const int64_t* num_tokens_per_rank, const int64_t* num_tokens_per_expert,
-                           const int64_t* flags, int num_blocks, int num_threads, cudaStream_t stream) {
-    if (p->num_ranks > moe_comm::kMaxEpRanks || p->data_bytes % 16 || p->scale_bytes % 4 || p->row_stride % 16 ||
-        p->num_signature > moe_comm::kMaxSignature)
+int moe_comm_dispatch_notify(const EpParams* p, const int64_t* num_tokens_per_rank,
+                             const int64_t* num_tokens_per_expert, const int64_t* flags, cudaStream_t stream) {
+    if (p->num_ranks > moe_comm::kMaxEpRanks || p->num_signature > moe_comm::kMaxSignature)
         return static_cast<int>(cudaErrorInvalidValue);
-    moe_comm::dispatch_send_impl<<<num_blocks, num_threads, 0, stream>>>(
-        *p, x, scales, clean_idx, weights, send_pos, expert_rank, num_tokens_per_rank, num_tokens_per_expert,
-        flags);
+    moe_comm::dispatch_notify_impl<<<1, moe_comm::kMaxEpRanks, 0, stream>>>(*p, num_tokens_per_rank,
+                                                                            num_tokens_per_expert, flags);
     return static_cast<int>(cudaGetLastError());
 }
 
-int moe_comm_dispatch_recv(const EpParams* p, const RecvOutputs* out, int num_blocks, int num_threads,
-                           cudaStream_t stream) {
+// num_blocks: p->num_send_blocks senders, then the receivers (at least one of each).
+int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, const RecvOutputs* out, int num_blocks,
+                      int num_threads, cudaStream_t stream) {
     const size_t smem = sizeof(int64_t) * (2 * p->num_ranks + 3 * p->num_local_experts +
                                            static_cast<size_t>(p->num_ranks) * p->num_local_experts);
-    if (smem > 48 * 1024) return static_cast<int>(cudaErrorInvalidValue);
-    moe_comm::dispatch_recv_impl<<<num_blocks, num_threads, smem, stream>>>(*p, *out);
-    return static_cast<int>(cudaGetLastError());
-}
-
-int moe_comm_combine_send(const EpParams* p, const uint8_t* x, const uint8_t* weights, const int64_t* psum_rank,
-                          const int32_t* expand_row, int do_expand, int slot_begin, int slot_end, int num_slots,
-                          int num_blocks, int num_threads, cudaStream_t stream) {
-    moe_comm::combine_send_impl<<<num_blocks, num_threads, 0, stream>>>(*p, x, weights, psum_rank, expand_row,
-                                                                        do_expand, slot_begin, slot_end, num_slots);
+    if (p->num_ranks > moe_comm::kMaxEpRanks || p->data_bytes % 16 || p->scale_bytes % 4 || p->row_stride % 16 ||
+        p->num_send_blocks < 1 || p->num_send_blocks >= num_blocks || smem > 48 * 1024 ||
+        num_threads > moe_comm::kMaxWarpsPerBlock * moe_comm::kWarpSize)
+        return static_cast<int>(cudaErrorInvalidValue);
+    moe_comm::dispatch_impl<<<num_blocks, num_threads, smem, stream>>>(*p, *in, *out);
     return static_cast<int>(cudaGetLastError());
 }
 
 // dtype: 1 bf16, 2 float32, 3 float64 (accumulating in float32, float32, float64).
-int moe_comm_combine_reduce(const EpParams* p, const ReduceArgs* a, int dtype, int num_blocks, int num_threads,
-                            cudaStream_t stream) {
+// num_blocks: p->num_send_blocks senders, then the reducers (at least one of each).
+int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dtype, int num_blocks, int num_threads,
+                     cudaStream_t stream) {
+    if (p->num_ranks > moe_comm::kWarpSize || a->slot_end - a->slot_begin > moe_comm::kWarpSize ||
+        num_threads > moe_comm::kMaxWarpsPerBlock * moe_comm::kWarpSize || p->num_send_blocks < 1 ||
+        p->num_send_blocks >= num_blocks || p->data_bytes % 16 || p->row_stride % 16)
+        return static_cast<int>(cudaErrorInvalidValue);
     switch (dtype) {
-        case 1: moe_comm::combine_reduce_impl<__nv_bfloat16><<<num_blocks, num_threads, 0, stream>>>(*p, *a); break;
-        case 2: moe_comm::combine_reduce_impl<float><<<num_blocks, num_threads, 0, stream>>>(*p, *a); break;
-        case 3: moe_comm::combine_reduce_impl<double><<<num_blocks, num_threads, 0, stream>>>(*p, *a); break;
+        case 1: moe_comm::combine_impl<__nv_bfloat16><<<num_blocks, num_threads, 0, stream>>>(*p, *a); break;
+        case 2: moe_comm::combine_impl<float><<<num_blocks, num_threads, 0, stream>>>(*p, *a); break;
+        case 3: moe_comm::combine_impl<double><<<num_blocks, num_threads, 0, stream>>>(*p, *a); break;
         default: return static_cast<int>(cudaErrorInvalidValue);
     }
     return static_cast<int>(cudaGetLastError());
@@ -590,7 +736,8 @@ int moe_comm_sizeof_ep_structs(int which) {
     switch (which) {
         case 0: return static_cast<int>(sizeof(EpParams));
         case 1: return static_cast<int>(sizeof(RecvOutputs));
-        case 2: return static_cast<int>(sizeof(ReduceArgs));
+        case 2: return static_cast<int>(sizeof(CombineArgs));
+        case 3: return static_cast<int>(sizeof(DispatchInputs));
         default: return -1;
     }
 }

@@ -34,6 +34,6 @@ def test_kernel_library_loads_and_structs_match(tmp_path, monkeypatch):
     nvcc_or_skip()
     monkeypatch.setenv("MOE_COMM_JIT_CACHE_DIR", str(tmp_path))
     lib = cuda_backend.load_kernels()
-    for symbol in ("moe_comm_layout", "moe_comm_dispatch_send", "moe_comm_dispatch_recv", "moe_comm_combine_send",
-                   "moe_comm_combine_reduce", "moe_comm_signal_wait", "moe_comm_copy_blocks"):
+    for symbol in ("moe_comm_layout", "moe_comm_dispatch_notify", "moe_comm_dispatch", "moe_comm_combine",
+                   "moe_comm_signal_wait", "moe_comm_copy_blocks"):
         assert hasattr(lib, symbol), symbol

@@ -50,9 +50,9 @@ BARRIER_SEQ_OFFSET = 8192           # this rank's counters (device-side, so grap
 EXCHANGE_SEQ_OFFSET = 8200
 SLOTS_OFFSET = 16384                # control slots [num_ranks][SIGNATURE_LEN + num_local_experts + 2] int64
 SIGNATURE_LEN = 16                  # csrc/ep_kernels.cu kMaxSignature
-COPY_THREADS = 512
-REDUCE_THREADS = 256
-MAX_REDUCE_ROWS = 64                # csrc/ep_kernels.cu kMaxReduceRows
+COPY_THREADS = 512                  # csrc/ep_kernels.cu: at most kMaxWarpsPerBlock warps per block
+TAG_BYTES = 16                      # csrc/ep_kernels.cu kTagBytes: a dispatch region row ends in its tag
+MAX_ROUND_SLOTS = 32                # expand combine slots per round: one reducer lane each
 RECV_SMEM_LIMIT = 48 * 1024
 DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -82,19 +82,26 @@ class _EpParams(ctypes.Structure):
                 ("scale_bytes", ctypes.c_int64), ("meta_offset", ctypes.c_int64), ("rank", ctypes.c_int32),
                 ("num_ranks", ctypes.c_int32), ("num_experts", ctypes.c_int32), ("num_local_experts", ctypes.c_int32),
                 ("num_topk", ctypes.c_int32), ("weight_bytes", ctypes.c_int32), ("expert_alignment", ctypes.c_int32),
-                ("num_signature", ctypes.c_int32), ("signature", ctypes.c_int64 * SIGNATURE_LEN)]
+                ("num_signature", ctypes.c_int32), ("signature", ctypes.c_int64 * SIGNATURE_LEN),
+                ("error", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("seq_offset", ctypes.c_int64),
+                ("phase", ctypes.c_int32), ("num_send_blocks", ctypes.c_int32)]
+
+
+class _DispatchInputs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "scales", "clean_idx", "weights", "send_pos",
+                                                     "expert_rank")]
 
 
 class _RecvOutputs(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "scales", "topk_idx", "weights", "src_idx", "expand_row",
-                                                     "psum_rank", "psum_expert")] + \
+    _fields_ = [(name, ctypes.c_void_p) for name in ("counts", "x", "scales", "topk_idx", "weights", "src_idx",
+                                                     "expand_row", "psum_rank", "psum_expert")] + \
                [("num_rows", ctypes.c_int64), ("num_expand_rows", ctypes.c_int64), ("do_expand", ctypes.c_int32),
                 ("padding", ctypes.c_int32)]
 
 
-class _ReduceArgs(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("send_pos", "clean_idx", "acc", "bias0", "bias1", "out",
-                                                     "out_weights")] + \
+class _CombineArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "weights", "psum_rank", "expand_row", "send_pos",
+                                                     "clean_idx", "acc", "bias0", "bias1", "out", "out_weights")] + \
                [("hidden", ctypes.c_int64)] + \
                [(name, ctypes.c_int32) for name in ("do_expand", "slot_begin", "slot_end", "num_slots", "first_round",
                                                     "last_round")]
@@ -109,6 +116,8 @@ class CudaLayout:
     num_tokens_per_rank: `[R]` int64; num_tokens_per_expert: `[E]` int64 (what this rank sends).
     flags: `[1]` int64 error flags of this rank's routing.
     expand_row_MK: `[M, K]` int32 output row of each (received row, slot) in expand mode, else None.
+    recv_slots: `[R, SIGNATURE_LEN + L + 2]` int64 copy of the control slots this dispatch received (rows and
+        per-expert counts from every source), for the receivers of a cached dispatch; None until received.
     """
 
     send_pos_NR: torch.Tensor
@@ -117,6 +126,7 @@ class CudaLayout:
     num_tokens_per_expert: torch.Tensor
     flags: torch.Tensor
     expand_row_MK: Optional[torch.Tensor]
+    recv_slots: Optional[torch.Tensor]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -136,7 +146,7 @@ def load_kernels() -> ctypes.CDLL:
     # The structs above must match the C++ ones byte for byte.
     sizes = [(lib.moe_comm_sizeof_params, 0, _BlockCopyParams), (lib.moe_comm_sizeof_params, 1, _SyncParams),
              (lib.moe_comm_sizeof_ep_structs, 0, _EpParams), (lib.moe_comm_sizeof_ep_structs, 1, _RecvOutputs),
-             (lib.moe_comm_sizeof_ep_structs, 2, _ReduceArgs)]
+             (lib.moe_comm_sizeof_ep_structs, 2, _CombineArgs), (lib.moe_comm_sizeof_ep_structs, 3, _DispatchInputs)]
     for fn, which, struct in sizes:
         assert fn(which) == ctypes.sizeof(struct), f"{struct.__name__}: C {fn(which)} != Python {ctypes.sizeof(struct)}"
     return lib
@@ -271,7 +281,8 @@ class CudaBackend(TorchRefBackend):
 
     def _ep_params(self, num_tokens: int, cap: int, num_experts: int, num_topk: int, row_stride: int,
                    data_bytes: int, scale_bytes: int, meta_offset: int, weight_bytes: int, expert_alignment: int,
-                   signature: Sequence[int] = (), rows_per_token: int = 1) -> _EpParams:
+                   signature: Sequence[int] = (), rows_per_token: int = 1, phase: str = "",
+                   num_send_blocks: int = 0) -> _EpParams:
         R = self.num_ranks
         L = num_experts // R
         needed = R * cap * rows_per_token * row_stride
@@ -284,7 +295,9 @@ class CudaBackend(TorchRefBackend):
         sig = (ctypes.c_int64 * SIGNATURE_LEN)(*signature)
         return _EpParams(self.symm.buffer_ptrs_dev, self.buffer.data_ptr(), CONTROL_BYTES, SLOTS_OFFSET,
                          SIGNATURE_LEN + L + 2, num_tokens, cap, row_stride, data_bytes, scale_bytes, meta_offset,
-                         self.rank, R, num_experts, L, num_topk, weight_bytes, expert_alignment, SIGNATURE_LEN, sig)
+                         self.rank, R, num_experts, L, num_topk, weight_bytes, expert_alignment, SIGNATURE_LEN, sig,
+                         self._error_dev, self.timeout_ns, BARRIER_SEQ_OFFSET, self._phase_id(phase),
+                         num_send_blocks)
 
     def _slots(self, num_local_experts: int) -> torch.Tensor:
         """The control slots as `[R, SIGNATURE_LEN + L + 2]` int64 (a view of our buffer)."""
@@ -296,7 +309,8 @@ class CudaBackend(TorchRefBackend):
     # Dispatch
     # ------------------------------------------------------------------------------------------------
     def _dispatch_steps(self, c, verify_agreement: bool):
-        """Layout, send, wait, receive; the sizes' agreement travels in the control slots (no extra exchange)."""
+        """Layout, barrier, notify (counts and the sizes' agreement through the control slots), then one kernel
+        that sends and receives at the same time. A cached dispatch skips layout and notify."""
         R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
         L, cap, dev, hidden = E // R, c.num_max_tokens_per_rank, self.device, c.hidden
         handle: Optional[EPHandle] = c.handle
@@ -304,6 +318,8 @@ class CudaBackend(TorchRefBackend):
         if smem > RECV_SMEM_LIMIT:
             raise ValueError(f"num_experts={E} over {R} ranks needs {smem} bytes of shared memory in the receive "
                              f"kernel (limit {RECV_SMEM_LIMIT}); use backend='torch'")
+        if c.num_sms < 2:
+            raise ValueError(f"num_sms={c.num_sms}: the CUDA dispatch needs at least 2 (senders and receivers)")
 
         # Rows on the wire: x, or FP8 data and scales (cast here for `quantize=`), as bytes.
         wire = self._wire_tensors(c)
@@ -313,9 +329,11 @@ class CudaBackend(TorchRefBackend):
         weights = c.topk_weights
         wb = 0 if weights is None else weights.element_size()
         meta_offset = _align16(data_bytes + scale_bytes)
-        row_stride = meta_offset + _align16(8 + 8 * K + wb * K)
+        row_stride = meta_offset + _align16(8 + 8 * K + wb * K) + TAG_BYTES
+        num_send_blocks = c.num_sms // 2
         params = self._ep_params(N, cap, E, K, row_stride, data_bytes, scale_bytes, meta_offset, wb,
-                                 c.expert_alignment, list(c.signature().values()))
+                                 c.expert_alignment, list(c.signature().values()), phase="dispatch",
+                                 num_send_blocks=num_send_blocks)
         stream = self._stream()
 
         # Layout (skipped by a cached dispatch: the handle has it).
@@ -323,7 +341,7 @@ class CudaBackend(TorchRefBackend):
             i64 = dict(dtype=torch.int64, device=dev)
             clean_idx = torch.empty(N, K, **i64)
             layout = CudaLayout(torch.empty(N, R, **i64), torch.empty(N, K, dtype=torch.int32, device=dev),
-                                torch.empty(R, **i64), torch.empty(E, **i64), torch.empty(1, **i64), None)
+                                torch.empty(R, **i64), torch.empty(E, **i64), torch.empty(1, **i64), None, None)
             self._check(self.lib.moe_comm_layout(
                 ctypes.c_void_p(c.topk_idx.data_ptr()), ctypes.c_int64(N), K, E, R, ctypes.c_void_p(clean_idx.data_ptr()),
                 ctypes.c_void_p(layout.send_pos_NR.data_ptr()), ctypes.c_void_p(layout.expert_rank_NK.data_ptr()),
@@ -333,37 +351,38 @@ class CudaBackend(TorchRefBackend):
         else:
             layout, clean_idx = handle.layout, handle.topk_idx
 
-        # Send, then wait for every peer's rows and control slot.
+        # Barrier, then the counts into every peer's control slot (and wait for theirs).
         self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before dispatch", stream)
-        self._check(self.lib.moe_comm_dispatch_send(
-            ctypes.byref(params), ctypes.c_void_p(_ptr(data)), ctypes.c_void_p(_ptr(scales)),
-            ctypes.c_void_p(clean_idx.data_ptr()), ctypes.c_void_p(_ptr(weights)),
-            ctypes.c_void_p(layout.send_pos_NR.data_ptr()), ctypes.c_void_p(layout.expert_rank_NK.data_ptr()),
-            ctypes.c_void_p(layout.num_tokens_per_rank.data_ptr()),
-            ctypes.c_void_p(layout.num_tokens_per_expert.data_ptr()), ctypes.c_void_p(layout.flags.data_ptr()),
-            c.num_sms, COPY_THREADS, stream), "dispatch send")
-        self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "dispatch", stream)
+        slots = self._slots(L)
+        if handle is None or verify_agreement:
+            self._check(self.lib.moe_comm_dispatch_notify(
+                ctypes.byref(params), ctypes.c_void_p(layout.num_tokens_per_rank.data_ptr()),
+                ctypes.c_void_p(layout.num_tokens_per_expert.data_ptr()), ctypes.c_void_p(layout.flags.data_ptr()),
+                stream), "dispatch notify")
+            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "dispatch notify", stream)
 
         # Output sizes: from the handle, from the control slots (host sync), or the worst case.
-        slots = self._slots(L)
         aligned_list = None
         if verify_agreement or (handle is None and c.do_cpu_sync):
             host = self._read_slots(slots, c, L)
         if handle is not None:
             M, P = handle.recv_src_idx.shape[0], handle.num_recv_rows
             aligned_list = handle.num_recv_tokens_per_expert_list
-        elif c.do_cpu_sync:
-            host = [row[SIGNATURE_LEN:] for row in host]
-            M = sum(row[0] for row in host)
-            counts = [sum(row[1 + l] for row in host) for l in range(L)]
-            aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in counts]
-            P = sum(aligned_list) if c.do_expand else M
+            recv_slots = layout.recv_slots
         else:
-            torch.bitwise_or(self.pending_flags, slots[:, SIGNATURE_LEN + 1 + L], out=self.pending_flags)
-            M = R * cap
-            P = R * cap * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
+            recv_slots = slots.clone()  # the receivers of later cached dispatches need these counts
+            if c.do_cpu_sync:
+                host = [row[SIGNATURE_LEN:] for row in host]
+                M = sum(row[0] for row in host)
+                counts = [sum(row[1 + l] for row in host) for l in range(L)]
+                aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in counts]
+                P = sum(aligned_list) if c.do_expand else M
+            else:
+                torch.bitwise_or(self.pending_flags, slots[:, SIGNATURE_LEN + 1 + L], out=self.pending_flags)
+                M = R * cap
+                P = R * cap * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
 
-        # Receive: blocks -> output rows.
+        # Send and receive.
         out_dtype = c.x.dtype if c.wire_format is None else torch.float8_e4m3fn
         out_x = torch.empty(P, hidden, dtype=out_dtype, device=dev)
         out_scales = None if scales is None else torch.empty(P, hidden // 128, dtype=scales.dtype, device=dev)
@@ -378,10 +397,13 @@ class CudaBackend(TorchRefBackend):
         expand_row = torch.empty(M, K, dtype=torch.int32, device=dev) if fresh and c.do_expand else None
         psum_rank = torch.empty(R, dtype=torch.int64, device=dev) if fresh else None
         psum_expert = torch.empty(L, dtype=torch.int64, device=dev) if fresh else None
-        outputs = _RecvOutputs(_ptr(out_x), _ptr(out_scales), _ptr(out_idx), _ptr(out_w), _ptr(out_src),
-                               _ptr(expand_row), _ptr(psum_rank), _ptr(psum_expert), M, P, int(c.do_expand), 0)
-        self._check(self.lib.moe_comm_dispatch_recv(ctypes.byref(params), ctypes.byref(outputs), c.num_sms,
-                                                     COPY_THREADS, stream), "dispatch receive")
+        inputs = _DispatchInputs(_ptr(data), _ptr(scales), clean_idx.data_ptr(), _ptr(weights),
+                                 layout.send_pos_NR.data_ptr(), layout.expert_rank_NK.data_ptr())
+        outputs = _RecvOutputs(recv_slots.data_ptr() + 8 * SIGNATURE_LEN, _ptr(out_x), _ptr(out_scales),
+                               _ptr(out_idx), _ptr(out_w), _ptr(out_src), _ptr(expand_row), _ptr(psum_rank),
+                               _ptr(psum_expert), M, P, int(c.do_expand), 0)
+        self._check(self.lib.moe_comm_dispatch(ctypes.byref(params), ctypes.byref(inputs), ctypes.byref(outputs),
+                                               c.num_sms, COPY_THREADS, stream), "dispatch")
         recv_x = (out_x, out_scales) if scales is not None else out_x
         if c.dequantize:
             recv_x = quant.dequantize(out_x, out_scales)
@@ -390,7 +412,7 @@ class CudaBackend(TorchRefBackend):
             return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), \
                 [], []
         layout = CudaLayout(layout.send_pos_NR, layout.expert_rank_NK, layout.num_tokens_per_rank,
-                            layout.num_tokens_per_expert, layout.flags, expand_row)
+                            layout.num_tokens_per_expert, layout.flags, expand_row, recv_slots)
         handle = EPHandle(
             group=self.group, num_experts=E, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
             do_expand=c.do_expand, expert_alignment=c.expert_alignment, num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync,
@@ -425,25 +447,29 @@ class CudaBackend(TorchRefBackend):
     # Combine
     # ------------------------------------------------------------------------------------------------
     def _combine_steps(self, c):
-        """Rows back to their sources, then the reduce, in slot rounds for expand combines that need them."""
+        """Rows back to their sources while the reducers add them, in slot rounds for expand combines that need
+        them."""
         handle: EPHandle = c.handle
         lay: CudaLayout = handle.layout
         R, K, N, E = self.num_ranks, handle.num_topk, handle.num_tokens, handle.num_experts
         cap, dev, hidden = handle.num_max_tokens_per_rank, self.device, c.x.shape[1]
+        if c.num_sms < 2:
+            raise ValueError(f"num_sms={c.num_sms}: the CUDA combine needs at least 2 (senders and reducers)")
         data_bytes = hidden * c.x.element_size()
         weights = c.topk_weights
         wb = 0 if weights is None else weights.element_size()
         meta_offset = _align16(data_bytes)
-        row_stride = meta_offset + _align16(wb * (1 if handle.do_expand else K))
+        row_stride = meta_offset + _align16(wb * (1 if handle.do_expand else K)) + TAG_BYTES
         num_slots = 1
         if handle.do_expand:
             # As many slots per round as the region holds: each round adds its slots in ascending order.
-            num_slots = min(K, MAX_REDUCE_ROWS, self.region_bytes // max(1, R * cap * row_stride))
+            num_slots = min(K, MAX_ROUND_SLOTS, self.region_bytes // max(1, R * cap * row_stride))
             if num_slots == 0:
                 raise ValueError(f"combine rows of {row_stride} bytes do not fit the receive region "
                                  f"({self.region_bytes} bytes for {R} ranks x {cap} tokens)")
         num_rounds = -(-K // num_slots) if handle.do_expand else 1
-        params = self._ep_params(N, cap, E, K, row_stride, data_bytes, 0, meta_offset, wb, 1, rows_per_token=num_slots)
+        params = self._ep_params(N, cap, E, K, row_stride, data_bytes, 0, meta_offset, wb, 1, rows_per_token=num_slots,
+                                 phase="combine", num_send_blocks=c.num_sms // 2)
 
         combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
         combined_w = None if weights is None else torch.empty(N, K, dtype=weights.dtype, device=dev)
@@ -454,17 +480,11 @@ class CudaBackend(TorchRefBackend):
         for r in range(num_rounds):
             slot_begin, slot_end = r * num_slots, min(K, (r + 1) * num_slots)
             self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before combine", stream)
-            self._check(self.lib.moe_comm_combine_send(
-                ctypes.byref(params), ctypes.c_void_p(c.x.data_ptr()), ctypes.c_void_p(_ptr(weights)),
-                ctypes.c_void_p(handle.psum_num_recv_tokens_per_rank.data_ptr()),
-                ctypes.c_void_p(_ptr(lay.expand_row_MK)), int(handle.do_expand), slot_begin, slot_end, num_slots,
-                c.num_sms, COPY_THREADS, stream), "combine send")
-            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "combine", stream)
-            args = _ReduceArgs(lay.send_pos_NR.data_ptr(), handle.topk_idx.data_ptr(), _ptr(acc), _ptr(bias[0]),
-                               _ptr(bias[1]), combined.data_ptr(), _ptr(combined_w), hidden, int(handle.do_expand),
-                               slot_begin, slot_end, num_slots, int(r == 0), int(r == num_rounds - 1))
-            # The reduce is local work on data that has arrived: it takes the whole GPU, not num_sms.
-            self._check(self.lib.moe_comm_combine_reduce(ctypes.byref(params), ctypes.byref(args),
-                                                         DTYPE_CODES[c.x.dtype], 2 * self.num_device_sms,
-                                                         REDUCE_THREADS, stream), "combine reduce")
+            args = _CombineArgs(c.x.data_ptr(), _ptr(weights), handle.psum_num_recv_tokens_per_rank.data_ptr(),
+                                _ptr(lay.expand_row_MK), lay.send_pos_NR.data_ptr(), handle.topk_idx.data_ptr(),
+                                _ptr(acc), _ptr(bias[0]), _ptr(bias[1]), combined.data_ptr(), _ptr(combined_w),
+                                hidden, int(handle.do_expand), slot_begin, slot_end, num_slots, int(r == 0),
+                                int(r == num_rounds - 1))
+            self._check(self.lib.moe_comm_combine(ctypes.byref(params), ctypes.byref(args), DTYPE_CODES[c.x.dtype],
+                                                  c.num_sms, COPY_THREADS, stream), "combine")
         return (combined, combined_w), [], []

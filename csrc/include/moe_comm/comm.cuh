@@ -35,13 +35,13 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return t;
 }
 
-// Spin until *flag >= expected. On timeout, record who waited for whom, print it, and return false
-// (the host raises; NOTES: no __trap, so the process keeps a usable context and a Python traceback).
-__device__ __forceinline__ bool wait_flag_at_least(const int64_t* flag, int64_t expected, uint64_t timeout_ns,
-                                                   ErrorRecord* error, int rank, int phase, int peer) {
+// Spin until *flag >= expected (or == expected with `exact`). On timeout, record who waited for whom, print it,
+// and return false (the host raises; NOTES: no __trap, so the process keeps a usable context and a traceback).
+__device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected, bool exact, uint64_t timeout_ns,
+                                          ErrorRecord* error, int rank, int phase, int peer) {
     const uint64_t start = global_timer_ns();
     int64_t observed = ld_acquire_sys(flag);
-    while (observed < expected) {
+    while (exact ? observed != expected : observed < expected) {
         if (global_timer_ns() - start > timeout_ns) {
             // Only the first failing waiter fills the record.
             if (atomicCAS(reinterpret_cast<unsigned long long*>(&error->code), 0ull,
@@ -60,6 +60,16 @@ __device__ __forceinline__ bool wait_flag_at_least(const int64_t* flag, int64_t 
         observed = ld_acquire_sys(flag);
     }
     return true;
+}
+
+__device__ __forceinline__ bool wait_flag_at_least(const int64_t* flag, int64_t expected, uint64_t timeout_ns,
+                                                   ErrorRecord* error, int rank, int phase, int peer) {
+    return wait_flag(flag, expected, false, timeout_ns, error, rank, phase, peer);
+}
+
+__device__ __forceinline__ bool wait_flag_equal(const int64_t* flag, int64_t expected, uint64_t timeout_ns,
+                                                ErrorRecord* error, int rank, int phase, int peer) {
+    return wait_flag(flag, expected, true, timeout_ns, error, rank, phase, peer);
 }
 
 }  // namespace moe_comm
