@@ -32,7 +32,10 @@ constexpr int kMaxEpRanks = 32;      // destinations fit one warp's lanes
 constexpr int kLayoutThreads = 1024;
 constexpr int kMaxLayoutTopk = 16;  // slots a layout thread keeps in registers (more are re-read)
 constexpr int kWarpSize = 32;
-constexpr int kUnroll = 4;
+#ifndef MOE_COMM_COPY_UNROLL
+#define MOE_COMM_COPY_UNROLL 4       // 16-byte loads in flight per lane in row copies (benchmarks/NOTES.md)
+#endif
+constexpr int kUnroll = MOE_COMM_COPY_UNROLL;
 constexpr int kMaxSignature = 16;
 constexpr int kMaxWarpsPerBlock = 16;  // dispatch_impl / combine_impl blocks: at most 512 threads
 constexpr int64_t kTagMagic = 0x6d6f6563;  // high word of a row tag

@@ -6,8 +6,11 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
+With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `send=F` the share of
+sending blocks, `sms=N` the SM count), one bitwise check, then the kernel times of a cached dispatch and a combine
+at the largest token count.
 
-    python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR]
+    python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR] [--variants unroll=8,send=0.6 ...]
 """
 
 from __future__ import annotations
@@ -63,6 +66,32 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def variants_rank(rank: int, world_size: int, args: dict) -> str:
+    from moe_comm.backends import cuda as cuda_backend
+    from moe_comm.testing.checks import check_case
+
+    device = torch.device("cuda", rank)
+    E, K, hidden, num_tokens = 256, 8, 7168, max(args["tokens"])
+    case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
+                num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=num_tokens, drop_prob=0.0)
+    lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | combine)"]
+    for variant in args["variants"]:
+        settings = dict(item.split("=") for item in variant.split(","))
+        cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 4)}",)
+        cuda_backend.SEND_BLOCK_FRACTION = float(settings.get("send", 0.5))
+        num_sms = int(settings.get("sms", 0))
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K, backend="cuda")
+        check_case(buf, case, rank)
+        x, idx, w = rank_inputs(case, rank, device)
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms)
+        # The operation's own kernel (the barrier's time is the ranks' skew, not the kernel's).
+        times = [sum(us for name, us in kernel_times(fn, args["iters"]).items() if "signal_wait" not in name) for fn in
+                 (lambda: buf.dispatch(x, handle=handle), lambda: buf.combine(recv_x, handle))]
+        lines.append(f"    {variant:30s} {times[0]:8.1f} | {times[1]:8.1f}   (SMs {handle.num_sms})")
+        buf.destroy()
+    return "\n".join(lines)
+
+
 def profile_rank(rank: int, world_size: int, args: dict) -> str:
     device = torch.device("cuda", rank)
     E, K, hidden = 256, 8, 7168
@@ -107,9 +136,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile.txt")
+    parser.add_argument("--variants", nargs="*", default=None, help="kernel build variants to compare")
     args = parser.parse_args()
-    report = parallel_launch(2, profile_rank, {"tokens": args.tokens, "iters": args.iters}, backend="nccl",
-                             timeout_s=600)[0]
+    fn = variants_rank if args.variants else profile_rank
+    report = parallel_launch(2, fn, {"tokens": args.tokens, "iters": args.iters, "variants": args.variants},
+                             backend="nccl", timeout_s=600)[0]
     print(report)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

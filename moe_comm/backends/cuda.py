@@ -41,6 +41,8 @@ from .torch_ref import TorchRefBackend
 # Kernel libraries of this backend: name -> sources under csrc/ (CI compiles every one of them).
 KERNEL_SOURCES = {"moe_comm_kernels": ("transport.cu", "ep_kernels.cu")}
 KERNEL_INCLUDE_DIRS = ("include",)
+KERNEL_FLAGS: tuple[str, ...] = ()  # extra nvcc flags (scripts/profile_ops.py --variants tries -D settings)
+SEND_BLOCK_FRACTION = 0.5           # share of a dispatch/combine kernel's blocks that send; the others receive
 
 MAX_RANKS = 32                      # csrc/ep_kernels.cu kMaxEpRanks (destinations fit one warp)
 CONTROL_BYTES = sizing.BUFFER_CONTROL_BYTES
@@ -129,6 +131,10 @@ class CudaLayout:
     recv_slots: Optional[torch.Tensor]
 
 
+def _num_send_blocks(num_sms: int) -> int:
+    return max(1, min(num_sms - 1, round(num_sms * SEND_BLOCK_FRACTION)))
+
+
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -141,7 +147,7 @@ def kernel_sources() -> dict[str, tuple[list, list]]:
 
 def load_kernels() -> ctypes.CDLL:
     sources, includes = kernel_sources()["moe_comm_kernels"]
-    lib = jit.load("moe_comm_kernels", sources, include_dirs=includes)
+    lib = jit.load("moe_comm_kernels", sources, include_dirs=includes, flags=KERNEL_FLAGS)
     lib.moe_comm_error_string.restype = ctypes.c_char_p
     # The structs above must match the C++ ones byte for byte.
     sizes = [(lib.moe_comm_sizeof_params, 0, _BlockCopyParams), (lib.moe_comm_sizeof_params, 1, _SyncParams),
@@ -330,10 +336,9 @@ class CudaBackend(TorchRefBackend):
         wb = 0 if weights is None else weights.element_size()
         meta_offset = _align16(data_bytes + scale_bytes)
         row_stride = meta_offset + _align16(8 + 8 * K + wb * K) + TAG_BYTES
-        num_send_blocks = c.num_sms // 2
         params = self._ep_params(N, cap, E, K, row_stride, data_bytes, scale_bytes, meta_offset, wb,
                                  c.expert_alignment, list(c.signature().values()), phase="dispatch",
-                                 num_send_blocks=num_send_blocks)
+                                 num_send_blocks=_num_send_blocks(c.num_sms))
         stream = self._stream()
 
         # Layout (skipped by a cached dispatch: the handle has it).
@@ -469,7 +474,7 @@ class CudaBackend(TorchRefBackend):
                                  f"({self.region_bytes} bytes for {R} ranks x {cap} tokens)")
         num_rounds = -(-K // num_slots) if handle.do_expand else 1
         params = self._ep_params(N, cap, E, K, row_stride, data_bytes, 0, meta_offset, wb, 1, rows_per_token=num_slots,
-                                 phase="combine", num_send_blocks=c.num_sms // 2)
+                                 phase="combine", num_send_blocks=_num_send_blocks(c.num_sms))
 
         combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
         combined_w = None if weights is None else torch.empty(N, K, dtype=weights.dtype, device=dev)
