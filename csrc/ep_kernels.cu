@@ -36,6 +36,10 @@ constexpr int kWarpSize = 32;
 #define MOE_COMM_COPY_UNROLL 4       // 16-byte loads in flight per lane in row copies (benchmarks/NOTES.md)
 #endif
 constexpr int kUnroll = MOE_COMM_COPY_UNROLL;
+#ifndef MOE_COMM_SEND_BATCH
+#define MOE_COMM_SEND_BATCH 1        // tokens a dispatch sender warp writes before publishing their rows
+#endif
+constexpr int kSendBatch = MOE_COMM_SEND_BATCH;
 constexpr int kMaxSignature = 16;
 constexpr int kMaxWarpsPerBlock = 16;  // dispatch_impl / combine_impl blocks: at most 512 threads
 constexpr int64_t kTagMagic = 0x6d6f6563;  // high word of a row tag
@@ -286,59 +290,73 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
     const int L = p.num_local_experts, K = p.num_topk;
     const int64_t tag = row_tag(p);
     const int64_t block_base = static_cast<int64_t>(p.rank) * p.cap;
-    for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
-        const int64_t my_pos = lane < p.num_ranks ? in.send_pos[t * p.num_ranks + lane] : -1;
-        const unsigned dest_mask = __ballot_sync(0xffffffffu, my_pos >= 0);
+    // A warp sends kSendBatch consecutive tokens, then publishes all their rows: one release fence per batch.
+    for (int64_t t0 = warp * kSendBatch; t0 < p.num_tokens; t0 += num_warps * kSendBatch) {
+        const int64_t t_end = min(t0 + kSendBatch, p.num_tokens);
+        for (int64_t t = t0; t < t_end; ++t) {
+            const int64_t my_pos = lane < p.num_ranks ? in.send_pos[t * p.num_ranks + lane] : -1;
+            const unsigned dest_mask = __ballot_sync(0xffffffffu, my_pos >= 0);
 
-        // Data: 16-byte vectors, kUnroll loads in flight before the stores to every destination.
-        const int4* src = reinterpret_cast<const int4*>(in.x + t * p.data_bytes);
-        const int64_t num_vecs = p.data_bytes / 16;
-        // NOTES: the loop bounds are warp-uniform, because the shuffle below needs every lane.
-        for (int64_t v0 = 0; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
-            int4 values[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int64_t v = v0 + lane + u * kWarpSize;
-                if (v < num_vecs) values[u] = ld_nc_v4(src + v);
-            }
-            for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
-                const int d = __ffs(mask) - 1;
-                const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
-                int4* dst = reinterpret_cast<int4*>(p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride);
+            // Data: 16-byte vectors, kUnroll loads in flight before the stores to every destination.
+            const int4* src = reinterpret_cast<const int4*>(in.x + t * p.data_bytes);
+            const int64_t num_vecs = p.data_bytes / 16;
+            // NOTES: the loop bounds are warp-uniform, because the shuffle below needs every lane.
+            for (int64_t v0 = 0; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
+                int4 values[kUnroll];
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int64_t v = v0 + lane + u * kWarpSize;
-                    if (v < num_vecs) dst[v] = values[u];
+                    if (v < num_vecs) values[u] = ld_nc_v4(src + v);
+                }
+                for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
+                    const int d = __ffs(mask) - 1;
+                    const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
+                    int4* dst = reinterpret_cast<int4*>(p.peer_bases[d] + p.region_offset +
+                                                        (block_base + pos) * p.row_stride);
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int64_t v = v0 + lane + u * kWarpSize;
+                        if (v < num_vecs) dst[v] = values[u];
+                    }
+                }
+            }
+            // Scales (FP8) and metadata, per destination.
+            for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
+                const int d = __ffs(mask) - 1;
+                const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
+                uint8_t* row = p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride;
+                if (p.scale_bytes) warp_copy4(row + p.data_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
+                uint8_t* meta = row + p.meta_offset;
+                if (lane == 0) *reinterpret_cast<int64_t*>(meta) = t;
+                int32_t* local_ids = reinterpret_cast<int32_t*>(meta + 8);
+                int32_t* ranks = local_ids + K;
+                uint8_t* w = meta + 8 + 8 * K;
+                for (int j = lane; j < K; j += kWarpSize) {
+                    const int64_t e = in.clean_idx[t * K + j];
+                    const bool local = e >= 0 && e / L == d;
+                    local_ids[j] = local ? static_cast<int32_t>(e - static_cast<int64_t>(d) * L) : -1;
+                    ranks[j] = local ? in.expert_rank[t * K + j] : -1;
+                    if (p.weight_bytes == 4) {
+                        const int32_t* src_w = reinterpret_cast<const int32_t*>(in.weights);
+                        reinterpret_cast<int32_t*>(w)[j] = local ? src_w[t * K + j] : 0;
+                    } else if (p.weight_bytes == 8) {
+                        const int64_t* src_w = reinterpret_cast<const int64_t*>(in.weights);
+                        reinterpret_cast<int64_t*>(w)[j] = local ? src_w[t * K + j] : 0;
+                    }
                 }
             }
         }
-        // Scales (FP8) and metadata, per destination.
-        for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
-            const int d = __ffs(mask) - 1;
-            const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
-            uint8_t* row = p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride;
-            if (p.scale_bytes) warp_copy4(row + p.data_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
-            uint8_t* meta = row + p.meta_offset;
-            if (lane == 0) *reinterpret_cast<int64_t*>(meta) = t;
-            int32_t* local_ids = reinterpret_cast<int32_t*>(meta + 8);
-            int32_t* ranks = local_ids + K;
-            uint8_t* w = meta + 8 + 8 * K;
-            for (int j = lane; j < K; j += kWarpSize) {
-                const int64_t e = in.clean_idx[t * K + j];
-                const bool local = e >= 0 && e / L == d;
-                local_ids[j] = local ? static_cast<int32_t>(e - static_cast<int64_t>(d) * L) : -1;
-                ranks[j] = local ? in.expert_rank[t * K + j] : -1;
-                if (p.weight_bytes == 4)
-                    reinterpret_cast<int32_t*>(w)[j] = local ? reinterpret_cast<const int32_t*>(in.weights)[t * K + j] : 0;
-                else if (p.weight_bytes == 8)
-                    reinterpret_cast<int64_t*>(w)[j] = local ? reinterpret_cast<const int64_t*>(in.weights)[t * K + j] : 0;
-            }
-        }
-        // Publish: every lane's stores above happen before lane d's release of the row on rank d.
+        // Publish: every lane's stores above happen before the releases of the batch's row tags (one lane per row
+        // and destination).
         __syncwarp();
-        if (my_pos >= 0)
-            st_release_sys(row_tag_ptr(p.peer_bases[lane] + p.region_offset + (block_base + my_pos) * p.row_stride, p),
-                           tag);
+        for (int64_t q = lane; q < (t_end - t0) * p.num_ranks; q += kWarpSize) {
+            const int64_t t = t0 + q / p.num_ranks;
+            const int d = static_cast<int>(q % p.num_ranks);
+            const int64_t pos = in.send_pos[t * p.num_ranks + d];
+            if (pos >= 0)
+                st_release_sys(row_tag_ptr(p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride, p),
+                               tag);
+        }
     }
 }
 
@@ -600,7 +618,8 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                 const int64_t v = v0 + lane + u * kWarpSize;
 #pragma unroll
                 for (int k = 0; k < kVec; ++k)
-                    acc[u][k] = a.first_round || v >= num_vecs ? Acc(0) : static_cast<const Acc*>(a.acc)[t * H + v * kVec + k];
+                    acc[u][k] = a.first_round || v >= num_vecs ? Acc(0)
+                                                               : static_cast<const Acc*>(a.acc)[t * H + v * kVec + k];
             }
             for (int r = 0; r < num_rows; ++r) {
                 const int4* src = reinterpret_cast<const int4*>(rows[r]);

@@ -6,8 +6,8 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
-With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `send=F` the share of
-sending blocks, `sms=N` the SM count), one bitwise check, then the kernel times of a cached dispatch and a combine
+With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N` MOE_COMM_SEND_BATCH, `send=F` the
+share of sending blocks, `sms=N` the SM count), one bitwise check, then the kernel times of a cached dispatch and a combine
 at the largest token count.
 
     python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR] [--variants unroll=8,send=0.6 ...]
@@ -77,7 +77,8 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | combine)"]
     for variant in args["variants"]:
         settings = dict(item.split("=") for item in variant.split(","))
-        cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 4)}",)
+        cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 4)}",
+                                     f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 1)}")
         cuda_backend.SEND_BLOCK_FRACTION = float(settings.get("send", 0.5))
         num_sms = int(settings.get("sms", 0))
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K, backend="cuda")
