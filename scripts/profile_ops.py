@@ -6,9 +6,9 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
-With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N` MOE_COMM_SEND_BATCH, `send=F` the
-share of sending blocks, `sms=N` the SM count), one bitwise check, then the kernel times of a cached dispatch and a combine
-at the largest token count.
+With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
+MOE_COMM_SEND_BATCH, `send=F` the share of sending blocks, `sms=N` the SM count), one bitwise check, then the
+kernel times of a cached dispatch and a combine at the largest token count.
 
     python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR] [--variants unroll=8,send=0.6 ...]
 """
