@@ -37,7 +37,7 @@ constexpr int kWarpSize = 32;
 #endif
 constexpr int kUnroll = MOE_COMM_COPY_UNROLL;
 #ifndef MOE_COMM_SEND_BATCH
-#define MOE_COMM_SEND_BATCH 1        // tokens a dispatch sender warp writes before publishing their rows
+#define MOE_COMM_SEND_BATCH 4        // tokens a dispatch sender warp writes before publishing their rows
 #endif
 constexpr int kSendBatch = MOE_COMM_SEND_BATCH;
 constexpr int kMaxSignature = 16;

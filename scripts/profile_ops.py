@@ -7,7 +7,7 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
-MOE_COMM_SEND_BATCH, `sleep=N` MOE_COMM_POLL_SLEEP_NS, `send=F` the share of sending blocks, `sms=N` the SM count), one bitwise check, then the
+MOE_COMM_SEND_BATCH, `send=F` the share of sending blocks, `sms=N` the SM count), one bitwise check, then the
 kernel times of a cached dispatch and a combine at the largest token count.
 
     python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR] [--variants unroll=8,send=0.6 ...]
@@ -78,8 +78,7 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     for variant in args["variants"]:
         settings = dict(item.split("=") for item in variant.split(","))
         cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 4)}",
-                                     f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 1)}",
-                                     f"-DMOE_COMM_POLL_SLEEP_NS={settings.get('sleep', 0)}")
+                                     f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 1)}")
         cuda_backend.SEND_BLOCK_FRACTION = float(settings.get("send", 0.5))
         num_sms = int(settings.get("sms", 0))
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K, backend="cuda")

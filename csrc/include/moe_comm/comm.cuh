@@ -19,11 +19,6 @@ struct ErrorRecord {
 
 constexpr int64_t kErrorTimeout = 1;
 
-#ifndef MOE_COMM_POLL_SLEEP_NS
-#define MOE_COMM_POLL_SLEEP_NS 0     // back-off between polls of a flag (benchmarks/NOTES.md)
-#endif
-constexpr unsigned kPollSleepNs = MOE_COMM_POLL_SLEEP_NS;
-
 __device__ __forceinline__ void st_release_sys(int64_t* ptr, int64_t value) {
     asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
@@ -62,7 +57,6 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
                    rank, phase, peer, static_cast<long long>(observed), static_cast<long long>(expected));
             return false;
         }
-        if (kPollSleepNs) __nanosleep(kPollSleepNs);
         observed = ld_acquire_sys(flag);
     }
     return true;
