@@ -416,10 +416,17 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, in
 
     const int64_t tag = row_tag(p);
     const int64_t wb = p.weight_bytes;
-    for (int64_t g = warp; g < static_cast<int64_t>(R) * p.cap; g += num_warps) {
-        const int s = static_cast<int>(g / p.cap);
-        const int64_t i = g - static_cast<int64_t>(s) * p.cap;
+    // Rows in the order they arrive: position i from every source before position i + 1 (every source sends in
+    // position order at the same time), not source by source.
+    // NOTES: walking the blocks source by source left the receivers waiting on source 0 while source 1's rows
+    // piled up, so the copy did not overlap the transfer.
+    int64_t max_rows = 0;
+    for (int s = 0; s < R; ++s) max_rows = max(max_rows, rows_from[s]);
+    for (int64_t k = warp; k < static_cast<int64_t>(R) * max_rows; k += num_warps) {
+        const int s = static_cast<int>(k % R);
+        const int64_t i = k / R;
         if (i >= rows_from[s]) continue;
+        const int64_t g = static_cast<int64_t>(s) * p.cap + i;
         uint8_t* row = p.local_base + p.region_offset + g * p.row_stride;
         const int64_t m = rank_start[s] + i;
         if (m >= out.num_rows) continue;
@@ -541,13 +548,19 @@ struct CombineArgs {
 __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
                                   int lane) {
     const int R = p.num_ranks, K = p.num_topk;
-    const int64_t total = a.psum_rank[R - 1];
     const int64_t wb = p.weight_bytes;
     const int64_t tag = row_tag(p);
-    for (int64_t m = warp; m < total; m += num_warps) {
-        int s = 0;
-        while (a.psum_rank[s] <= m) ++s;
-        const int64_t i = m - (s ? a.psum_rank[s - 1] : 0);
+    // Rows interleaved across sources (row i to every source before row i + 1), so that every link carries
+    // traffic all the time and every source's reducers can start at once.
+    // NOTES: going source by source sent everything to rank 0 first, then to rank 1: half the links idle.
+    int64_t max_rows = 0;
+    for (int s = 0; s < R; ++s) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
+    for (int64_t k = warp; k < static_cast<int64_t>(R) * max_rows; k += num_warps) {
+        const int s = static_cast<int>(k % R);
+        const int64_t i = k / R;
+        const int64_t first = s ? a.psum_rank[s - 1] : 0;
+        if (i >= a.psum_rank[s] - first) continue;
+        const int64_t m = first + i;
         const int64_t block_row = static_cast<int64_t>(p.rank) * p.cap + i;
         uint8_t* region = p.peer_bases[s] + p.region_offset;
         if (!a.do_expand) {
