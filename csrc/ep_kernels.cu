@@ -86,26 +86,30 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
 }
 
 // Copy `bytes` (a multiple of 16) with the lanes of one warp, kUnroll 16-byte loads in flight per lane before
-// the stores (the pointers may alias as far as the compiler knows, so the order is spelled out).
+// the stores (the pointers may alias as far as the compiler knows, so the order is spelled out). kViaL2: load
+// through L2 only (`__ldcg`), for what peers wrote into our region (L1 is not coherent with their stores).
+template <bool kViaL2 = false>
 __device__ __forceinline__ void warp_copy16(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
+    auto load = [](const int4* ptr) { return kViaL2 ? __ldcg(ptr) : *ptr; };
     const int64_t n = bytes / 16;
     int64_t i = lane;
     for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
         int4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = s[i + u * kWarpSize];
+        for (int u = 0; u < kUnroll; ++u) v[u] = load(s + i + u * kWarpSize);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) d[i + u * kWarpSize] = v[u];
     }
-    for (; i < n; i += kWarpSize) d[i] = s[i];
+    for (; i < n; i += kWarpSize) d[i] = load(s + i);
 }
 
+template <bool kViaL2 = false>
 __device__ __forceinline__ void warp_copy4(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
     const int* s = reinterpret_cast<const int*>(src);
     int* d = reinterpret_cast<int*>(dst);
-    for (int64_t i = lane; i < bytes / 4; i += kWarpSize) d[i] = s[i];
+    for (int64_t i = lane; i < bytes / 4; i += kWarpSize) d[i] = kViaL2 ? __ldcg(s + i) : s[i];
 }
 
 __device__ __forceinline__ void warp_zero16(uint8_t* dst, int64_t bytes, int lane) {
@@ -262,28 +266,6 @@ __device__ __forceinline__ int64_t ld_cg_i64(const int64_t* ptr) {
 }
 __device__ __forceinline__ int32_t ld_cg_i32(const int32_t* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ uint8_t ld_cg_u8(const uint8_t* ptr) { return __ldcg(ptr); }
-
-// As warp_copy16 / warp_copy4, reading through L2 only.
-__device__ __forceinline__ void warp_copy16_cg(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    const int64_t n = bytes / 16;
-    int64_t i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(s + i + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) d[i + u * kWarpSize] = v[u];
-    }
-    for (; i < n; i += kWarpSize) d[i] = __ldcg(s + i);
-}
-
-__device__ __forceinline__ void warp_copy4_cg(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-    const int* s = reinterpret_cast<const int*>(src);
-    int* d = reinterpret_cast<int*>(dst);
-    for (int64_t i = lane; i < bytes / 4; i += kWarpSize) d[i] = __ldcg(s + i);
-}
 
 __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, int64_t warp, int64_t num_warps,
                                    int lane) {
@@ -454,8 +436,8 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, in
                 for (int64_t b = 0; b < wb; ++b) out.weights[(m * K + j) * wb + b] = ld_cg_u8(w + j * wb + b);
         }
         if (!out.do_expand) {
-            warp_copy16_cg(out.x + m * p.data_bytes, row, p.data_bytes, lane);
-            if (out.scales) warp_copy4_cg(out.scales + m * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
+            warp_copy16<true>(out.x + m * p.data_bytes, row, p.data_bytes, lane);
+            if (out.scales) warp_copy4<true>(out.scales + m * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
             continue;
         }
         for (int j = 0; j < K; ++j) {
@@ -463,8 +445,8 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, in
             if (l < 0 || l >= L) continue;
             const int64_t r = run_base[s * L + l] + ld_cg_i32(ranks + j);
             if (r < 0 || r >= out.num_expand_rows) continue;
-            warp_copy16_cg(out.x + r * p.data_bytes, row, p.data_bytes, lane);
-            if (out.scales) warp_copy4_cg(out.scales + r * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
+            warp_copy16<true>(out.x + r * p.data_bytes, row, p.data_bytes, lane);
+            if (out.scales) warp_copy4<true>(out.scales + r * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
             if (out.weights && lane < wb) out.weights[r * wb + lane] = ld_cg_u8(w + j * wb + lane);
         }
     }
