@@ -251,3 +251,85 @@ def test_cuda_expand_combine_in_rounds(nccl_pool, seed):
     cases = [Case(**{**c.__dict__, "do_expand": True, "num_topk": min(c.num_experts, max(4, c.num_topk))})
              for c in draw_cases(seed * 10 + 104, 6, WORLD_SIZE, max_tokens=512, dtypes=("bfloat16",))]
     assert nccl_pool.run(rounds_rank, cases) == [len(cases)] * WORLD_SIZE
+
+
+def large_shapes_rank(rank: int, world_size: int) -> int:
+    """The largest shapes the issue names: hidden 7168 and a hidden that is not a multiple of 128, 128-256
+    experts, top-8/9, 4096 tokens on one rank and none on another, float32 too."""
+    cases = [Case(seed=201, num_ranks=WORLD_SIZE, num_experts=256, num_topk=8, hidden=7168,
+                  num_tokens=per_rank(4096, 3000), num_max_tokens_per_rank=4096, num_bias=1),
+             Case(seed=202, num_ranks=WORLD_SIZE, num_experts=128, num_topk=9, hidden=7176,
+                  num_tokens=per_rank(1000, 0), num_max_tokens_per_rank=1024, do_expand=True, expert_alignment=16,
+                  do_cpu_sync=False),
+             Case(seed=203, num_ranks=WORLD_SIZE, num_experts=64, num_topk=6, hidden=2056, dtype="float32",
+                  num_tokens=per_rank(513, 700), num_max_tokens_per_rank=700, num_bias=2)]
+    return random_cases_rank(rank, world_size, cases, "cuda")
+
+
+def test_cuda_large_shapes(nccl_pool):
+    assert nccl_pool.run(large_shapes_rank) == [3] * WORLD_SIZE
+
+
+def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    """FP8 on the wire, both formats, pre-quantized tuples, `quantize=` and `dequantize=True`: the CUDA backend's
+    outputs equal the reference backend's bit for bit (data, scales, routing, weights, source indices)."""
+    from moe_comm import quant
+
+    checked = 0
+    for case in cases:
+        ref_buf, cuda_buf = make_buffer(case, "torch"), make_buffer(case, "cuda")
+        x, idx, w = rank_inputs(case, rank, cuda_buf.device)
+        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        for fmt in quant.FP8_FORMATS:
+            for mode, args in (("tuple", dict(x=quant.quantize(x, fmt))), ("quantize", dict(x=x, quantize=fmt)),
+                               ("dequantize", dict(x=x, quantize=fmt, dequantize=True))):
+                ref = ref_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
+                got = cuda_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
+                where = f"{fmt} {mode} {case}"
+                ref_x, got_x = (ref[0], got[0]) if mode == "dequantize" else (ref[0][0], got[0][0])
+                assert_same(f"recv data, {where}", got_x, ref_x.cpu())
+                if mode != "dequantize":
+                    assert_same(f"recv scales, {where}", got[0][1], ref[0][1].cpu())
+                for i, name in ((1, "recv_topk_idx"), (2, "recv_topk_weights")):
+                    assert_same(f"{name}, {where}", got[i], None if ref[i] is None else ref[i].cpu())
+                assert_same(f"recv_src_idx, {where}", got[3].recv_src_idx, ref[3].recv_src_idx.cpu())
+                checked += 1
+        ref_buf.destroy()
+    return checked
+
+
+def test_cuda_fp8_matches_reference(nccl_pool):
+    cases = [Case(seed=211, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=512,
+                  num_tokens=per_rank(300, 77), num_max_tokens_per_rank=300),
+             Case(seed=212, num_ranks=WORLD_SIZE, num_experts=8, num_topk=3, hidden=7168, num_tokens=per_rank(64, 0),
+                  num_max_tokens_per_rank=64, do_expand=True, expert_alignment=32, drop_prob=0.3)]
+    assert nccl_pool.run(fp8_rank, cases) == [2 * 3 * len(cases)] * WORLD_SIZE
+
+
+def bad_routing_rank(rank: int, world_size: int) -> list[str]:
+    """Out-of-range and duplicate experts on rank 0 raise a ValueError on every rank (at once with a CPU sync, at
+    the next synchronizing dispatch without), and the buffer keeps working afterwards."""
+    case = Case(seed=221, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(32),
+                num_max_tokens_per_rank=32, drop_prob=0.0)
+    buf = make_buffer(case, "cuda")
+    x, idx, w = rank_inputs(case, rank, buf.device)
+    bad = idx.clone()
+    if rank == 0:
+        bad[3, 1] = 99
+        bad[5, 1] = bad[5, 0]
+    messages = []
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, bad, w, num_experts=8)
+    messages.append(str(info.value))
+    buf.dispatch(x, bad, w, num_experts=8, do_cpu_sync=False)  # dropped slots, reported by the next sync
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, idx, w, num_experts=8)
+    messages.append(str(info.value))
+    check_case(buf, case, rank)
+    return messages
+
+
+def test_cuda_bad_routing_raises_everywhere(nccl_pool):
+    for now, deferred in nccl_pool.run(bad_routing_rank):
+        assert "entries outside [-1, 8) on rank(s) [0]" in now and "duplicate experts in a row on rank(s) [0]" in now
+        assert "earlier dispatch without CPU sync" in deferred and "rank(s) [0]" in deferred

@@ -50,7 +50,9 @@ BARRIER_FLAGS_OFFSET = 0            # [MAX_RANKS] int64, written by peers
 EXCHANGE_FLAGS_OFFSET = 4096        # [MAX_RANKS] int64, written by peers
 BARRIER_SEQ_OFFSET = 8192           # this rank's counters (device-side, so graph replays advance them)
 EXCHANGE_SEQ_OFFSET = 8200
-SLOTS_OFFSET = 16384                # control slots [num_ranks][SIGNATURE_LEN + num_local_experts + 2] int64
+SLOTS_OFFSET = 16384                # control slots [num_ranks][SLOT_STRIDE] int64, see _slots
+SLOT_STRIDE = (CONTROL_BYTES - SLOTS_OFFSET) // (8 * MAX_RANKS)  # fixed, so ranks that disagree on sizes
+                                    # still read each other's signature where it was written
 SIGNATURE_LEN = 16                  # csrc/ep_kernels.cu kMaxSignature
 COPY_THREADS = 512                  # csrc/ep_kernels.cu: at most kMaxWarpsPerBlock warps per block
 TAG_BYTES = 16                      # csrc/ep_kernels.cu kTagBytes: a dispatch region row ends in its tag
@@ -118,8 +120,9 @@ class CudaLayout:
     num_tokens_per_rank: `[R]` int64; num_tokens_per_expert: `[E]` int64 (what this rank sends).
     flags: `[1]` int64 error flags of this rank's routing.
     expand_row_MK: `[M, K]` int32 output row of each (received row, slot) in expand mode, else None.
-    recv_slots: `[R, SIGNATURE_LEN + L + 2]` int64 copy of the control slots this dispatch received (rows and
-        per-expert counts from every source), for the receivers of a cached dispatch; None until received.
+    recv_slots: `[R, SLOT_STRIDE]` int64 copy of the control slots this dispatch received (rows and per-expert
+        counts from every source, in the first `SIGNATURE_LEN + L + 2` columns), for the receivers of a cached
+        dispatch; None until received.
     """
 
     send_pos_NR: torch.Tensor
@@ -295,21 +298,24 @@ class CudaBackend(TorchRefBackend):
         if needed > self.region_bytes:
             raise ValueError(f"rows of {row_stride} bytes x {R} ranks x {cap} tokens x {rows_per_token} = {needed} "
                              f"bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
-        if SLOTS_OFFSET + R * (SIGNATURE_LEN + L + 2) * 8 > CONTROL_BYTES:
-            raise ValueError(f"{L} local experts x {R} ranks do not fit the control region of the CUDA backend")
+        if SIGNATURE_LEN + L + 2 > SLOT_STRIDE:
+            raise ValueError(f"num_experts={num_experts} over {R} ranks is {L} local experts; the CUDA backend takes "
+                             f"at most {SLOT_STRIDE - SIGNATURE_LEN - 2} per rank (use backend='torch')")
         # Always SIGNATURE_LEN values (zero-padded): the slot layout must not depend on the call.
         sig = (ctypes.c_int64 * SIGNATURE_LEN)(*signature)
         return _EpParams(self.symm.buffer_ptrs_dev, self.buffer.data_ptr(), CONTROL_BYTES, SLOTS_OFFSET,
-                         SIGNATURE_LEN + L + 2, num_tokens, cap, row_stride, data_bytes, scale_bytes, meta_offset,
+                         SLOT_STRIDE, num_tokens, cap, row_stride, data_bytes, scale_bytes, meta_offset,
                          self.rank, R, num_experts, L, num_topk, weight_bytes, expert_alignment, SIGNATURE_LEN, sig,
                          self._error_dev, self.timeout_ns, BARRIER_SEQ_OFFSET, self._phase_id(phase),
                          num_send_blocks)
 
     def _slots(self, num_local_experts: int) -> torch.Tensor:
-        """The control slots as `[R, SIGNATURE_LEN + L + 2]` int64 (a view of our buffer)."""
-        stride = SIGNATURE_LEN + num_local_experts + 2
-        return self.buffer[SLOTS_OFFSET:SLOTS_OFFSET + self.num_ranks * stride * 8].view(torch.int64) \
-            .view(self.num_ranks, stride)
+        """The control slots as `[R, SIGNATURE_LEN + L + 2]` int64 (a view of our buffer with row stride
+        SLOT_STRIDE): slot s, written by rank s, holds its signature, the rows it sent us, its per-expert counts
+        and its error flags."""
+        R = self.num_ranks
+        slots = self.buffer[SLOTS_OFFSET:SLOTS_OFFSET + R * SLOT_STRIDE * 8].view(torch.int64).view(R, SLOT_STRIDE)
+        return slots[:, :SIGNATURE_LEN + num_local_experts + 2]
 
     # ------------------------------------------------------------------------------------------------
     # Dispatch
@@ -375,7 +381,9 @@ class CudaBackend(TorchRefBackend):
             aligned_list = handle.num_recv_tokens_per_expert_list
             recv_slots = layout.recv_slots
         else:
-            recv_slots = slots.clone()  # the receivers of later cached dispatches need these counts
+            # The receivers of later cached dispatches need these counts (same row stride as the slots).
+            recv_slots = slots.new_empty(R, SLOT_STRIDE)
+            recv_slots[:, :slots.shape[1]] = slots
             if c.do_cpu_sync:
                 host = [row[SIGNATURE_LEN:] for row in host]
                 M = sum(row[0] for row in host)
