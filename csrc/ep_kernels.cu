@@ -14,7 +14,7 @@
 //
 // Region row layout (bytes): [data | scales][pad to 16][meta][pad to 16][tag, pad: 16], meta = int64 source token
 // index, int32 local expert id per slot, int32 rank of the token among this source's tokens of that expert per
-// slot, weight per slot (4 or 8 bytes); tag = kTagMagic << 32 | the operation's barrier sequence number.
+// slot, weight per slot (4 or 8 bytes); tag = kTagMagic << 48 | the operation's barrier sequence number.
 // Combine rows: [data][pad to 16][weights][pad to 16][tag, pad: 16].
 // No torch headers: plain nvcc builds this (CI compiles it for sm_90a without CUDA torch).
 
@@ -41,8 +41,9 @@ constexpr int kUnroll = MOE_COMM_COPY_UNROLL;
 #endif
 constexpr int kSendBatch = MOE_COMM_SEND_BATCH;
 constexpr int kMaxSignature = 16;
+constexpr int kMaxRecvSmem = 48 * 1024 - 256;  // dynamic shared memory of dispatch receivers (static: a few B)
 constexpr int kMaxWarpsPerBlock = 16;  // dispatch_impl / combine_impl blocks: at most 512 threads
-constexpr int64_t kTagMagic = 0x6d6f6563;  // high word of a row tag
+constexpr int64_t kTagMagic = 0x6d63;      // top 16 bits of a row tag (the other 48: the sequence number)
 constexpr int kTagBytes = 16;        // the last 16 bytes of a dispatch region row: its tag (int64) and padding
 
 struct EpParams {
@@ -250,10 +251,10 @@ struct RecvOutputs {
 };
 
 __device__ __forceinline__ int64_t row_tag(const EpParams& p) {
-    // The barrier before every operation advances this counter on all ranks alike, so it names the operation;
-    // the high word keeps a tag from matching row data left over from an earlier combine by chance.
+    // The barrier before every operation advances this counter on all ranks alike, so it names the operation
+    // (48 bits: no wrap in practice); the magic keeps a tag from matching left-over row data by chance.
     const int64_t seq = *reinterpret_cast<const int64_t*>(p.local_base + p.seq_offset);
-    return (kTagMagic << 32) | (seq & 0xffffffffll);
+    return (kTagMagic << 48) | (seq & 0xffffffffffffll);
 }
 
 __device__ __forceinline__ int64_t* row_tag_ptr(uint8_t* row, const EpParams& p) {
@@ -419,7 +420,16 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, in
                       wait_flag_equal(row_tag_ptr(row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, s);
             if (!arrived) timed_out = 1;
         }
-        if (!__shfl_sync(0xffffffffu, arrived, 0)) continue;
+        const bool row_ok = __shfl_sync(0xffffffffu, arrived, 0);
+        __syncwarp();  // orders lane 0's acquire before every lane's loads (shfl alone carries no memory order)
+        if (!row_ok) {
+            // A timed-out row: routing that sends nothing back (the outputs of this call are void anyway).
+            for (int j = lane; j < K; j += kWarpSize) {
+                if (out.topk_idx) out.topk_idx[m * K + j] = -1;
+                if (out.expand_row) out.expand_row[m * K + j] = -1;
+            }
+            continue;
+        }
         const uint8_t* meta = row + p.meta_offset;
         const int32_t* local_ids = reinterpret_cast<const int32_t*>(meta + 8);
         const int32_t* ranks = local_ids + K;
@@ -519,6 +529,7 @@ struct CombineArgs {
     void* out;                    // [N, H] T
     uint8_t* out_weights;         // [N, K * wb] or null
     int64_t hidden;
+    int64_t num_x_rows;           // rows of x (a row index from the handle past it is never followed)
     int32_t do_expand;
     int32_t slot_begin;
     int32_t slot_end;
@@ -546,6 +557,7 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
         const int64_t block_row = static_cast<int64_t>(p.rank) * p.cap + i;
         uint8_t* region = p.peer_bases[s] + p.region_offset;
         if (!a.do_expand) {
+            if (m >= a.num_x_rows) continue;
             uint8_t* dst = region + block_row * p.row_stride;
             warp_copy16(dst, a.x + m * p.data_bytes, p.data_bytes, lane);
             if (a.weights)
@@ -556,7 +568,7 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
         }
         for (int j = a.slot_begin; j < a.slot_end; ++j) {
             const int32_t r = a.expand_row[m * K + j];
-            if (r < 0) continue;
+            if (r < 0 || r >= a.num_x_rows) continue;
             uint8_t* dst = region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride;
             warp_copy16(dst, a.x + r * p.data_bytes, p.data_bytes, lane);
             if (a.weights && lane < wb) dst[p.meta_offset + lane] = a.weights[static_cast<int64_t>(r) * wb + lane];
@@ -725,7 +737,7 @@ int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, const RecvOut
     const size_t smem = sizeof(int64_t) * (2 * p->num_ranks + 3 * p->num_local_experts +
                                            static_cast<size_t>(p->num_ranks) * p->num_local_experts);
     if (p->num_ranks > moe_comm::kMaxEpRanks || p->data_bytes % 16 || p->scale_bytes % 4 || p->row_stride % 16 ||
-        p->num_send_blocks < 1 || p->num_send_blocks >= num_blocks || smem > 48 * 1024 ||
+        p->num_send_blocks < 1 || p->num_send_blocks >= num_blocks || smem > moe_comm::kMaxRecvSmem ||
         num_threads > moe_comm::kMaxWarpsPerBlock * moe_comm::kWarpSize)
         return static_cast<int>(cudaErrorInvalidValue);
     moe_comm::dispatch_impl<<<num_blocks, num_threads, smem, stream>>>(*p, *in, *out);

@@ -57,7 +57,7 @@ SIGNATURE_LEN = 16                  # csrc/ep_kernels.cu kMaxSignature
 COPY_THREADS = 512                  # csrc/ep_kernels.cu: at most kMaxWarpsPerBlock warps per block
 TAG_BYTES = 16                      # csrc/ep_kernels.cu kTagBytes: a dispatch region row ends in its tag
 MAX_ROUND_SLOTS = 32                # expand combine slots per round: one reducer lane each
-RECV_SMEM_LIMIT = 48 * 1024
+RECV_SMEM_LIMIT = 48 * 1024 - 256  # csrc/ep_kernels.cu kMaxRecvSmem: dynamic shared memory of the receivers
 DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
@@ -106,7 +106,7 @@ class _RecvOutputs(ctypes.Structure):
 class _CombineArgs(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("x", "weights", "psum_rank", "expand_row", "send_pos",
                                                      "clean_idx", "acc", "bias0", "bias1", "out", "out_weights")] + \
-               [("hidden", ctypes.c_int64)] + \
+               [("hidden", ctypes.c_int64), ("num_x_rows", ctypes.c_int64)] + \
                [(name, ctypes.c_int32) for name in ("do_expand", "slot_begin", "slot_end", "num_slots", "first_round",
                                                     "last_round")]
 
@@ -309,6 +309,12 @@ class CudaBackend(TorchRefBackend):
                          self._error_dev, self.timeout_ns, BARRIER_SEQ_OFFSET, self._phase_id(phase),
                          num_send_blocks)
 
+    def _check_num_sms(self, num_sms: int) -> None:
+        # Senders and receivers of one kernel must all be resident at once: one block per SM at most.
+        if not 2 <= num_sms <= self.num_device_sms:
+            raise ValueError(f"num_sms={num_sms}: the CUDA backend needs 2 (a sender and a receiver) to "
+                             f"{self.num_device_sms} (the SMs of {self.device})")
+
     def _slots(self, num_local_experts: int) -> torch.Tensor:
         """The control slots as `[R, SIGNATURE_LEN + L + 2]` int64 (a view of our buffer with row stride
         SLOT_STRIDE): slot s, written by rank s, holds its signature, the rows it sent us, its per-expert counts
@@ -330,8 +336,7 @@ class CudaBackend(TorchRefBackend):
         if smem > RECV_SMEM_LIMIT:
             raise ValueError(f"num_experts={E} over {R} ranks needs {smem} bytes of shared memory in the receive "
                              f"kernel (limit {RECV_SMEM_LIMIT}); use backend='torch'")
-        if c.num_sms < 2:
-            raise ValueError(f"num_sms={c.num_sms}: the CUDA dispatch needs at least 2 (senders and receivers)")
+        self._check_num_sms(c.num_sms)
 
         # Rows on the wire: x, or FP8 data and scales (cast here for `quantize=`), as bytes.
         wire = self._wire_tensors(c)
@@ -466,8 +471,7 @@ class CudaBackend(TorchRefBackend):
         lay: CudaLayout = handle.layout
         R, K, N, E = self.num_ranks, handle.num_topk, handle.num_tokens, handle.num_experts
         cap, dev, hidden = handle.num_max_tokens_per_rank, self.device, c.x.shape[1]
-        if c.num_sms < 2:
-            raise ValueError(f"num_sms={c.num_sms}: the CUDA combine needs at least 2 (senders and reducers)")
+        self._check_num_sms(c.num_sms)
         data_bytes = hidden * c.x.element_size()
         weights = c.topk_weights
         wb = 0 if weights is None else weights.element_size()
@@ -496,8 +500,8 @@ class CudaBackend(TorchRefBackend):
             args = _CombineArgs(c.x.data_ptr(), _ptr(weights), handle.psum_num_recv_tokens_per_rank.data_ptr(),
                                 _ptr(lay.expand_row_MK), lay.send_pos_NR.data_ptr(), handle.topk_idx.data_ptr(),
                                 _ptr(acc), _ptr(bias[0]), _ptr(bias[1]), combined.data_ptr(), _ptr(combined_w),
-                                hidden, int(handle.do_expand), slot_begin, slot_end, num_slots, int(r == 0),
-                                int(r == num_rounds - 1))
+                                hidden, c.x.shape[0], int(handle.do_expand), slot_begin, slot_end, num_slots,
+                                int(r == 0), int(r == num_rounds - 1))
             self._check(self.lib.moe_comm_combine(ctypes.byref(params), ctypes.byref(args), DTYPE_CODES[c.x.dtype],
                                                   c.num_sms, COPY_THREADS, stream), "combine")
         return (combined, combined_w), [], []

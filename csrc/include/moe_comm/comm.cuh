@@ -43,7 +43,7 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
     int64_t observed = ld_acquire_sys(flag);
     while (exact ? observed != expected : observed < expected) {
         if (global_timer_ns() - start > timeout_ns) {
-            // Only the first failing waiter fills the record.
+            // Only the first failing waiter fills the record and prints.
             if (atomicCAS(reinterpret_cast<unsigned long long*>(&error->code), 0ull,
                           static_cast<unsigned long long>(kErrorTimeout)) == 0ull) {
                 error->rank = rank;
@@ -52,9 +52,9 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
                 error->observed = observed;
                 error->expected = expected;
                 __threadfence_system();
+                printf("moe_comm: rank %d timed out in phase %d waiting for peer %d (flag %lld, expected %lld)\n",
+                       rank, phase, peer, static_cast<long long>(observed), static_cast<long long>(expected));
             }
-            printf("moe_comm: rank %d timed out in phase %d waiting for peer %d (flag %lld, expected %lld)\n",
-                   rank, phase, peer, static_cast<long long>(observed), static_cast<long long>(expected));
             return false;
         }
         observed = ld_acquire_sys(flag);
