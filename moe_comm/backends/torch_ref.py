@@ -507,7 +507,7 @@ class TorchRefBackend:
     def _send_data(self, c, handle: EPHandle):
         """Data exchange along `handle`'s layout; returns `(recv_x, works, finalizers)`."""
         lay: RefLayout = handle.layout
-        R, dev = self.num_ranks, self.device
+        dev = self.device
         hidden = c.hidden
         codec = _RowCodec(self._data_fields(c, hidden))
         num_send_rows, M = sum(lay.send_splits), handle.recv_src_idx.shape[0]

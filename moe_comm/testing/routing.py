@@ -170,7 +170,7 @@ def expected_combine(case: Case, rank: int) -> tuple[torch.Tensor, Optional[torc
     global expert e; the sum runs over slots in ascending order. Then the biases; accumulation in float32
     (float64 for float64), starting from zero.
     """
-    L, K = case.num_local_experts, case.num_topk
+    L = case.num_local_experts
     x, topk_idx, w = rank_inputs(case, rank)
     acc_dtype = torch.float64 if case.torch_dtype == torch.float64 else torch.float32
     acc = torch.zeros(x.shape, dtype=acc_dtype)
