@@ -10,7 +10,12 @@ With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_C
 MOE_COMM_SEND_BATCH, `send=F` the share of sending blocks, `sms=N` the SM count), one bitwise check, then the
 kernel times of a cached dispatch and a combine at the largest token count.
 
+With `--copy-ceiling`, instead: the plain grid-stride block copy of the transport (`copy_blocks`: every rank
+writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the
+per-SM floor the dispatch and combine kernels are measured against.
+
     python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR] [--variants unroll=8,send=0.6 ...]
+                                  [--copy-ceiling]
 """
 
 from __future__ import annotations
@@ -98,6 +103,37 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     return "\n".join(lines)
 
 
+def copy_ceiling_rank(rank: int, world_size: int, args: dict) -> str:
+    import ctypes
+
+    from moe_comm.backends import cuda as cuda_backend
+
+    device = torch.device("cuda", rank)
+    hidden, num_tokens = 7168, max(args["tokens"])
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=8, backend="cuda")
+    impl = buf._impl
+    width = hidden * 2
+    send = torch.randn(world_size * num_tokens, hidden, device=device).to(torch.bfloat16)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    params = cuda_backend._BlockCopyParams(send.data_ptr(), 0, impl.symm.buffer_ptrs_dev, width, num_tokens, 0,
+                                           num_tokens, cuda_backend.CONTROL_BYTES, rank, world_size)
+    total = world_size * num_tokens * width  # bytes this rank writes (its own block included)
+    lines = [f"copy_blocks: {world_size} x {num_tokens} rows of {width} B per rank ({total / 1e6:.1f} MB, "
+             f"{(world_size - 1) * num_tokens * width / 1e6:.1f} MB over NVLink)"]
+    for num_blocks in (1, 2, 4, 8, 11, 16, 22, 32, 48):
+        def launch() -> None:
+            impl._check(impl.lib.moe_comm_copy_blocks(ctypes.byref(params), num_blocks, cuda_backend.COPY_THREADS,
+                                                      stream), "copy")
+
+        us = sum(kernel_times(launch, args["iters"]).values())
+        lines.append(f"    {num_blocks:3d} blocks: {us:8.1f} us, {total / us / 1e3:7.1f} GB/s, "
+                     f"{total / us / 1e3 / num_blocks:6.1f} GB/s per SM")
+        if rank == 0:
+            print(lines[-1], flush=True)
+    buf.destroy()
+    return "\n".join(lines)
+
+
 def profile_rank(rank: int, world_size: int, args: dict) -> str:
     device = torch.device("cuda", rank)
     E, K, hidden = 256, 8, 7168
@@ -143,8 +179,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile.txt")
     parser.add_argument("--variants", nargs="*", default=None, help="kernel build variants to compare")
+    parser.add_argument("--copy-ceiling", action="store_true", help="per-SM throughput of a plain block copy")
     args = parser.parse_args()
-    fn = variants_rank if args.variants else profile_rank
+    fn = copy_ceiling_rank if args.copy_ceiling else variants_rank if args.variants else profile_rank
     report = parallel_launch(2, fn, {"tokens": args.tokens, "iters": args.iters, "variants": args.variants},
                              backend="nccl", timeout_s=600)[0]
     print(report)
