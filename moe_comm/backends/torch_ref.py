@@ -273,10 +273,13 @@ class TorchRefBackend:
 
     def raise_for_flags(self, flags_per_rank: list[int], topk_idx: Optional[torch.Tensor], num_experts: int,
                         what: str) -> None:
+        """Raise a ValueError naming each problem and the ranks that have it (`num_experts` -1: not known, for
+        slots dropped by an earlier dispatch)."""
         if not any(flags_per_rank):
             return
         problems = []
-        for bit, text in ((FLAG_OUT_OF_RANGE, f"entries outside [-1, {num_experts})"),
+        out_of_range = f"entries outside [-1, {num_experts})" if num_experts > 0 else "out-of-range entries"
+        for bit, text in ((FLAG_OUT_OF_RANGE, out_of_range),
                           (FLAG_DUPLICATE, "duplicate experts in a row")):
             ranks = [r for r, f in enumerate(flags_per_rank) if f & bit]
             if ranks:
