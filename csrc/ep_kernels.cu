@@ -86,24 +86,13 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
     return v;
 }
 
-// Copy `bytes` (a multiple of 16) with the lanes of one warp, kUnroll 16-byte loads in flight per lane before
-// the stores (the pointers may alias as far as the compiler knows, so the order is spelled out). kViaL2: load
-// through L2 only (`__ldcg`), for what peers wrote into our region (L1 is not coherent with their stores).
+// Copy `bytes` (a multiple of 16) with the lanes of one warp. kViaL2: load through L2 only, for what peers
+// wrote into our region.
 template <bool kViaL2 = false>
 __device__ __forceinline__ void warp_copy16(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    auto load = [](const int4* ptr) { return kViaL2 ? __ldcg(ptr) : *ptr; };
-    const int64_t n = bytes / 16;
-    int64_t i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = load(s + i + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) d[i + u * kWarpSize] = v[u];
-    }
-    for (; i < n; i += kWarpSize) d[i] = load(s + i);
+    strided_copy16<kUnroll, kViaL2 ? Load::kL2 : Load::kPlain>(reinterpret_cast<int4*>(dst),
+                                                               reinterpret_cast<const int4*>(src), bytes / 16, lane,
+                                                               kWarpSize);
 }
 
 template <bool kViaL2 = false>

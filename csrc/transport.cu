@@ -58,16 +58,7 @@ __global__ void copy_blocks_impl(const BlockCopyParams p) {
         const int4* src = reinterpret_cast<const int4*>(p.send + (d * p.send_block_rows + p.round_first_row) * p.width);
         int4* dst = reinterpret_cast<int4*>(p.peer_bases[d] + p.region_offset +
                                             static_cast<int64_t>(p.rank) * p.round_rows * p.width);
-        // Several independent 16-byte loads in flight per thread before the stores.
-        int64_t v = thread_idx;
-        for (; v + (kCopyUnroll - 1) * num_threads < num_vecs; v += kCopyUnroll * num_threads) {
-            int4 values[kCopyUnroll];
-#pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u) values[u] = __ldg(src + v + u * num_threads);
-#pragma unroll
-            for (int u = 0; u < kCopyUnroll; ++u) dst[v + u * num_threads] = values[u];
-        }
-        for (; v < num_vecs; v += num_threads) dst[v] = __ldg(src + v);
+        strided_copy16<kCopyUnroll, Load::kReadOnly>(dst, src, num_vecs, thread_idx, num_threads);
     }
     // NOTES: the flag that publishes these rows is written by the next kernel on the stream; the fence makes
     // every thread's remote stores visible system-wide before this kernel retires.

@@ -1,6 +1,9 @@
-// Device-side primitives for peer-memory communication: system-scope release/acquire flags and the one
-// timeout helper every spin-wait goes through. No torch headers: this compiles with plain nvcc.
+// Device-side primitives for peer-memory communication: system-scope release/acquire flags, the one strided
+// 16-byte copy loop both kernel files use, and the one timeout helper every spin-wait goes through. No torch
+// headers: this compiles with plain nvcc.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +36,33 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+// How a copy loads its source: plain, read-only through the non-coherent path (`__ldg`, data nobody writes during
+// the kernel), or through L2 only (`__ldcg`, data that peers wrote: L1 is not coherent with their stores).
+enum class Load { kPlain, kReadOnly, kL2 };
+
+template <Load kLoad>
+__device__ __forceinline__ int4 load16(const int4* ptr) {
+    if constexpr (kLoad == Load::kReadOnly) return __ldg(ptr);
+    else if constexpr (kLoad == Load::kL2) return __ldcg(ptr);
+    else return *ptr;
+}
+
+// Copy n 16-byte vectors, this thread taking vectors first, first + stride, ... with kUnroll loads in flight before
+// the stores (the pointers may alias as far as the compiler knows, so the order is spelled out). A warp copies
+// with first = lane and stride = 32, a whole grid with first = its thread index and stride = its thread count.
+template <int kUnroll, Load kLoad>
+__device__ __forceinline__ void strided_copy16(int4* dst, const int4* src, int64_t n, int64_t first, int64_t stride) {
+    int64_t i = first;
+    for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = load16<kLoad>(src + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dst[i + u * stride] = v[u];
+    }
+    for (; i < n; i += stride) dst[i] = load16<kLoad>(src + i);
 }
 
 // Spin until *flag >= expected (or == expected with `exact`). On timeout, record who waited for whom, print it,
