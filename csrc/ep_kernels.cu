@@ -41,10 +41,32 @@ constexpr int kUnroll = MOE_COMM_COPY_UNROLL;
 #endif
 constexpr int kSendBatch = MOE_COMM_SEND_BATCH;
 constexpr int kMaxSignature = 16;
-constexpr int kMaxRecvSmem = 48 * 1024 - 256;  // dynamic shared memory of dispatch receivers (static: a few B)
+constexpr int kMaxTableSmem = 48 * 1024 - 256;  // count tables of dispatch receivers (moe_comm/backends/cuda.py)
+constexpr int64_t kMaxDynamicSmem = 227 * 1024;   // sm_90: the opt-in dynamic shared memory of a block
+constexpr int kRecvStages = 2;       // chunk buffers per copying receiver warp
+#ifndef MOE_COMM_RECV_CHUNK
+#define MOE_COMM_RECV_CHUNK 8192     // bytes per bulk copy of a receiver (benchmarks/NOTES.md)
+#endif
+constexpr int64_t kRecvChunk = MOE_COMM_RECV_CHUNK;
+constexpr int64_t kBarrierBytes = 128;  // a copying warp's mbarriers, padded so its buffers stay 128-aligned
 constexpr int kMaxWarpsPerBlock = 16;  // dispatch_impl / combine_impl blocks: at most 512 threads
 constexpr int64_t kTagMagic = 0x6d63;      // top 16 bits of a row tag (the other 48: the sequence number)
 constexpr int kTagBytes = 16;        // the last 16 bytes of a dispatch region row: its tag (int64) and padding
+
+// Profiling build (-DMOE_COMM_BLOCK_TIMES, scripts/profile_ops.py --variants times=1): the global timer at start
+// and end of every block of the last dispatch_impl (kernel 0) and combine_impl (kernel 1).
+#ifdef MOE_COMM_BLOCK_TIMES
+constexpr int kMaxTimedBlocks = 1024;
+__device__ uint64_t g_block_times[2][kMaxTimedBlocks][2];
+#define BLOCK_TIME_START(kernel)                                                                \
+    if (threadIdx.x == 0 && blockIdx.x < kMaxTimedBlocks) g_block_times[kernel][blockIdx.x][0] = global_timer_ns()
+#define BLOCK_TIME_END(kernel)                                                                  \
+    __syncthreads();                                                                            \
+    if (threadIdx.x == 0 && blockIdx.x < kMaxTimedBlocks) g_block_times[kernel][blockIdx.x][1] = global_timer_ns()
+#else
+#define BLOCK_TIME_START(kernel)
+#define BLOCK_TIME_END(kernel)
+#endif
 
 struct EpParams {
     uint8_t* const* peer_bases;   // [num_ranks] buffer bases (device array)
@@ -72,6 +94,14 @@ struct EpParams {
     int64_t seq_offset;           // this rank's barrier counter (names the operation in row tags)
     int32_t phase;                // reported on timeout
     int32_t num_send_blocks;      // dispatch_impl: blocks [0, n) send, the others receive
+};
+
+struct RecvPlan {
+    int64_t table_bytes;  // count tables, padded to 128 bytes
+    int64_t chunk;        // bytes per bulk copy (a multiple of 16)
+    int64_t warp_bytes;   // per copying warp: mbarriers and kRecvStages chunk buffers
+    int warps;            // copying warps per receiver block
+    int64_t smem_bytes;   // dynamic shared memory of a dispatch_impl block
 };
 
 // Control slot: [signature (num_signature)] [rows] [per-local-expert counts (L)] [error flags].
@@ -332,11 +362,64 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
     }
 }
 
-__device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, int64_t warp, int64_t num_warps,
-                                   int lane, int64_t* smem) {
+// Receiver blocks: shared memory holds the count tables, then, per copying warp, kRecvStages chunk buffers and
+// their mbarriers. A chunk is at most kRecvChunk bytes of a row's data; as many warps copy as fit.
+__host__ __device__ inline RecvPlan recv_plan(const EpParams& p, int warps_per_block) {
+    RecvPlan plan;
+    const int64_t R = p.num_ranks, L = p.num_local_experts;
+    plan.table_bytes = (8 * (2 * R + 3 * L + R * L) + 127) / 128 * 128;
+    plan.chunk = p.data_bytes < kRecvChunk ? p.data_bytes : kRecvChunk;
+    plan.warp_bytes = kBarrierBytes + kRecvStages * plan.chunk;
+    const int64_t fit = (kMaxDynamicSmem - plan.table_bytes) / plan.warp_bytes;
+    plan.warps = static_cast<int>(fit < warps_per_block ? fit : warps_per_block);
+    plan.smem_bytes = plan.table_bytes + plan.warps * plan.warp_bytes;
+    return plan;
+}
+
+// Metadata of received row g (from source s, output row m): routing outputs, weights (non-expand) and FP8 scales;
+// `ok` false (its tag timed out): routing that sends nothing back. Returns nothing; the data goes by bulk copies.
+__device__ __forceinline__ void recv_row_meta(const EpParams& p, const RecvOutputs& out, const int64_t* run_base,
+                                              const uint8_t* row, int s, int64_t m, bool ok, int lane) {
+    const int L = p.num_local_experts, K = p.num_topk;
+    const int64_t wb = p.weight_bytes;
+    if (!ok) {
+        for (int j = lane; j < K; j += kWarpSize) {
+            if (out.topk_idx) out.topk_idx[m * K + j] = -1;
+            if (out.expand_row) out.expand_row[m * K + j] = -1;
+        }
+        return;
+    }
+    const uint8_t* meta = row + p.meta_offset;
+    const int32_t* local_ids = reinterpret_cast<const int32_t*>(meta + 8);
+    const int32_t* ranks = local_ids + K;
+    const uint8_t* w = meta + 8 + 8 * K;
+    if (out.src_idx && lane == 0) out.src_idx[m] = ld_cg_i64(reinterpret_cast<const int64_t*>(meta));
+    for (int j = lane; j < K; j += kWarpSize) {
+        const int32_t l = ld_cg_i32(local_ids + j);
+        const int64_t r = l >= 0 && l < L ? run_base[s * L + l] + ld_cg_i32(ranks + j) : -1;
+        const bool r_ok = r >= 0 && r < out.num_expand_rows;
+        if (out.topk_idx) out.topk_idx[m * K + j] = l;
+        if (out.expand_row) out.expand_row[m * K + j] = r_ok ? static_cast<int32_t>(r) : -1;
+        if (out.weights && !out.do_expand)
+            for (int64_t b = 0; b < wb; ++b) out.weights[(m * K + j) * wb + b] = ld_cg_u8(w + j * wb + b);
+        if (out.do_expand && r_ok) {
+            if (out.weights)
+                for (int64_t b = 0; b < wb; ++b) out.weights[r * wb + b] = ld_cg_u8(w + j * wb + b);
+            if (out.scales)
+                for (int64_t b = 0; b < p.scale_bytes / 4; ++b)
+                    reinterpret_cast<int32_t*>(out.scales + r * p.scale_bytes)[b] =
+                        ld_cg_i32(reinterpret_cast<const int32_t*>(row + p.data_bytes) + b);
+        }
+    }
+    if (!out.do_expand && out.scales)
+        warp_copy4<true>(out.scales + m * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
+}
+
+__device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, const RecvPlan& plan, int lane,
+                                   uint8_t* smem) {
     const int R = p.num_ranks, L = p.num_local_experts, K = p.num_topk;
-    // smem: rows_from[R], rank_start[R], expert_start[L], expert_count[L], aligned[L], base[R * L]
-    int64_t* rows_from = smem;
+    // Tables: rows_from[R], rank_start[R], expert_start[L], expert_count[L], aligned[L], run_base[R * L]
+    int64_t* rows_from = reinterpret_cast<int64_t*>(smem);
     int64_t* rank_start = rows_from + R;
     int64_t* expert_start = rank_start + R;
     int64_t* expert_count = expert_start + L;
@@ -386,97 +469,134 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, in
         __syncthreads();
     }
 
-    const int64_t tag = row_tag(p);
-    const int64_t wb = p.weight_bytes;
-    // Rows in the order they arrive: position i from every source before position i + 1 (every source sends in
-    // position order at the same time), not source by source.
-    // NOTES: walking the blocks source by source left the receivers waiting on source 0 while source 1's rows
-    // piled up, so the copy did not overlap the transfer.
-    int64_t max_rows = 0;
-    for (int s = 0; s < R; ++s) max_rows = max(max_rows, rows_from[s]);
-    for (int64_t k = warp; k < static_cast<int64_t>(R) * max_rows; k += num_warps) {
-        const int s = static_cast<int>(k % R);
-        const int64_t i = k / R;
-        if (i >= rows_from[s]) continue;
-        const int64_t g = static_cast<int64_t>(s) * p.cap + i;
-        uint8_t* row = p.local_base + p.region_offset + g * p.row_stride;
-        const int64_t m = rank_start[s] + i;
-        if (m >= out.num_rows) continue;
-        // Wait for the row (lane 0), then let the whole warp read it.
-        int arrived = 1;
-        if (lane == 0) {
-            arrived = !*reinterpret_cast<volatile int*>(&timed_out) &&
-                      wait_flag_equal(row_tag_ptr(row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, s);
-            if (!arrived) timed_out = 1;
-        }
-        const bool row_ok = __shfl_sync(0xffffffffu, arrived, 0);
-        __syncwarp();  // orders lane 0's acquire before every lane's loads (shfl alone carries no memory order)
-        if (!row_ok) {
-            // A timed-out row: routing that sends nothing back (the outputs of this call are void anyway).
-            for (int j = lane; j < K; j += kWarpSize) {
-                if (out.topk_idx) out.topk_idx[m * K + j] = -1;
-                if (out.expand_row) out.expand_row[m * K + j] = -1;
+    const int warp_in_block = threadIdx.x / kWarpSize;
+    const int64_t recv_block = blockIdx.x - p.num_send_blocks, num_recv_blocks = gridDim.x - p.num_send_blocks;
+    if (warp_in_block < plan.warps) {
+        // Copying warp: rows in the order they arrive (position i from every source before position i + 1: every
+        // source sends in position order at the same time). Lane 0 drives the bulk copies, one chunk ahead: it
+        // acquires a row's tag before loading its first chunk, loads chunk n + 1 into the other buffer while chunk
+        // n is stored to the output row(s); the lanes write each row's metadata.
+        // NOTES: walking the blocks source by source left the receivers waiting on source 0 while source 1's
+        // rows piled up; one warp copying one row at a time with registers was latency bound (~9 dependent
+        // round trips per 14 KB row).
+        uint8_t* area = smem + plan.table_bytes + warp_in_block * plan.warp_bytes;
+        uint64_t* bars = reinterpret_cast<uint64_t*>(area);
+        uint8_t* stages = area + kBarrierBytes;
+        if (lane == 0)
+            for (int b = 0; b < kRecvStages; ++b) mbarrier_init(bars + b);
+        __syncwarp();
+        const int64_t warp = recv_block * plan.warps + warp_in_block, num_warps = num_recv_blocks * plan.warps;
+        int64_t max_rows = 0;
+        for (int s = 0; s < R; ++s) max_rows = max(max_rows, rows_from[s]);
+        const int64_t total = static_cast<int64_t>(R) * max_rows;
+        const int64_t num_chunks = (p.data_bytes + plan.chunk - 1) / plan.chunk;
+        const int64_t tag = row_tag(p);
+        auto next_row = [&](int64_t k) {  // this warp's first row >= k that exists (k = position * R + source)
+            for (; k < total; k += num_warps)
+                if (k / R < rows_from[k % R] && rank_start[k % R] + k / R < out.num_rows) return k;
+            return total;
+        };
+        auto row_ptr = [&](int64_t k) {
+            return p.local_base + p.region_offset + ((k % R) * p.cap + k / R) * p.row_stride;
+        };
+        auto chunk_bytes = [&](int64_t c) {
+            return static_cast<uint32_t>(min(plan.chunk, p.data_bytes - c * plan.chunk));
+        };
+        // Lane 0: wait for row k's tag if chunk c is its first, then load the chunk into buffer `it` % stages.
+        auto issue = [&](int64_t k, int64_t c, int64_t it, bool ok) {
+            if (c == 0) {
+                ok = !*reinterpret_cast<volatile int*>(&timed_out) &&
+                     wait_flag_equal(row_tag_ptr(row_ptr(k), p), tag, p.timeout_ns, p.error, p.rank, p.phase,
+                                     static_cast<int>(k % R));
+                if (!ok) timed_out = 1;
+                fence_proxy_async();  // the acquire above before the bulk load's reads
             }
-            continue;
-        }
-        const uint8_t* meta = row + p.meta_offset;
-        const int32_t* local_ids = reinterpret_cast<const int32_t*>(meta + 8);
-        const int32_t* ranks = local_ids + K;
-        const uint8_t* w = meta + 8 + 8 * K;
-        if (out.src_idx && lane == 0) out.src_idx[m] = ld_cg_i64(reinterpret_cast<const int64_t*>(meta));
-        for (int j = lane; j < K; j += kWarpSize) {
-            const int32_t l = ld_cg_i32(local_ids + j);
-            if (out.topk_idx) out.topk_idx[m * K + j] = l;
-            if (out.expand_row) {
-                const int64_t r = l >= 0 && l < L ? run_base[s * L + l] + ld_cg_i32(ranks + j) : -1;
-                out.expand_row[m * K + j] = r >= 0 && r < out.num_expand_rows ? static_cast<int32_t>(r) : -1;
+            const int b = static_cast<int>(it % kRecvStages);
+            bulk_wait_read();  // the buffer's previous chunk has been read by its stores
+            bulk_load(stages + b * plan.chunk, row_ptr(k) + c * plan.chunk, chunk_bytes(c), bars + b);
+            return ok;
+        };
+        int64_t k = next_row(warp), c = 0, it = 0;
+        bool ok = true;  // lane 0: the current row's tag arrived
+        if (lane == 0 && k < total) ok = issue(k, 0, 0, true);
+        while (k < total) {
+            __syncwarp();  // every lane is done with the barrier that the next load re-arms
+            int64_t next_k = k, next_c = c + 1;
+            if (next_c == num_chunks) {
+                next_k = next_row(k + num_warps);
+                next_c = 0;
             }
-            if (out.weights && !out.do_expand)
-                for (int64_t b = 0; b < wb; ++b) out.weights[(m * K + j) * wb + b] = ld_cg_u8(w + j * wb + b);
+            bool next_ok = ok;
+            if (lane == 0 && next_k < total) next_ok = issue(next_k, next_c, it + 1, ok);
+            const bool row_ok = __shfl_sync(0xffffffffu, ok, 0);
+            __syncwarp();  // orders lane 0's acquire before every lane's loads (shfl alone carries no memory order)
+            const int s = static_cast<int>(k % R);
+            const int64_t m = rank_start[s] + k / R;
+            const uint8_t* row = row_ptr(k);
+            if (c == 0) recv_row_meta(p, out, run_base, row, s, m, row_ok, lane);
+            const int b = static_cast<int>(it % kRecvStages);
+            mbarrier_wait(bars + b, static_cast<uint32_t>((it / kRecvStages) & 1));
+            if (row_ok) {
+                const int64_t offset = c * plan.chunk;
+                if (!out.do_expand) {
+                    if (lane == 0) bulk_store(out.x + m * p.data_bytes + offset, stages + b * plan.chunk, chunk_bytes(c));
+                } else {
+                    // Slot j's expand row, from lane j % 32; lane 0 stores the chunk to each.
+                    const int32_t* local_ids = reinterpret_cast<const int32_t*>(row + p.meta_offset + 8);
+                    for (int j0 = 0; j0 < K; j0 += kWarpSize) {
+                        const int j = j0 + lane;
+                        int64_t r = -1;
+                        if (j < K) {
+                            const int32_t l = ld_cg_i32(local_ids + j);
+                            if (l >= 0 && l < L) r = run_base[s * L + l] + ld_cg_i32(local_ids + K + j);
+                        }
+                        for (unsigned mask = __ballot_sync(0xffffffffu, r >= 0 && r < out.num_expand_rows); mask;
+                             mask &= mask - 1) {
+                            const int64_t dst = __shfl_sync(0xffffffffu, r, __ffs(mask) - 1);
+                            if (lane == 0)
+                                bulk_store(out.x + dst * p.data_bytes + offset, stages + b * plan.chunk,
+                                           chunk_bytes(c));
+                        }
+                    }
+                }
+            }
+            if (lane == 0) bulk_commit();
+            k = next_k;
+            c = next_c;
+            ok = next_ok;
+            ++it;
         }
-        if (!out.do_expand) {
-            warp_copy16<true>(out.x + m * p.data_bytes, row, p.data_bytes, lane);
-            if (out.scales) warp_copy4<true>(out.scales + m * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
-            continue;
-        }
-        for (int j = 0; j < K; ++j) {
-            const int32_t l = ld_cg_i32(local_ids + j);
-            if (l < 0 || l >= L) continue;
-            const int64_t r = run_base[s * L + l] + ld_cg_i32(ranks + j);
-            if (r < 0 || r >= out.num_expand_rows) continue;
-            warp_copy16<true>(out.x + r * p.data_bytes, row, p.data_bytes, lane);
-            if (out.scales) warp_copy4<true>(out.scales + r * p.scale_bytes, row + p.data_bytes, p.scale_bytes, lane);
-            if (out.weights && lane < wb) out.weights[r * wb + lane] = ld_cg_u8(w + j * wb + lane);
-        }
+        if (lane == 0) bulk_wait();  // the stores read shared memory until they complete
     }
     // Expand padding rows are zero (data, scales, weight).
     if (out.do_expand) {
-        for (int64_t l = warp; l < L; l += num_warps) {
+        const int warps_per_block = blockDim.x / kWarpSize;
+        for (int64_t l = recv_block * warps_per_block + warp_in_block; l < L; l += num_recv_blocks * warps_per_block) {
             const int64_t end = min(expert_start[l] + aligned[l], out.num_expand_rows);
             for (int64_t r = expert_start[l] + expert_count[l]; r < end; ++r) {
                 warp_zero16(out.x + r * p.data_bytes, p.data_bytes, lane);
                 if (out.scales)
                     for (int64_t b = lane; b < p.scale_bytes / 4; b += kWarpSize)
                         reinterpret_cast<int32_t*>(out.scales + r * p.scale_bytes)[b] = 0;
-                if (out.weights && lane < wb) out.weights[r * wb + lane] = 0;
+                if (out.weights && lane < p.weight_bytes) out.weights[r * p.weight_bytes + lane] = 0;
             }
         }
     }
 }
 
-__global__ void dispatch_impl(EpParams p, DispatchInputs in, RecvOutputs out) {
-    extern __shared__ int64_t smem[];
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) dispatch_impl(EpParams p, DispatchInputs in,
+                                                                                RecvOutputs out) {
+    extern __shared__ __align__(128) uint8_t dyn_smem[];
+    BLOCK_TIME_START(0);
     const int lane = threadIdx.x % kWarpSize;
     const int warps_per_block = blockDim.x / kWarpSize;
     if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / kWarpSize;
         dispatch_send_rows(p, in, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
     } else {
-        const int64_t warp = static_cast<int64_t>(blockIdx.x - p.num_send_blocks) * warps_per_block +
-                             threadIdx.x / kWarpSize;
-        const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
-        dispatch_recv_rows(p, out, warp, num_warps, lane, smem);
+        dispatch_recv_rows(p, out, recv_plan(p, warps_per_block), lane, dyn_smem);
     }
+    BLOCK_TIME_END(0);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -681,6 +801,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) combine_impl(Ep
     __shared__ const uint8_t* rows[kMaxWarpsPerBlock][kWarpSize];
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     const int warps_per_block = blockDim.x / kWarpSize;
+    BLOCK_TIME_START(1);
     if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
         combine_send_rows(p, a, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
@@ -689,6 +810,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) combine_impl(Ep
         const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
         combine_reduce_rows<T>(p, a, warp, num_warps, lane, rows[warp_in_block]);
     }
+    BLOCK_TIME_END(1);
 }
 
 }  // namespace moe_comm
@@ -723,13 +845,16 @@ int moe_comm_dispatch_notify(const EpParams* p, const int64_t* num_tokens_per_ra
 // num_blocks: p->num_send_blocks senders, then the receivers (at least one of each).
 int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, const RecvOutputs* out, int num_blocks,
                       int num_threads, cudaStream_t stream) {
-    const size_t smem = sizeof(int64_t) * (2 * p->num_ranks + 3 * p->num_local_experts +
-                                           static_cast<size_t>(p->num_ranks) * p->num_local_experts);
-    if (p->num_ranks > moe_comm::kMaxEpRanks || p->data_bytes % 16 || p->scale_bytes % 4 || p->row_stride % 16 ||
-        p->num_send_blocks < 1 || p->num_send_blocks >= num_blocks || smem > moe_comm::kMaxRecvSmem ||
+    const moe_comm::RecvPlan plan = moe_comm::recv_plan(*p, num_threads / moe_comm::kWarpSize);
+    if (p->num_ranks > moe_comm::kMaxEpRanks || p->data_bytes <= 0 || p->data_bytes % 16 || p->scale_bytes % 4 ||
+        p->row_stride % 16 || p->num_send_blocks < 1 || p->num_send_blocks >= num_blocks ||
+        plan.table_bytes > moe_comm::kMaxTableSmem || plan.warps < 1 || num_threads % moe_comm::kWarpSize ||
         num_threads > moe_comm::kMaxWarpsPerBlock * moe_comm::kWarpSize)
         return static_cast<int>(cudaErrorInvalidValue);
-    moe_comm::dispatch_impl<<<num_blocks, num_threads, smem, stream>>>(*p, *in, *out);
+    static const cudaError_t opt_in = cudaFuncSetAttribute(
+        moe_comm::dispatch_impl, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_comm::kMaxDynamicSmem);
+    if (opt_in != cudaSuccess) return static_cast<int>(opt_in);
+    moe_comm::dispatch_impl<<<num_blocks, num_threads, plan.smem_bytes, stream>>>(*p, *in, *out);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -749,6 +874,16 @@ int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dtype, int num
     }
     return static_cast<int>(cudaGetLastError());
 }
+
+#ifdef MOE_COMM_BLOCK_TIMES
+// Copy the block times of the last dispatch (kernel 0) or combine (kernel 1): [num_blocks][start, end] ns.
+int moe_comm_block_times(int kernel, uint64_t* host, int num_blocks) {
+    if (kernel < 0 || kernel > 1 || num_blocks < 0 || num_blocks > moe_comm::kMaxTimedBlocks)
+        return static_cast<int>(cudaErrorInvalidValue);
+    return static_cast<int>(cudaMemcpyFromSymbol(host, moe_comm::g_block_times, sizeof(uint64_t) * 2 * num_blocks,
+                                                 sizeof(uint64_t) * 2 * moe_comm::kMaxTimedBlocks * kernel));
+}
+#endif
 
 int moe_comm_sizeof_ep_structs(int which) {
     switch (which) {

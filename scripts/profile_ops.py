@@ -7,8 +7,9 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
-MOE_COMM_SEND_BATCH, `send=F` the share of sending blocks, `sms=N` the SM count), one bitwise check, then the
-kernel times of a cached dispatch and a combine at the largest token count.
+MOE_COMM_SEND_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `send=F` the share of sending blocks, `sms=N` the SM count,
+`times=1` a build that records when each block ends), one bitwise check, then the kernel times of a cached
+dispatch and a combine at the largest token count.
 
 With `--copy-ceiling`, instead: the plain grid-stride block copy of the transport (`copy_blocks`: every rank
 writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the
@@ -71,6 +72,33 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def block_times(buf, handle, dispatch, combine) -> list[str]:
+    """When each block of one dispatch and one combine kernel ended (us after the first block started): senders
+    and receivers apart, as min / median / max (a build with -DMOE_COMM_BLOCK_TIMES)."""
+    import ctypes
+    import statistics
+
+    from moe_comm.backends import cuda as cuda_backend
+
+    lines = []
+    num_blocks, num_send = handle.num_sms, cuda_backend._num_send_blocks(handle.num_sms)
+    for kernel, (name, fn) in enumerate((("dispatch", dispatch), ("combine", combine))):
+        fn()
+        torch.cuda.synchronize()
+        raw = (ctypes.c_uint64 * (2 * num_blocks))()
+        buf._impl._check(buf._impl.lib.moe_comm_block_times(kernel, raw, num_blocks), "block times")
+        starts, ends = raw[0::2], raw[1::2]
+        t0 = min(starts)
+        parts = []
+        for role, blocks in (("send", range(num_send)), ("recv", range(num_send, num_blocks))):
+            done = sorted((ends[b] - t0) / 1e3 for b in blocks)
+            begun = max((starts[b] - t0) / 1e3 for b in blocks)
+            parts.append(f"{role} end {done[0]:.0f}/{statistics.median(done):.0f}/{done[-1]:.0f} us "
+                         f"(last start {begun:.0f})")
+        lines.append(f"        {name} blocks: " + ", ".join(parts))
+    return lines
+
+
 def variants_rank(rank: int, world_size: int, args: dict) -> str:
     from moe_comm.backends import cuda as cuda_backend
     from moe_comm.testing.checks import check_case
@@ -83,7 +111,9 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     for variant in args["variants"]:
         settings = dict(item.split("=") for item in variant.split(","))
         cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 4)}",
-                                     f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 1)}")
+                                     f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 4)}",
+                                     f"-DMOE_COMM_RECV_CHUNK={settings.get('chunk', 8192)}",
+                                     *(["-DMOE_COMM_BLOCK_TIMES"] if settings.get("times") else []))
         cuda_backend.SEND_BLOCK_FRACTION = float(settings.get("send", 0.5))
         num_sms = int(settings.get("sms", 0))
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K, backend="cuda")
@@ -95,6 +125,9 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
             times = [sum(us for name, us in kernel_times(fn, args["iters"]).items() if "signal_wait" not in name)
                      for fn in (lambda: buf.dispatch(x, handle=handle), lambda: buf.combine(recv_x, handle))]
             lines.append(f"    {variant:30s} {times[0]:8.1f} | {times[1]:8.1f}   (SMs {handle.num_sms})")
+            if settings.get("times"):
+                lines += block_times(buf, handle, lambda: buf.dispatch(x, handle=handle),
+                                     lambda: buf.combine(recv_x, handle))
         except RuntimeError as exc:  # e.g. a build whose kernels need more registers than a launch allows
             lines.append(f"    {variant:30s} failed: {exc}")
         if rank == 0:

@@ -4,6 +4,7 @@ machine, so a kernel that does not build never lands."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,11 @@ def test_kernel_library_loads_and_structs_match(tmp_path, monkeypatch):
     for symbol in ("moe_comm_layout", "moe_comm_dispatch_notify", "moe_comm_dispatch", "moe_comm_combine",
                    "moe_comm_signal_wait", "moe_comm_copy_blocks"):
         assert hasattr(lib, symbol), symbol
+
+
+def test_copy_microbenchmark_compiles_for_sm90a():
+    """benchmarks/microbench/copy_bench.cu (the per-SM copy floor the kernels are measured against) still builds."""
+    nvcc_or_skip()
+    source = Path(__file__).resolve().parents[1] / "benchmarks" / "microbench" / "copy_bench.cu"
+    seconds = jit.compile_check([source], include_dirs=[jit.CSRC_DIR / "include"], arch="sm_90a")
+    print(f"copy_bench: {seconds:.1f} s")

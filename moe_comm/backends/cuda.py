@@ -57,7 +57,7 @@ SIGNATURE_LEN = 16                  # csrc/ep_kernels.cu kMaxSignature
 COPY_THREADS = 512                  # csrc/ep_kernels.cu: at most kMaxWarpsPerBlock warps per block
 TAG_BYTES = 16                      # csrc/ep_kernels.cu kTagBytes: a dispatch region row ends in its tag
 MAX_ROUND_SLOTS = 32                # expand combine slots per round: one reducer lane each
-RECV_SMEM_LIMIT = 48 * 1024 - 256  # csrc/ep_kernels.cu kMaxRecvSmem: dynamic shared memory of the receivers
+RECV_TABLE_LIMIT = 48 * 1024 - 256  # csrc/ep_kernels.cu kMaxTableSmem: count tables of the receivers
 DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
@@ -332,10 +332,10 @@ class CudaBackend(TorchRefBackend):
         R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
         L, cap, dev, hidden = E // R, c.num_max_tokens_per_rank, self.device, c.hidden
         handle: Optional[EPHandle] = c.handle
-        smem = 8 * (2 * R + 3 * L + R * L)
-        if smem > RECV_SMEM_LIMIT:
-            raise ValueError(f"num_experts={E} over {R} ranks needs {smem} bytes of shared memory in the receive "
-                             f"kernel (limit {RECV_SMEM_LIMIT}); use backend='torch'")
+        table_bytes = -(-8 * (2 * R + 3 * L + R * L) // 128) * 128
+        if table_bytes > RECV_TABLE_LIMIT:
+            raise ValueError(f"num_experts={E} over {R} ranks needs {table_bytes} bytes of shared memory in the "
+                             f"receive kernel (limit {RECV_TABLE_LIMIT}); use backend='torch'")
         self._check_num_sms(c.num_sms)
 
         # Rows on the wire: x, or FP8 data and scales (cast here for `quantize=`), as bytes.

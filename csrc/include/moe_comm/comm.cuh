@@ -65,6 +65,61 @@ __device__ __forceinline__ void strided_copy16(int4* dst, const int4* src, int64
     for (; i < n; i += stride) dst[i] = load16<kLoad>(src + i);
 }
 
+// Bulk copies through shared memory (TMA, sm_90): one thread moves a whole chunk global -> shared
+// (cp.async.bulk with an mbarrier that counts the bytes) and shared -> global (bulk_group store), so a chunk of
+// kilobytes costs a few instructions and no registers. Addresses and sizes must be multiples of 16.
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    // The async proxy (the bulk copies) must see the initialized barrier.
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Wait until phase `parity` of the barrier completed (the chunk it counts has landed in shared memory).
+// NOTES: no timeout: it waits for a local copy, which always completes.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// Load `bytes` from global memory into shared memory; `bar`'s current phase completes when they have landed.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+// Store `bytes` from shared memory to global memory, in the current bulk group (bulk_commit closes it).
+__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem_u32(smem)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Every committed bulk store has read its shared memory (the buffer may be refilled).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// Every committed bulk store has completed.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Order this thread's earlier generic-proxy accesses (an acquire of what peers wrote, reads of shared memory)
+// before its later bulk copies, which go through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+
 // Spin until *flag >= expected (or == expected with `exact`). On timeout, record who waited for whom, print it,
 // and return false (the host raises; NOTES: no __trap, so the process keeps a usable context and a traceback).
 __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected, bool exact, uint64_t timeout_ns,
