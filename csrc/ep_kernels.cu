@@ -42,7 +42,8 @@ constexpr int kUnroll = MOE_COMM_COPY_UNROLL;
 constexpr int kSendBatch = MOE_COMM_SEND_BATCH;
 constexpr int kMaxSignature = 16;
 constexpr int kMaxTableSmem = 48 * 1024 - 256;  // count tables of dispatch receivers (moe_comm/backends/cuda.py)
-constexpr int64_t kMaxDynamicSmem = 227 * 1024;   // sm_90: the opt-in dynamic shared memory of a block
+constexpr int64_t kMaxDynamicSmem = 220 * 1024;   // dynamic shared memory of a dispatch block (sm_90 allows
+                                                  // 227 KB per block, static shared memory included)
 constexpr int kRecvStages = 2;       // chunk buffers per copying receiver warp
 #ifndef MOE_COMM_RECV_CHUNK
 #define MOE_COMM_RECV_CHUNK 8192     // bytes per bulk copy of a receiver (benchmarks/NOTES.md)
@@ -853,7 +854,10 @@ int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, const RecvOut
         return static_cast<int>(cudaErrorInvalidValue);
     static const cudaError_t opt_in = cudaFuncSetAttribute(
         moe_comm::dispatch_impl, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_comm::kMaxDynamicSmem);
-    if (opt_in != cudaSuccess) return static_cast<int>(opt_in);
+    if (opt_in != cudaSuccess) {
+        cudaGetLastError();  // not sticky: later launches must not report it again
+        return static_cast<int>(opt_in);
+    }
     moe_comm::dispatch_impl<<<num_blocks, num_threads, plan.smem_bytes, stream>>>(*p, *in, *out);
     return static_cast<int>(cudaGetLastError());
 }
