@@ -33,9 +33,11 @@ constexpr int kLayoutThreads = 1024;
 constexpr int kMaxLayoutTopk = 16;  // slots a layout thread keeps in registers (more are re-read)
 constexpr int kWarpSize = 32;
 #ifndef MOE_COMM_COPY_UNROLL
-#define MOE_COMM_COPY_UNROLL 4       // 16-byte loads in flight per lane in row copies (benchmarks/NOTES.md)
+#define MOE_COMM_COPY_UNROLL 8       // 16-byte loads in flight per lane in warp row copies (benchmarks/NOTES.md)
 #endif
-constexpr int kUnroll = MOE_COMM_COPY_UNROLL;
+constexpr int kCopyUnroll = MOE_COMM_COPY_UNROLL;
+constexpr int kSendUnroll = 4;       // dispatch senders (each load feeds a store per destination)
+constexpr int kReduceUnroll = 4;     // combine reducers (registers: an FP32 accumulator per loaded element)
 #ifndef MOE_COMM_SEND_BATCH
 #define MOE_COMM_SEND_BATCH 4        // tokens a dispatch sender warp writes before publishing their rows
 #endif
@@ -121,7 +123,7 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
 // wrote into our region.
 template <bool kViaL2 = false>
 __device__ __forceinline__ void warp_copy16(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-    strided_copy16<kUnroll, kViaL2 ? Load::kL2 : Load::kPlain>(reinterpret_cast<int4*>(dst),
+    strided_copy16<kCopyUnroll, kViaL2 ? Load::kL2 : Load::kPlain>(reinterpret_cast<int4*>(dst),
                                                                reinterpret_cast<const int4*>(src), bytes / 16, lane,
                                                                kWarpSize);
 }
@@ -300,14 +302,14 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
             const int64_t my_pos = lane < p.num_ranks ? in.send_pos[t * p.num_ranks + lane] : -1;
             const unsigned dest_mask = __ballot_sync(0xffffffffu, my_pos >= 0);
 
-            // Data: 16-byte vectors, kUnroll loads in flight before the stores to every destination.
+            // Data: 16-byte vectors, kSendUnroll loads in flight before the stores to every destination.
             const int4* src = reinterpret_cast<const int4*>(in.x + t * p.data_bytes);
             const int64_t num_vecs = p.data_bytes / 16;
             // NOTES: the loop bounds are warp-uniform, because the shuffle below needs every lane.
-            for (int64_t v0 = 0; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
-                int4 values[kUnroll];
+            for (int64_t v0 = 0; v0 < num_vecs; v0 += kSendUnroll * kWarpSize) {
+                int4 values[kSendUnroll];
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
+                for (int u = 0; u < kSendUnroll; ++u) {
                     const int64_t v = v0 + lane + u * kWarpSize;
                     if (v < num_vecs) values[u] = ld_nc_v4(src + v);
                 }
@@ -317,7 +319,7 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                     int4* dst = reinterpret_cast<int4*>(p.peer_bases[d] + p.region_offset +
                                                         (block_base + pos) * p.row_stride);
 #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
+                    for (int u = 0; u < kSendUnroll; ++u) {
                         const int64_t v = v0 + lane + u * kWarpSize;
                         if (v < num_vecs) dst[v] = values[u];
                     }
@@ -603,8 +605,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) dispatch_impl(E
 // ------------------------------------------------------------------------------------------------------------
 // Combine: one kernel, blocks [0, num_send_blocks) send and the others reduce, at the same time.
 // Send: row m of the dispatch output goes back to its source rank s, into block `rank` at the row it came from
-// (expand: one row per (token, slot) of this round, at sub-row slot - slot_begin), then lane 0 releases the
-// row's tag. Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order
+// (expand: one row per (token, slot) of this round, at sub-row slot - slot_begin); a warp writes the rows of a
+// few items, then its lanes release their tags. Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order
 // (ascending rank, or ascending slot in expand mode), each acquires its row's tag, then the warp adds them in
 // that order in Acc precision from zero (or the accumulator of earlier rounds); after the last round bias[0],
 // then bias[1], and the cast. combined_topk_weights is the select of slot j's value on its owner rank.
@@ -653,37 +655,42 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
     const int R = p.num_ranks, K = p.num_topk;
     const int64_t wb = p.weight_bytes;
     const int64_t tag = row_tag(p);
+    const int64_t slots = a.do_expand ? a.num_slots : 1;  // region rows per dispatch output row
     // Rows interleaved across sources (row i to every source before row i + 1), so that every link carries
     // traffic all the time and every source's reducers can start at once.
     // NOTES: going source by source sent everything to rank 0 first, then to rank 1: half the links idle.
     int64_t max_rows = 0;
     for (int s = 0; s < R; ++s) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
-    for (int64_t k = warp; k < static_cast<int64_t>(R) * max_rows; k += num_warps) {
+    const int64_t total = static_cast<int64_t>(R) * max_rows;
+    // Item k = i * R + s is row i received from source s; sub-row q is slot slot_begin + q (expand). The region
+    // row it goes to on rank s and the x row it comes from, or false when there is none.
+    auto locate = [&](int64_t k, int64_t q, uint8_t** dst, int64_t* x_row) {
         const int s = static_cast<int>(k % R);
         const int64_t i = k / R;
         const int64_t first = s ? a.psum_rank[s - 1] : 0;
-        if (i >= a.psum_rank[s] - first) continue;
+        if (k >= total || i >= a.psum_rank[s] - first || a.slot_begin + q >= a.slot_end) return false;
         const int64_t m = first + i;
-        const int64_t block_row = static_cast<int64_t>(p.rank) * p.cap + i;
-        uint8_t* region = p.peer_bases[s] + p.region_offset;
-        if (!a.do_expand) {
-            if (m >= a.num_x_rows) continue;
-            uint8_t* dst = region + block_row * p.row_stride;
-            warp_copy16(dst, a.x + m * p.data_bytes, p.data_bytes, lane);
-            if (a.weights)
-                for (int64_t b = lane; b < K * wb; b += kWarpSize) dst[p.meta_offset + b] = a.weights[m * K * wb + b];
-            __syncwarp();
-            if (lane == 0) st_release_sys(row_tag_ptr(dst, p), tag);
-            continue;
-        }
-        for (int j = a.slot_begin; j < a.slot_end; ++j) {
-            const int32_t r = a.expand_row[m * K + j];
-            if (r < 0 || r >= a.num_x_rows) continue;
-            uint8_t* dst = region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride;
+        *x_row = a.do_expand ? a.expand_row[m * K + a.slot_begin + q] : m;
+        if (*x_row < 0 || *x_row >= a.num_x_rows) return false;
+        *dst = p.peer_bases[s] + p.region_offset + ((static_cast<int64_t>(p.rank) * p.cap + i) * slots + q) * p.row_stride;
+        return true;
+    };
+    // A warp sends the rows of kSendBatch consecutive items, then publishes them all: one release fence per batch.
+    for (int64_t k0 = warp * kSendBatch; k0 < total; k0 += num_warps * kSendBatch) {
+        for (int64_t n = 0; n < kSendBatch * slots; ++n) {
+            uint8_t* dst;
+            int64_t r;
+            if (!locate(k0 + n / slots, n % slots, &dst, &r)) continue;
             warp_copy16(dst, a.x + r * p.data_bytes, p.data_bytes, lane);
-            if (a.weights && lane < wb) dst[p.meta_offset + lane] = a.weights[static_cast<int64_t>(r) * wb + lane];
-            __syncwarp();
-            if (lane == 0) st_release_sys(row_tag_ptr(dst, p), tag);
+            if (a.weights && !a.do_expand)
+                for (int64_t b = lane; b < K * wb; b += kWarpSize) dst[p.meta_offset + b] = a.weights[r * K * wb + b];
+            if (a.weights && a.do_expand && lane < wb) dst[p.meta_offset + lane] = a.weights[r * wb + lane];
+        }
+        __syncwarp();  // every lane's stores above happen before the releases below
+        for (int64_t n = lane; n < kSendBatch * slots; n += kWarpSize) {
+            uint8_t* dst;
+            int64_t r;
+            if (locate(k0 + n / slots, n % slots, &dst, &r)) st_release_sys(row_tag_ptr(dst, p), tag);
         }
     }
 }
@@ -728,10 +735,10 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                 timed_out = 1;
         }
         __syncwarp();
-        for (int64_t v0 = 0; v0 < num_vecs; v0 += kUnroll * kWarpSize) {
-            Acc acc[kUnroll][kVec];
+        for (int64_t v0 = 0; v0 < num_vecs; v0 += kReduceUnroll * kWarpSize) {
+            Acc acc[kReduceUnroll][kVec];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kReduceUnroll; ++u) {
                 const int64_t v = v0 + lane + u * kWarpSize;
 #pragma unroll
                 for (int k = 0; k < kVec; ++k)
@@ -740,21 +747,21 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
             }
             for (int r = 0; r < num_rows; ++r) {
                 const int4* src = reinterpret_cast<const int4*>(rows[r]);
-                int4 raw[kUnroll];
+                int4 raw[kReduceUnroll];
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
+                for (int u = 0; u < kReduceUnroll; ++u) {
                     const int64_t v = v0 + lane + u * kWarpSize;
                     if (v < num_vecs) raw[u] = __ldcg(src + v);
                 }
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
+                for (int u = 0; u < kReduceUnroll; ++u) {
                     const T* values = reinterpret_cast<const T*>(&raw[u]);
 #pragma unroll
                     for (int k = 0; k < kVec; ++k) acc[u][k] += to_acc<T>(values[k]);
                 }
             }
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kReduceUnroll; ++u) {
                 const int64_t v = v0 + lane + u * kWarpSize;
                 if (v >= num_vecs) continue;
                 const int64_t first = t * H + v * kVec;
