@@ -1,15 +1,15 @@
 """Dispatch/combine benchmark with the NCCL (or gloo) baseline from the same run (DESIGN section 7).
 
 Spawns `--num-ranks` ranks (default 2; NCCL with one GPU each when the machine has that many GPUs, else gloo
-on CPU), checks one case bitwise
-against the oracle, then per token count times, median of `--iters` runs after warm-up, slowest rank:
-dispatch BF16 (fresh layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple),
+on CPU), checks one case bitwise against the oracle, then per token count times, slowest rank, (a) one call on
+an idle stream, median of `--iters` runs after warm-up (host issue time included) and (b) on CUDA, device time
+per call of `--iters` back-to-back calls issued ahead of the GPU (DeepEP's measure): dispatch BF16 (fresh layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple),
 combine BF16, and the all_to_all_single baseline (Megatron's alltoall path: dedup, permute, count exchange with
 host sync; combine = reverse + FP32 index_add). Then an SM sweep of cached dispatch and combine at the largest
 token count, next to the analytical `get_theoretical_num_sms`, and the JIT build times (CUDA backend).
 
-Bandwidths: logical GB/s = bytes of all received rows (own rank included) / time (DeepEP's metric);
-wire GB/s = bytes received from other ranks / time.
+Bandwidths (from the back-to-back time on CUDA): logical GB/s = bytes of all received rows (own rank included) /
+time (DeepEP's metric); wire GB/s = bytes received from other ranks / time.
 
     python scripts/bench.py [--num-ranks 2] [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
                             [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--json F] [--md F]
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm import quant
 from moe_comm.testing import parallel_launch
-from moe_comm.testing.bench import AllToAllBaseline, median_time_us
+from moe_comm.testing.bench import AllToAllBaseline, loop_times, median_time_us
 from moe_comm.testing.checks import check_case
 from moe_comm.testing.routing import Case, rank_inputs
 
@@ -55,28 +55,31 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
         x, idx, w = rank_inputs(case, rank, device)
         recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
         base_recv, state = baseline.dispatch(x, idx)
-        timings = {
-            "dispatch": median_time_us(lambda: buf.dispatch(x, idx, w, num_experts=E), device, num_iters=iters),
-            "cached dispatch": median_time_us(lambda: buf.dispatch(x, handle=handle), device, num_iters=iters),
-            "combine": median_time_us(lambda: buf.combine(recv_x, handle), device, num_iters=iters),
-            "baseline dispatch": median_time_us(lambda: baseline.dispatch(x, idx), device, num_iters=iters),
-            "baseline combine": median_time_us(lambda: baseline.combine(base_recv, state), device, num_iters=iters),
+        ops = {
+            "dispatch": lambda: buf.dispatch(x, idx, w, num_experts=E),
+            "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+            "combine": lambda: buf.combine(recv_x, handle),
+            "baseline dispatch": lambda: baseline.dispatch(x, idx),
+            "baseline combine": lambda: baseline.combine(base_recv, state),
         }
         if args["hidden"] % 128 == 0:
             x_fp8 = quant.quantize(x, "fp8_block128")
-            timings["dispatch fp8"] = median_time_us(lambda: buf.dispatch(x_fp8, idx, w, num_experts=E), device,
-                                                     num_iters=iters)
+            ops["dispatch fp8"] = lambda: buf.dispatch(x_fp8, idx, w, num_experts=E)
+        timings = {op: median_time_us(fn, device, num_iters=iters) for op, fn in ops.items()}
+        if device.type == "cuda":
+            timings.update({f"{op} b2b": loop_times(fn, iters, device)[1] for op, fn in ops.items()})
         own = int(handle.psum_num_recv_tokens_per_rank[rank] -
                   (handle.psum_num_recv_tokens_per_rank[rank - 1] if rank else 0))
         rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0], "own_rows": own,
                      "row_bytes": recv_x.shape[1] * recv_x.element_size(), "num_sms": handle.num_sms, **timings})
         if num_tokens == cap:
+            # Back-to-back device time on CUDA (the SM count shows in it, not behind the host's issue time).
+            timer = (lambda fn: loop_times(fn, iters, device)[1]) if device.type == "cuda" else \
+                (lambda fn: median_time_us(fn, device, num_iters=iters))
             for num_sms in args["sms"]:
                 sweep.append({"num_sms": num_sms,
-                              "cached dispatch": median_time_us(lambda: buf.dispatch(x, handle=handle, num_sms=num_sms),
-                                                                device, num_iters=iters),
-                              "combine": median_time_us(lambda: buf.combine(recv_x, handle, num_sms=num_sms), device,
-                                                        num_iters=iters)})
+                              "cached dispatch": timer(lambda: buf.dispatch(x, handle=handle, num_sms=num_sms)),
+                              "combine": timer(lambda: buf.combine(recv_x, handle, num_sms=num_sms))})
     return {"backend": buf.backend, "theoretical_num_sms": buf.get_theoretical_num_sms(E, K), "rows": rows,
             "sweep": sweep}
 
@@ -110,8 +113,13 @@ def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, d
              f"median of {config['iters']}, slowest rank; bitwise check passed; "
              f"analytical num_sms {first['theoretical_num_sms']}",
              "",
-             "| tokens | op | us | SMs | logical GB/s | wire GB/s | baseline us |",
-             "|---|---|---|---|---|---|---|"]
+             "",
+             "us: one call on an idle stream, host issue time included; back-to-back: device time per call of "
+             f"{config['iters']} calls issued ahead of the GPU (DeepEP's measure; CUDA only), which the GB/s use.",
+             "",
+             "| tokens | op | us | back-to-back us | SMs | logical GB/s | wire GB/s | baseline us | "
+             "baseline back-to-back us |",
+             "|---|---|---|---|---|---|---|---|---|"]
     table = []
     for i, row in enumerate(first["rows"]):
         slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k not in
@@ -124,16 +132,20 @@ def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, d
             if op not in slowest:
                 continue
             scale = 0.5 if op == "dispatch fp8" else 1.0  # e4m3 rows are half the bytes (scales not counted)
-            us = slowest[op]
-            entry = {"tokens": row["tokens"], "op": op, "us": us, "num_sms": row["num_sms"],
-                     "logical_gbs": gbs(recv_bytes * scale, us), "wire_gbs": gbs(wire_bytes * scale, us),
-                     "baseline_us": slowest.get(base) if base else None}
+            us, b2b = slowest[op], slowest.get(f"{op} b2b")
+            device_us = us if b2b is None else b2b
+            entry = {"tokens": row["tokens"], "op": op, "us": us, "back_to_back_us": b2b, "num_sms": row["num_sms"],
+                     "logical_gbs": gbs(recv_bytes * scale, device_us), "wire_gbs": gbs(wire_bytes * scale, device_us),
+                     "baseline_us": slowest.get(base) if base else None,
+                     "baseline_back_to_back_us": slowest.get(f"{base} b2b") if base else None}
             table.append(entry)
-            lines.append(f"| {row['tokens']} | {op} | {us:.1f} | {row['num_sms']} | {entry['logical_gbs']:.2f} | "
-                         f"{entry['wire_gbs']:.2f} | {'-' if base is None else f'{slowest[base]:.1f}'} |")
+            cell = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+            lines.append(f"| {row['tokens']} | {op} | {us:.1f} | {cell(b2b)} | {row['num_sms']} | "
+                         f"{entry['logical_gbs']:.2f} | {entry['wire_gbs']:.2f} | {cell(entry['baseline_us'])} | "
+                         f"{cell(entry['baseline_back_to_back_us'])} |")
     if first["sweep"]:
         lines += ["", f"SM sweep at {max(config['tokens'])} tokens (analytical: {first['theoretical_num_sms']})", "",
-                  "| SMs | cached dispatch us | combine us |", "|---|---|---|"]
+                  "| SMs | cached dispatch us | combine us |", "|---|---|---|"]  # back-to-back on CUDA
         for i, point in enumerate(first["sweep"]):
             d = max(r["sweep"][i]["cached dispatch"] for r in per_rank)
             c = max(r["sweep"][i]["combine"] for r in per_rank)

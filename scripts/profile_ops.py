@@ -26,36 +26,14 @@ import cProfile
 import io
 import os
 import pstats
-import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 import moe_comm
 from moe_comm.testing import parallel_launch
+from moe_comm.testing.bench import loop_times
 from moe_comm.testing.routing import Case, rank_inputs
-
-
-def loop_times(fn, iters: int, device: torch.device) -> tuple[float, float]:
-    """(host us per call, stream us per call) of `iters` back-to-back calls."""
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = (time.perf_counter() - t0) * 1e6 / iters
-    torch.cuda.synchronize(device)
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    # Keep the stream busy for longer than the host needs to issue the loop (about 2 GHz clock cycles per ns),
-    # so that the events measure the stream, not the host.
-    torch.cuda._sleep(int(host * iters * 1.5 * 2000) + 100_000)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return host, start.elapsed_time(end) * 1e3 / iters
 
 
 def kernel_times(fn, iters: int) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""Benchmark helpers: a timer that works on CPU and CUDA, and the NCCL/gloo baseline that every benchmark
-table prints beside moe_comm.
+"""Benchmark helpers: timers (one isolated call, on CPU and CUDA; back-to-back calls, on CUDA), and the NCCL/gloo
+baseline that every benchmark table prints beside moe_comm.
 
 The baseline is what Megatron's alltoall dispatcher does with `torch.distributed`: dedup each token per
 destination rank, permute rows into rank order, exchange counts with a host sync, `all_to_all_single` the
@@ -41,6 +41,30 @@ def median_time_us(fn: Callable[[], object], device: torch.device, num_warmups: 
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+def loop_times(fn: Callable[[], object], iters: int, device: torch.device) -> tuple[float, float]:
+    """(host us per call, stream us per call) of `iters` back-to-back calls on CUDA.
+
+    Host: wall time of issuing the calls (the GPU is not waited for). Stream: CUDA-event time of the same loop
+    with the stream kept busy first for longer than the host needs to issue it, so it is the device's time per
+    call (what DeepEP's benchmark reports), host gaps left only where a call waits for the GPU (a CPU sync).
+    """
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t0) * 1e6 / iters
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(host * iters * 1.5 * 2000) + 100_000)  # about 2 GHz clock cycles per ns
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) * 1e3 / iters
 
 
 class AllToAllBaseline:
