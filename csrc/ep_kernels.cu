@@ -42,6 +42,10 @@ constexpr int kReduceUnroll = 4;     // combine reducers (registers: an FP32 acc
 #define MOE_COMM_SEND_BATCH 4        // tokens a dispatch sender warp writes before publishing their rows
 #endif
 constexpr int kSendBatch = MOE_COMM_SEND_BATCH;
+#ifndef MOE_COMM_COMBINE_BATCH
+#define MOE_COMM_COMBINE_BATCH 1     // rows a combine sender warp writes before publishing them (NOTES: 4 made the
+#endif                               // reducers finish later, 378 vs 334 us at 24 SMs)
+constexpr int kCombineBatch = MOE_COMM_COMBINE_BATCH;
 constexpr int kMaxSignature = 16;
 constexpr int kMaxTableSmem = 48 * 1024 - 256;  // count tables of dispatch receivers (moe_comm/backends/cuda.py)
 constexpr int64_t kMaxDynamicSmem = 220 * 1024;   // dynamic shared memory of a dispatch block (sm_90 allows
@@ -605,10 +609,10 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) dispatch_impl(E
 // ------------------------------------------------------------------------------------------------------------
 // Combine: one kernel, blocks [0, num_send_blocks) send and the others reduce, at the same time.
 // Send: row m of the dispatch output goes back to its source rank s, into block `rank` at the row it came from
-// (expand: one row per (token, slot) of this round, at sub-row slot - slot_begin); a warp writes the rows of a
-// few items, then its lanes release their tags. Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order
-// (ascending rank, or ascending slot in expand mode), each acquires its row's tag, then the warp adds them in
-// that order in Acc precision from zero (or the accumulator of earlier rounds); after the last round bias[0],
+// (expand: one row per (token, slot) of this round, at sub-row slot - slot_begin); a warp writes the rows of
+// kCombineBatch items, then its lanes release their tags. Reduce, one warp per token of this rank: the lanes find
+// the token's rows in the documented order (ascending rank, or ascending slot in expand mode), each acquires its
+// row's tag, then the warp adds them in that order in Acc precision from zero (or the accumulator of earlier rounds); after the last round bias[0],
 // then bias[1], and the cast. combined_topk_weights is the select of slot j's value on its owner rank.
 // ------------------------------------------------------------------------------------------------------------
 template <typename T>
@@ -675,9 +679,9 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
         *dst = p.peer_bases[s] + p.region_offset + ((static_cast<int64_t>(p.rank) * p.cap + i) * slots + q) * p.row_stride;
         return true;
     };
-    // A warp sends the rows of kSendBatch consecutive items, then publishes them all: one release fence per batch.
-    for (int64_t k0 = warp * kSendBatch; k0 < total; k0 += num_warps * kSendBatch) {
-        for (int64_t n = 0; n < kSendBatch * slots; ++n) {
+    // A warp sends the rows of kCombineBatch consecutive items, then publishes them all: one release fence per batch.
+    for (int64_t k0 = warp * kCombineBatch; k0 < total; k0 += num_warps * kCombineBatch) {
+        for (int64_t n = 0; n < kCombineBatch * slots; ++n) {
             uint8_t* dst;
             int64_t r;
             if (!locate(k0 + n / slots, n % slots, &dst, &r)) continue;
@@ -687,7 +691,7 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
             if (a.weights && a.do_expand && lane < wb) dst[p.meta_offset + lane] = a.weights[r * wb + lane];
         }
         __syncwarp();  // every lane's stores above happen before the releases below
-        for (int64_t n = lane; n < kSendBatch * slots; n += kWarpSize) {
+        for (int64_t n = lane; n < kCombineBatch * slots; n += kWarpSize) {
             uint8_t* dst;
             int64_t r;
             if (locate(k0 + n / slots, n % slots, &dst, &r)) st_release_sys(row_tag_ptr(dst, p), tag);

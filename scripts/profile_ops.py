@@ -7,9 +7,9 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
-MOE_COMM_SEND_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `send=F` the share of sending blocks, `sms=N` the SM count,
-`times=1` a build that records when each block ends), one bitwise check, then the kernel times of a cached
-dispatch and a combine at the largest token count.
+MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `send=F` the share of
+sending blocks, `sms=N` the SM count, `times=1` a build that records when each block ends), one bitwise check,
+then the kernel times of a cached dispatch and a combine at the largest token count.
 
 With `--copy-ceiling`, instead: the plain grid-stride block copy of the transport (`copy_blocks`: every rank
 writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the
@@ -90,6 +90,7 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
         settings = dict(item.split("=") for item in variant.split(","))
         cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 4)}",
                                      f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 4)}",
+                                     f"-DMOE_COMM_COMBINE_BATCH={settings.get('cbatch', 1)}",
                                      f"-DMOE_COMM_RECV_CHUNK={settings.get('chunk', 8192)}",
                                      *(["-DMOE_COMM_BLOCK_TIMES"] if settings.get("times") else []))
         cuda_backend.SEND_BLOCK_FRACTION = float(settings.get("send", 0.5))
