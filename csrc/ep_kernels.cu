@@ -612,8 +612,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) dispatch_impl(E
 // (expand: one row per (token, slot) of this round, at sub-row slot - slot_begin); a warp writes the rows of
 // kCombineBatch items, then its lanes release their tags. Reduce, one warp per token of this rank: the lanes find
 // the token's rows in the documented order (ascending rank, or ascending slot in expand mode), each acquires its
-// row's tag, then the warp adds them in that order in Acc precision from zero (or the accumulator of earlier rounds); after the last round bias[0],
-// then bias[1], and the cast. combined_topk_weights is the select of slot j's value on its owner rank.
+// row's tag, then the warp adds them in that order in Acc precision from zero (or the accumulator of earlier
+// rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select of slot j's value on its owner rank.
 // ------------------------------------------------------------------------------------------------------------
 template <typename T>
 struct AccOf { using type = float; };
