@@ -546,7 +546,8 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
             if (row_ok) {
                 const int64_t offset = c * plan.chunk;
                 if (!out.do_expand) {
-                    if (lane == 0) bulk_store(out.x + m * p.data_bytes + offset, stages + b * plan.chunk, chunk_bytes(c));
+                    if (lane == 0)
+                        bulk_store(out.x + m * p.data_bytes + offset, stages + b * plan.chunk, chunk_bytes(c));
                 } else {
                     // Slot j's expand row, from lane j % 32; lane 0 stores the chunk to each.
                     const int32_t* local_ids = reinterpret_cast<const int32_t*>(row + p.meta_offset + 8);
@@ -613,7 +614,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) dispatch_impl(E
 // kCombineBatch items, then its lanes release their tags. Reduce, one warp per token of this rank: the lanes find
 // the token's rows in the documented order (ascending rank, or ascending slot in expand mode), each acquires its
 // row's tag, then the warp adds them in that order in Acc precision from zero (or the accumulator of earlier
-// rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select of slot j's value on its owner rank.
+// rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select of slot
+// j's value on its owner rank.
 // ------------------------------------------------------------------------------------------------------------
 template <typename T>
 struct AccOf { using type = float; };
@@ -676,7 +678,8 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
         const int64_t m = first + i;
         *x_row = a.do_expand ? a.expand_row[m * K + a.slot_begin + q] : m;
         if (*x_row < 0 || *x_row >= a.num_x_rows) return false;
-        *dst = p.peer_bases[s] + p.region_offset + ((static_cast<int64_t>(p.rank) * p.cap + i) * slots + q) * p.row_stride;
+        *dst = p.peer_bases[s] + p.region_offset +
+               ((static_cast<int64_t>(p.rank) * p.cap + i) * slots + q) * p.row_stride;
         return true;
     };
     // A warp sends the rows of kCombineBatch consecutive items, then publishes them all: one release fence per batch.

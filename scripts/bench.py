@@ -3,7 +3,8 @@
 Spawns `--num-ranks` ranks (default 2; NCCL with one GPU each when the machine has that many GPUs, else gloo
 on CPU), checks one case bitwise against the oracle, then per token count times, slowest rank, (a) one call on
 an idle stream, median of `--iters` runs after warm-up (host issue time included) and (b) on CUDA, device time
-per call of `--iters` back-to-back calls issued ahead of the GPU (DeepEP's measure): dispatch BF16 (fresh layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple),
+per call of `--iters` back-to-back calls issued ahead of the GPU (DeepEP's measure): dispatch BF16 (fresh
+layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple),
 combine BF16, and the all_to_all_single baseline (Megatron's alltoall path: dedup, permute, count exchange with
 host sync; combine = reverse + FP32 index_add). Then an SM sweep of cached dispatch and combine at the largest
 token count, next to the analytical `get_theoretical_num_sms`, and the JIT build times (CUDA backend).
