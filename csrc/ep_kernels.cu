@@ -55,6 +55,7 @@ constexpr int kRecvStages = 2;       // chunk buffers per copying receiver warp
 #define MOE_COMM_RECV_CHUNK 8192     // bytes per bulk copy of a receiver (benchmarks/NOTES.md)
 #endif
 constexpr int64_t kRecvChunk = MOE_COMM_RECV_CHUNK;
+constexpr int kMaxDevices = 64;     // devices one process may launch dispatches on
 constexpr int64_t kBarrierBytes = 128;  // a copying warp's mbarriers, padded so its buffers stay 128-aligned
 constexpr int kMaxWarpsPerBlock = 16;  // dispatch_impl / combine_impl blocks: at most 512 threads
 constexpr int64_t kTagMagic = 0x6d63;      // top 16 bits of a row tag (the other 48: the sequence number)
@@ -866,11 +867,19 @@ int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, const RecvOut
         plan.table_bytes > moe_comm::kMaxTableSmem || plan.warps < 1 || num_threads % moe_comm::kWarpSize ||
         num_threads > moe_comm::kMaxWarpsPerBlock * moe_comm::kWarpSize)
         return static_cast<int>(cudaErrorInvalidValue);
-    static const cudaError_t opt_in = cudaFuncSetAttribute(
-        moe_comm::dispatch_impl, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_comm::kMaxDynamicSmem);
-    if (opt_in != cudaSuccess) {
+    // The opt-in to more than 48 KB of shared memory is a per-device setting of the function: once per device.
+    static bool opted_in[moe_comm::kMaxDevices] = {};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess && (device < 0 || device >= moe_comm::kMaxDevices)) err = cudaErrorInvalidDevice;
+    if (err == cudaSuccess && !opted_in[device]) {
+        err = cudaFuncSetAttribute(moe_comm::dispatch_impl, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   moe_comm::kMaxDynamicSmem);
+        opted_in[device] = err == cudaSuccess;
+    }
+    if (err != cudaSuccess) {
         cudaGetLastError();  // not sticky: later launches must not report it again
-        return static_cast<int>(opt_in);
+        return static_cast<int>(err);
     }
     moe_comm::dispatch_impl<<<num_blocks, num_threads, plan.smem_bytes, stream>>>(*p, *in, *out);
     return static_cast<int>(cudaGetLastError());
