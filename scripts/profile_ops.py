@@ -88,7 +88,7 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | combine)"]
     for variant in args["variants"]:
         settings = dict(item.split("=") for item in variant.split(","))
-        cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 4)}",
+        cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 8)}",
                                      f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 4)}",
                                      f"-DMOE_COMM_COMBINE_BATCH={settings.get('cbatch', 1)}",
                                      f"-DMOE_COMM_RECV_CHUNK={settings.get('chunk', 8192)}",
