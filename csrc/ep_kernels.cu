@@ -384,11 +384,22 @@ __host__ __device__ inline RecvPlan recv_plan(const EpParams& p, int warps_per_b
     return plan;
 }
 
+// Expand row of slot j of received row `row` from source s: its expert's run for that source plus the token's rank
+// in it, or -1 when the slot is not one of our experts or the row falls outside the outputs.
+__device__ __forceinline__ int64_t expand_row_of(const EpParams& p, const RecvOutputs& out, const int64_t* run_base,
+                                                 const uint8_t* row, int s, int j) {
+    const int32_t* local_ids = reinterpret_cast<const int32_t*>(row + p.meta_offset + 8);
+    const int32_t l = ld_cg_i32(local_ids + j);
+    if (l < 0 || l >= p.num_local_experts) return -1;
+    const int64_t r = run_base[s * p.num_local_experts + l] + ld_cg_i32(local_ids + p.num_topk + j);
+    return r >= 0 && r < out.num_expand_rows ? r : -1;
+}
+
 // Metadata of received row g (from source s, output row m): routing outputs, weights (non-expand) and FP8 scales;
 // `ok` false (its tag timed out): routing that sends nothing back. Returns nothing; the data goes by bulk copies.
 __device__ __forceinline__ void recv_row_meta(const EpParams& p, const RecvOutputs& out, const int64_t* run_base,
                                               const uint8_t* row, int s, int64_t m, bool ok, int lane) {
-    const int L = p.num_local_experts, K = p.num_topk;
+    const int K = p.num_topk;
     const int64_t wb = p.weight_bytes;
     if (!ok) {
         for (int j = lane; j < K; j += kWarpSize) {
@@ -399,14 +410,12 @@ __device__ __forceinline__ void recv_row_meta(const EpParams& p, const RecvOutpu
     }
     const uint8_t* meta = row + p.meta_offset;
     const int32_t* local_ids = reinterpret_cast<const int32_t*>(meta + 8);
-    const int32_t* ranks = local_ids + K;
     const uint8_t* w = meta + 8 + 8 * K;
     if (out.src_idx && lane == 0) out.src_idx[m] = ld_cg_i64(reinterpret_cast<const int64_t*>(meta));
     for (int j = lane; j < K; j += kWarpSize) {
-        const int32_t l = ld_cg_i32(local_ids + j);
-        const int64_t r = l >= 0 && l < L ? run_base[s * L + l] + ld_cg_i32(ranks + j) : -1;
-        const bool r_ok = r >= 0 && r < out.num_expand_rows;
-        if (out.topk_idx) out.topk_idx[m * K + j] = l;
+        const int64_t r = expand_row_of(p, out, run_base, row, s, j);
+        const bool r_ok = r >= 0;
+        if (out.topk_idx) out.topk_idx[m * K + j] = ld_cg_i32(local_ids + j);
         if (out.expand_row) out.expand_row[m * K + j] = r_ok ? static_cast<int32_t>(r) : -1;
         if (out.weights && !out.do_expand)
             for (int64_t b = 0; b < wb; ++b) out.weights[(m * K + j) * wb + b] = ld_cg_u8(w + j * wb + b);
@@ -551,16 +560,10 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
                         bulk_store(out.x + m * p.data_bytes + offset, stages + b * plan.chunk, chunk_bytes(c));
                 } else {
                     // Slot j's expand row, from lane j % 32; lane 0 stores the chunk to each.
-                    const int32_t* local_ids = reinterpret_cast<const int32_t*>(row + p.meta_offset + 8);
                     for (int j0 = 0; j0 < K; j0 += kWarpSize) {
                         const int j = j0 + lane;
-                        int64_t r = -1;
-                        if (j < K) {
-                            const int32_t l = ld_cg_i32(local_ids + j);
-                            if (l >= 0 && l < L) r = run_base[s * L + l] + ld_cg_i32(local_ids + K + j);
-                        }
-                        for (unsigned mask = __ballot_sync(0xffffffffu, r >= 0 && r < out.num_expand_rows); mask;
-                             mask &= mask - 1) {
+                        const int64_t r = j < K ? expand_row_of(p, out, run_base, row, s, j) : -1;
+                        for (unsigned mask = __ballot_sync(0xffffffffu, r >= 0); mask; mask &= mask - 1) {
                             const int64_t dst = __shfl_sync(0xffffffffu, r, __ffs(mask) - 1);
                             if (lane == 0)
                                 bulk_store(out.x + dst * p.data_bytes + offset, stages + b * plan.chunk,

@@ -100,13 +100,13 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
             check_case(buf, case, rank)
             x, idx, w = rank_inputs(case, rank, device)
             recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms)
+            ops = (lambda: buf.dispatch(x, handle=handle), lambda: buf.combine(recv_x, handle))
             # The operation's own kernel (the barrier's time is the ranks' skew, not the kernel's).
             times = [sum(us for name, us in kernel_times(fn, args["iters"]).items() if "signal_wait" not in name)
-                     for fn in (lambda: buf.dispatch(x, handle=handle), lambda: buf.combine(recv_x, handle))]
+                     for fn in ops]
             lines.append(f"    {variant:30s} {times[0]:8.1f} | {times[1]:8.1f}   (SMs {handle.num_sms})")
             if settings.get("times"):
-                lines += block_times(buf, handle, lambda: buf.dispatch(x, handle=handle),
-                                     lambda: buf.combine(recv_x, handle))
+                lines += block_times(buf, handle, *ops)
         except RuntimeError as exc:  # e.g. a build whose kernels need more registers than a launch allows
             lines.append(f"    {variant:30s} failed: {exc}")
         if rank == 0:
