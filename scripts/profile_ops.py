@@ -5,7 +5,7 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
   for, so for ops without a host sync this is the Python + launch cost alone);
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
-Then a cProfile of the cached dispatch at the smallest size (top functions by own time). Rank 0 prints.
+Then a cProfile of the dispatch with CPU sync at the smallest size (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
 MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `send=F` the share of
 sending blocks, `sms=N` the SM count, `times=1` a build that records when each block ends), one bitwise check,
@@ -171,16 +171,17 @@ def profile_rank(rank: int, world_size: int, args: dict) -> str:
     case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
                 num_tokens=(small,) * world_size, num_max_tokens_per_rank=cap, drop_prob=0.0)
     x, idx, w = rank_inputs(case, rank, device)
-    _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+    for _ in range(3):
+        buf.dispatch(x, idx, w, num_experts=E)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(iters):
-        buf.dispatch(x, handle=handle)
+        buf.dispatch(x, idx, w, num_experts=E)
     prof.disable()
     torch.cuda.synchronize(device)
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-    lines.append(f"\ncProfile, cached dispatch at {small} tokens, {iters} calls:\n{text.getvalue()}")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    lines.append(f"\ncProfile, dispatch (CPU sync) at {small} tokens, {iters} calls:\n{text.getvalue()}")
     buf.destroy()
     return "\n".join(lines)
 
