@@ -1,14 +1,17 @@
 // Dispatch and combine kernels of the CUDA backend (intranode, NVLink peer memory).
 //
 // A dispatch is: layout_impl (send positions and counts, one pass over topk_idx per rank/expert column; skipped
-// when cached), the barrier (transport.cu: nobody writes into a region its owner still reads), dispatch_notify_impl
-// + the exchange signal/wait (counts and the call's signature into every peer's control slot; skipped when
-// cached), then dispatch_impl: sender blocks write every row once per destination rank straight into that rank's
+// when cached), dispatch_notify_impl (the barrier: nobody writes into a region its owner still reads; counts and
+// the call's signature into every peer's control slot; a cached dispatch runs the barrier of transport.cu
+// alone), then dispatch_impl: sender blocks write every row once per destination rank straight into that rank's
 // receive block with its metadata and release a per-row tag; receiver blocks, running at the same time, acquire
-// each row's tag and copy it to the output rows (non-expand or expand), so the copy overlaps the transfer.
+// each row's tag and copy it to the output rows (non-expand or expand), so the copy overlaps the transfer. A
+// non-expand dispatch writes this rank's own rows straight to their output rows instead (the receivers only copy
+// what peers sent).
 // A combine is: barrier, then combine_impl: sender blocks write rows back to their source rank's receive blocks and
 // release a per-row tag; reducer blocks, at the same time, acquire the tags of each token's rows and add them in
-// FP32/FP64 in the order of DESIGN 2.2, then the biases. Expand combines move one row per (token, slot); when the
+// FP32/FP64 in the order of DESIGN 2.2, then the biases. Rows that came from this rank itself are not sent: the
+// reducers read them from the combine input. Expand combines move one row per (token, slot); when the
 // region cannot hold every slot at once they go in rounds of `num_slots` (<= 32) slots, accumulating into a float
 // buffer between rounds (the order stays ascending slot order).
 //
@@ -225,32 +228,80 @@ layout_impl(const int64_t* __restrict__ topk_idx, int64_t num_tokens, int num_to
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Dispatch notify: this rank's control slot on every peer (signature, rows, per-expert counts, flags). The host
-// then runs the exchange signal/wait, after which every slot is readable (by the host when the call syncs).
+// Dispatch notify, one block of kMaxEpRanks threads (thread d talks to rank d): the barrier before the dispatch
+// (nobody writes into a region or slot its owner still reads), this rank's control slot on every peer (signature,
+// rows, per-expert counts, flags), the exchange (every peer's slot has arrived here), then copies of what arrived:
+// the slots for the receivers of this and later cached dispatches, and a summary for the host when the call syncs.
 // ------------------------------------------------------------------------------------------------------------
-__global__ void dispatch_notify_impl(EpParams p, const int64_t* num_tokens_per_rank,
-                                     const int64_t* num_tokens_per_expert, const int64_t* flags) {
+struct NotifyArgs {
+    const int64_t* num_tokens_per_rank;    // [R] rows this rank sends to each rank
+    const int64_t* num_tokens_per_expert;  // [E]
+    const int64_t* flags;                  // [1] error flags of this rank's routing
+    const int64_t* pending_flags;          // [R] flags of earlier no-sync dispatches (for the summary)
+    int64_t* recv_slots;                   // [R][counts_stride] copy of the slots, or null
+    int64_t* summary;                      // host-mapped, or null: [R][num_signature + 2] signature, rows, flags
+                                           // per source; [R] pending flags; rows in all; [L] rows per local expert
+    int64_t barrier_flags_offset;
+    int64_t exchange_flags_offset;
+    int64_t exchange_seq_offset;
+    int32_t barrier_phase;
+    int32_t exchange_phase;
+};
+
+__global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
+    const int R = p.num_ranks, L = p.num_local_experts, S = p.num_signature;
+    signal_wait_block(p.peer_bases, p.local_base, p.error, n.barrier_flags_offset, p.seq_offset, p.timeout_ns,
+                      p.rank, R, n.barrier_phase);
     const int d = threadIdx.x;
-    if (d >= p.num_ranks) return;
-    const int L = p.num_local_experts;
-    int64_t* slot = control_slot(p.peer_bases[d], p, p.rank);
-    for (int i = 0; i < p.num_signature; ++i) slot[i] = p.signature[i];
-    int64_t* counts = slot + p.num_signature;
-    counts[0] = num_tokens_per_rank[d];
-    for (int l = 0; l < L; ++l) counts[1 + l] = num_tokens_per_expert[d * L + l];
-    counts[1 + L] = flags[0];
-    __threadfence_system();
+    if (d < R) {
+        int64_t* slot = control_slot(p.peer_bases[d], p, p.rank);
+        for (int i = 0; i < S; ++i) slot[i] = p.signature[i];
+        int64_t* counts = slot + S;
+        counts[0] = n.num_tokens_per_rank[d];
+        for (int l = 0; l < L; ++l) counts[1 + l] = n.num_tokens_per_expert[d * L + l];
+        counts[1 + L] = n.flags[0];
+    }
+    signal_wait_block(p.peer_bases, p.local_base, p.error, n.exchange_flags_offset, n.exchange_seq_offset,
+                      p.timeout_ns, p.rank, R, n.exchange_phase);
+    // Slots written by peers: volatile loads (not through L1).
+    auto slot_value = [&](int s, int i) {
+        return *reinterpret_cast<volatile const int64_t*>(control_slot(p.local_base, p, s) + i);
+    };
+    const int width = S + L + 2;
+    if (n.recv_slots)
+        for (int i = threadIdx.x; i < R * width; i += blockDim.x)
+            n.recv_slots[(i / width) * p.counts_stride + i % width] = slot_value(i / width, i % width);
+    if (n.summary) {
+        int64_t* per_source = n.summary;
+        for (int i = threadIdx.x; i < R * (S + 2); i += blockDim.x) {
+            const int s = i / (S + 2), c = i % (S + 2);
+            per_source[i] = slot_value(s, c <= S ? c : S + 1 + L);
+        }
+        int64_t* pending = per_source + R * (S + 2);
+        for (int s = threadIdx.x; s < R; s += blockDim.x) pending[s] = n.pending_flags[s];
+        if (threadIdx.x == 0) {
+            int64_t rows = 0;
+            for (int s = 0; s < R; ++s) rows += slot_value(s, S);
+            pending[R] = rows;
+        }
+        for (int l = threadIdx.x; l < L; l += blockDim.x) {
+            int64_t rows = 0;
+            for (int s = 0; s < R; ++s) rows += slot_value(s, S + 1 + l);
+            pending[R + 1 + l] = rows;
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------------
 // Dispatch: one kernel, blocks [0, num_send_blocks) send and the others receive, at the same time.
 // Send: one warp per token; the row is read once (16-byte loads, several in flight) and stored into the receive
-// block of every destination rank (ours included) with that rank's view of the metadata; then the warp's lane d
-// publishes the row on rank d with a release store of the row tag (the warp barrier orders every lane's stores
-// before it). Receive: one warp per received row; lane 0 acquires the row's tag, then the warp copies the row
-// from the region (L2 loads: the region is written by peers) into the output rows (non-expand or expand).
-// The rows received from each source come from the counts (control slots of a fresh dispatch, or the handle's
-// copy of them for a cached one).
+// block of every destination rank with that rank's view of the metadata; then the warp's lane d publishes the
+// row on rank d with a release store of the row tag (the warp barrier orders every lane's stores before it).
+// Non-expand, the row for this rank goes straight to its output row instead, metadata included. Receive: each
+// copying warp takes rows in turn; its lane 0 acquires a row's tag and moves the row through shared memory with
+// bulk copies (TMA) into the output rows (non-expand or expand), the warp's lanes write the metadata. The rows
+// received from each source come from the counts (the notify kernel's copy of the control slots, kept in the
+// handle for cached dispatches).
 // ------------------------------------------------------------------------------------------------------------
 struct DispatchInputs {
     const uint8_t* x;            // [N, data_bytes]
@@ -295,14 +346,52 @@ __device__ __forceinline__ int64_t ld_cg_i64(const int64_t* ptr) {
 __device__ __forceinline__ int32_t ld_cg_i32(const int32_t* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ uint8_t ld_cg_u8(const uint8_t* ptr) { return __ldcg(ptr); }
 
-__device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, int64_t warp, int64_t num_warps,
-                                   int lane) {
+// Weight of slot `j` of a row into `dst` (wb = 4 or 8 bytes; nothing for 0): the token's weight when `keep`, else 0.
+__device__ __forceinline__ void put_weight(uint8_t* dst, const uint8_t* weights, int64_t index, bool keep, int wb) {
+    if (wb == 4)
+        *reinterpret_cast<int32_t*>(dst) = keep ? reinterpret_cast<const int32_t*>(weights)[index] : 0;
+    else if (wb == 8)
+        *reinterpret_cast<int64_t*>(dst) = keep ? reinterpret_cast<const int64_t*>(weights)[index] : 0;
+}
+
+// Source of item k of a walk over the source ranks that leaves out `skip` (-1: none): item k is position
+// k / num_sources of source index k % num_sources, so every source's rows are walked at the same pace.
+__device__ __forceinline__ int walk_source(int64_t k, int num_sources, int skip) {
+    const int q = static_cast<int>(k % num_sources);
+    return skip >= 0 && q >= skip ? q + 1 : q;
+}
+
+// Output rows of this rank's own rows (non-expand): after the rows of every lower source rank, the same place the
+// receivers would have put them.
+__device__ __forceinline__ int64_t own_rows_start(const EpParams& p, const RecvOutputs& out, int lane) {
+    int64_t start = lane < p.rank ? min(max(out.counts[lane * p.counts_stride], int64_t(0)), p.cap) : 0;
+    for (int offset = kWarpSize / 2; offset; offset /= 2) start += __shfl_xor_sync(0xffffffffu, start, offset);
+    return start;
+}
+
+__device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, const RecvOutputs& out,
+                                   int64_t warp, int64_t num_warps, int lane) {
     const int L = p.num_local_experts, K = p.num_topk;
     const int64_t tag = row_tag(p);
     const int64_t block_base = static_cast<int64_t>(p.rank) * p.cap;
-    // A warp sends kSendBatch consecutive tokens, then publishes all their rows: one release fence per batch.
-    for (int64_t t0 = warp * kSendBatch; t0 < p.num_tokens; t0 += num_warps * kSendBatch) {
-        const int64_t t_end = min(t0 + kSendBatch, p.num_tokens);
+    // Non-expand: a token's row for this rank goes straight to its output row, with its metadata (no region, no
+    // tag; the receivers skip our block). Expand: through the region like any other (a row has several outputs).
+    const bool direct = !out.do_expand;
+    const int64_t own_start = direct ? own_rows_start(p, out, lane) : 0;
+    // Where row data for destination d goes, or null when an own row falls outside the outputs.
+    auto data_dst = [&](int d, int64_t pos) -> uint8_t* {
+        if (direct && d == p.rank) {
+            const int64_t m = own_start + pos;
+            return m < out.num_rows ? out.x + m * p.data_bytes : nullptr;
+        }
+        return p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride;
+    };
+    // A warp sends `batch` consecutive tokens, then publishes all their rows: one release fence per batch. Up to
+    // kSendBatch, as long as every warp still gets a batch (a warp's tokens go one after another: a small call
+    // spread over all warps finishes sooner).
+    const int64_t batch = max(int64_t(1), min(int64_t(kSendBatch), p.num_tokens / num_warps));
+    for (int64_t t0 = warp * batch; t0 < p.num_tokens; t0 += num_warps * batch) {
+        const int64_t t_end = min(t0 + batch, p.num_tokens);
         for (int64_t t = t0; t < t_end; ++t) {
             const int64_t my_pos = lane < p.num_ranks ? in.send_pos[t * p.num_ranks + lane] : -1;
             const unsigned dest_mask = __ballot_sync(0xffffffffu, my_pos >= 0);
@@ -320,9 +409,8 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                 }
                 for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
                     const int d = __ffs(mask) - 1;
-                    const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
-                    int4* dst = reinterpret_cast<int4*>(p.peer_bases[d] + p.region_offset +
-                                                        (block_base + pos) * p.row_stride);
+                    int4* dst = reinterpret_cast<int4*>(data_dst(d, __shfl_sync(0xffffffffu, my_pos, d)));
+                    if (dst == nullptr) continue;
 #pragma unroll
                     for (int u = 0; u < kSendUnroll; ++u) {
                         const int64_t v = v0 + lane + u * kWarpSize;
@@ -330,11 +418,27 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                     }
                 }
             }
-            // Scales (FP8) and metadata, per destination.
+            // Scales (FP8) and metadata, per destination: the region row's, or the outputs of an own row.
             for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
                 const int d = __ffs(mask) - 1;
                 const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
-                uint8_t* row = p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride;
+                if (direct && d == p.rank) {
+                    const int64_t m = own_start + pos;
+                    if (m >= out.num_rows) continue;
+                    if (out.scales)
+                        warp_copy4(out.scales + m * p.scale_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
+                    if (out.src_idx && lane == 0) out.src_idx[m] = t;
+                    for (int j = lane; j < K; j += kWarpSize) {
+                        const int64_t e = in.clean_idx[t * K + j];
+                        const bool local = e >= 0 && e / L == d;
+                        if (out.topk_idx) out.topk_idx[m * K + j] = local ? e - static_cast<int64_t>(d) * L : -1;
+                        if (out.weights)
+                            put_weight(out.weights + (m * K + j) * p.weight_bytes, in.weights, t * K + j, local,
+                                       p.weight_bytes);
+                    }
+                    continue;
+                }
+                uint8_t* row = data_dst(d, pos);
                 if (p.scale_bytes) warp_copy4(row + p.data_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
                 uint8_t* meta = row + p.meta_offset;
                 if (lane == 0) *reinterpret_cast<int64_t*>(meta) = t;
@@ -346,26 +450,19 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                     const bool local = e >= 0 && e / L == d;
                     local_ids[j] = local ? static_cast<int32_t>(e - static_cast<int64_t>(d) * L) : -1;
                     ranks[j] = local ? in.expert_rank[t * K + j] : -1;
-                    if (p.weight_bytes == 4) {
-                        const int32_t* src_w = reinterpret_cast<const int32_t*>(in.weights);
-                        reinterpret_cast<int32_t*>(w)[j] = local ? src_w[t * K + j] : 0;
-                    } else if (p.weight_bytes == 8) {
-                        const int64_t* src_w = reinterpret_cast<const int64_t*>(in.weights);
-                        reinterpret_cast<int64_t*>(w)[j] = local ? src_w[t * K + j] : 0;
-                    }
+                    put_weight(w + j * p.weight_bytes, in.weights, t * K + j, local, p.weight_bytes);
                 }
             }
         }
         // Publish: every lane's stores above happen before the releases of the batch's row tags (one lane per row
-        // and destination).
+        // and destination; own rows written directly have none).
         __syncwarp();
         for (int64_t q = lane; q < (t_end - t0) * p.num_ranks; q += kWarpSize) {
             const int64_t t = t0 + q / p.num_ranks;
             const int d = static_cast<int>(q % p.num_ranks);
             const int64_t pos = in.send_pos[t * p.num_ranks + d];
-            if (pos >= 0)
-                st_release_sys(row_tag_ptr(p.peer_bases[d] + p.region_offset + (block_base + pos) * p.row_stride, p),
-                               tag);
+            if (pos >= 0 && !(direct && d == p.rank))
+                st_release_sys(row_tag_ptr(data_dst(d, pos), p), tag);
         }
     }
 }
@@ -503,18 +600,25 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
             for (int b = 0; b < kRecvStages; ++b) mbarrier_init(bars + b);
         __syncwarp();
         const int64_t warp = recv_block * plan.warps + warp_in_block, num_warps = num_recv_blocks * plan.warps;
+        // Non-expand: our own rows were written to the outputs by our senders; only the peers' blocks are read.
+        const bool direct = !out.do_expand;
+        const int num_sources = direct ? R - 1 : R;
+        auto source_of = [&](int64_t k) { return walk_source(k, num_sources, direct ? p.rank : -1); };
         int64_t max_rows = 0;
-        for (int s = 0; s < R; ++s) max_rows = max(max_rows, rows_from[s]);
-        const int64_t total = static_cast<int64_t>(R) * max_rows;
+        for (int s = 0; s < R; ++s)
+            if (!(direct && s == p.rank)) max_rows = max(max_rows, rows_from[s]);
+        const int64_t total = num_sources * max_rows;
         const int64_t num_chunks = (p.data_bytes + plan.chunk - 1) / plan.chunk;
         const int64_t tag = row_tag(p);
-        auto next_row = [&](int64_t k) {  // this warp's first row >= k that exists (k = position * R + source)
-            for (; k < total; k += num_warps)
-                if (k / R < rows_from[k % R] && rank_start[k % R] + k / R < out.num_rows) return k;
+        auto next_row = [&](int64_t k) {  // this warp's first row >= k that exists
+            for (; k < total; k += num_warps) {
+                const int s = source_of(k);
+                if (k / num_sources < rows_from[s] && rank_start[s] + k / num_sources < out.num_rows) return k;
+            }
             return total;
         };
         auto row_ptr = [&](int64_t k) {
-            return p.local_base + p.region_offset + ((k % R) * p.cap + k / R) * p.row_stride;
+            return p.local_base + p.region_offset + (source_of(k) * p.cap + k / num_sources) * p.row_stride;
         };
         auto chunk_bytes = [&](int64_t c) {
             return static_cast<uint32_t>(min(plan.chunk, p.data_bytes - c * plan.chunk));
@@ -524,7 +628,7 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
             if (c == 0) {
                 ok = !*reinterpret_cast<volatile int*>(&timed_out) &&
                      wait_flag_equal(row_tag_ptr(row_ptr(k), p), tag, p.timeout_ns, p.error, p.rank, p.phase,
-                                     static_cast<int>(k % R));
+                                     source_of(k));
                 if (!ok) timed_out = 1;
                 fence_proxy_async();  // the acquire above before the bulk load's reads
             }
@@ -547,8 +651,8 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
             if (lane == 0 && next_k < total) next_ok = issue(next_k, next_c, it + 1, ok);
             const bool row_ok = __shfl_sync(0xffffffffu, ok, 0);
             __syncwarp();  // orders lane 0's acquire before every lane's loads (shfl alone carries no memory order)
-            const int s = static_cast<int>(k % R);
-            const int64_t m = rank_start[s] + k / R;
+            const int s = source_of(k);
+            const int64_t m = rank_start[s] + k / num_sources;
             const uint8_t* row = row_ptr(k);
             if (c == 0) recv_row_meta(p, out, run_base, row, s, m, row_ok, lane);
             const int b = static_cast<int>(it % kRecvStages);
@@ -604,7 +708,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) dispatch_impl(E
     const int warps_per_block = blockDim.x / kWarpSize;
     if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / kWarpSize;
-        dispatch_send_rows(p, in, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
+        dispatch_send_rows(p, in, out, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
     } else {
         dispatch_recv_rows(p, out, recv_plan(p, warps_per_block), lane, dyn_smem);
     }
@@ -667,18 +771,22 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
     const int64_t tag = row_tag(p);
     const int64_t slots = a.do_expand ? a.num_slots : 1;  // region rows per dispatch output row
     // Rows interleaved across sources (row i to every source before row i + 1), so that every link carries
-    // traffic all the time and every source's reducers can start at once.
+    // traffic all the time and every source's reducers can start at once. Rows from this rank itself stay: its
+    // reducers read them from x.
     // NOTES: going source by source sent everything to rank 0 first, then to rank 1: half the links idle.
+    const int num_sources = R - 1;
     int64_t max_rows = 0;
-    for (int s = 0; s < R; ++s) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
-    const int64_t total = static_cast<int64_t>(R) * max_rows;
-    // Item k = i * R + s is row i received from source s; sub-row q is slot slot_begin + q (expand). The region
-    // row it goes to on rank s and the x row it comes from, or false when there is none.
+    for (int s = 0; s < R; ++s)
+        if (s != p.rank) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
+    const int64_t total = num_sources * max_rows;
+    // Item k is row k / num_sources received from the walk's source; sub-row q is slot slot_begin + q (expand).
+    // The region row it goes to on that source and the x row it comes from, or false when there is none.
     auto locate = [&](int64_t k, int64_t q, uint8_t** dst, int64_t* x_row) {
-        const int s = static_cast<int>(k % R);
-        const int64_t i = k / R;
+        if (k >= total) return false;
+        const int s = walk_source(k, num_sources, p.rank);
+        const int64_t i = k / num_sources;
         const int64_t first = s ? a.psum_rank[s - 1] : 0;
-        if (k >= total || i >= a.psum_rank[s] - first || a.slot_begin + q >= a.slot_end) return false;
+        if (i >= a.psum_rank[s] - first || a.slot_begin + q >= a.slot_end) return false;
         const int64_t m = first + i;
         *x_row = a.do_expand ? a.expand_row[m * K + a.slot_begin + q] : m;
         if (*x_row < 0 || *x_row >= a.num_x_rows) return false;
@@ -718,33 +826,40 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
     __shared__ int timed_out;  // a wait of this block timed out: later rows are not waited for
     if (threadIdx.x == 0) timed_out = 0;
     __syncthreads();
+    const int64_t own_first = p.rank ? a.psum_rank[p.rank - 1] : 0;  // x rows of the rows we sent ourselves
+    // The x row of (our own token row at `pos`, slot j), or -1 when it has none.
+    auto own_x_row = [&](int64_t pos, int j) -> int64_t {
+        const int64_t x_row = a.do_expand ? a.expand_row[(own_first + pos) * K + j] : own_first + pos;
+        return x_row >= 0 && x_row < a.num_x_rows ? x_row : -1;
+    };
     for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
         const int64_t* pos = a.send_pos + t * R;
         const int64_t* experts = a.clean_idx + t * K;
         // Lane r owns one candidate row (rank r, or slot slot_begin + r); the rows that exist, in lane order,
-        // are the documented order.
-        uint8_t* row = nullptr;
-        int peer = 0;
+        // are the documented order. A peer's row is in the region behind its tag; our own is a row of x.
+        const uint8_t* row = nullptr;
+        uint8_t* region_row = nullptr;
+        int peer = -1;
         if (!a.do_expand) {
-            if (lane < R && pos[lane] >= 0) {
-                row = region + (static_cast<int64_t>(lane) * p.cap + pos[lane]) * p.row_stride;
-                peer = lane;
-            }
+            if (lane < R && pos[lane] >= 0) peer = lane;
         } else {
             const int j = a.slot_begin + lane;
-            if (j < a.slot_end && experts[j] >= 0) {
-                peer = static_cast<int>(experts[j] / L);
-                row = region + ((static_cast<int64_t>(peer) * p.cap + pos[peer]) * a.num_slots + lane) * p.row_stride;
-            }
+            if (j < a.slot_end && experts[j] >= 0) peer = static_cast<int>(experts[j] / L);
+        }
+        if (peer == p.rank) {
+            const int64_t x_row = own_x_row(pos[peer], a.slot_begin + lane);
+            row = x_row >= 0 ? a.x + x_row * p.data_bytes : nullptr;
+        } else if (peer >= 0) {
+            const int64_t block_row = static_cast<int64_t>(peer) * p.cap + pos[peer];
+            region_row = region + (a.do_expand ? block_row * a.num_slots + lane : block_row) * p.row_stride;
+            row = region_row;
         }
         const unsigned present = __ballot_sync(0xffffffffu, row != nullptr);
         const int num_rows = __popc(present);
-        if (row != nullptr) {
-            rows[__popc(present & ((1u << lane) - 1))] = row;
-            if (!*reinterpret_cast<volatile int*>(&timed_out) &&
-                !wait_flag_equal(row_tag_ptr(row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, peer))
-                timed_out = 1;
-        }
+        if (row != nullptr) rows[__popc(present & ((1u << lane) - 1))] = row;
+        if (region_row != nullptr && !*reinterpret_cast<volatile int*>(&timed_out) &&
+            !wait_flag_equal(row_tag_ptr(region_row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, peer))
+            timed_out = 1;
         __syncwarp();
         for (int64_t v0 = 0; v0 < num_vecs; v0 += kReduceUnroll * kWarpSize) {
             Acc acc[kReduceUnroll][kVec];
@@ -805,10 +920,13 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                 }
                 const int d = static_cast<int>(experts[j] / L);
                 const int64_t block_row = static_cast<int64_t>(d) * p.cap + pos[d];
-                const uint8_t* src = a.do_expand
-                    ? region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride + p.meta_offset
-                    : region + block_row * p.row_stride + p.meta_offset + j * wb;
-                for (int64_t b = 0; b < wb; ++b) dst[b] = ld_cg_u8(src + b);
+                const int64_t x_row = d == p.rank ? own_x_row(pos[d], j) : 0;
+                const uint8_t* src =
+                    d == p.rank ? (a.do_expand ? a.weights + x_row * wb : a.weights + (x_row * K + j) * wb)
+                    : a.do_expand
+                        ? region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride + p.meta_offset
+                        : region + block_row * p.row_stride + p.meta_offset + j * wb;
+                for (int64_t b = 0; b < wb; ++b) dst[b] = x_row < 0 ? 0 : ld_cg_u8(src + b);
             }
         }
         __syncwarp();  // rows[] is rebuilt for the next token
@@ -836,6 +954,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) combine_impl(Ep
 
 using moe_comm::DispatchInputs;
 using moe_comm::EpParams;
+using moe_comm::NotifyArgs;
 using moe_comm::CombineArgs;
 using moe_comm::RecvOutputs;
 
@@ -852,12 +971,10 @@ int moe_comm_layout(const int64_t* topk_idx, int64_t num_tokens, int num_topk, i
     return static_cast<int>(cudaGetLastError());
 }
 
-int moe_comm_dispatch_notify(const EpParams* p, const int64_t* num_tokens_per_rank,
-                             const int64_t* num_tokens_per_expert, const int64_t* flags, cudaStream_t stream) {
+int moe_comm_dispatch_notify(const EpParams* p, const NotifyArgs* n, cudaStream_t stream) {
     if (p->num_ranks > moe_comm::kMaxEpRanks || p->num_signature > moe_comm::kMaxSignature)
         return static_cast<int>(cudaErrorInvalidValue);
-    moe_comm::dispatch_notify_impl<<<1, moe_comm::kMaxEpRanks, 0, stream>>>(*p, num_tokens_per_rank,
-                                                                            num_tokens_per_expert, flags);
+    moe_comm::dispatch_notify_impl<<<1, moe_comm::kMaxEpRanks, 0, stream>>>(*p, *n);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -921,6 +1038,7 @@ int moe_comm_sizeof_ep_structs(int which) {
         case 1: return static_cast<int>(sizeof(RecvOutputs));
         case 2: return static_cast<int>(sizeof(CombineArgs));
         case 3: return static_cast<int>(sizeof(DispatchInputs));
+        case 4: return static_cast<int>(sizeof(NotifyArgs));
         default: return -1;
     }
 }

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "moe_comm/comm.cuh"
 
@@ -65,26 +66,10 @@ __global__ void copy_blocks_impl(const BlockCopyParams p) {
     __threadfence_system();
 }
 
-// Tell every rank we reached this point of the phase, then wait until every rank told us the same.
-// The sequence number lives on the device so that CUDA graph replays advance it.
+// The signal/wait of one phase (comm.cuh signal_wait_block), as a kernel of its own.
 __global__ void signal_wait_impl(const SyncParams p) {
-    __shared__ int64_t seq;
-    if (threadIdx.x == 0) {
-        int64_t* counter = reinterpret_cast<int64_t*>(p.local_base + p.seq_offset);
-        seq = *counter + 1;
-        *counter = seq;
-    }
-    __syncthreads();
-    const int peer = threadIdx.x;
-    if (peer >= p.num_ranks) return;
-    // Release at system scope: everything this stream wrote before (e.g. copy_blocks_impl) is visible to a
-    // peer that acquires the flag.
-    __threadfence_system();
-    st_release_sys(reinterpret_cast<int64_t*>(p.peer_bases[peer] + p.flags_offset) + p.rank, seq);
-    // After a timeout anywhere, later waits return at once: the host raises at its next check.
-    if (*reinterpret_cast<volatile int64_t*>(&p.error->code) != 0) return;
-    const int64_t* flag = reinterpret_cast<const int64_t*>(p.local_base + p.flags_offset) + peer;
-    wait_flag_at_least(flag, seq, p.timeout_ns, p.error, p.rank, p.phase, peer);
+    signal_wait_block(p.peer_bases, p.local_base, p.error, p.flags_offset, p.seq_offset, p.timeout_ns, p.rank,
+                      p.num_ranks, p.phase);
 }
 
 }  // namespace moe_comm
@@ -109,15 +94,16 @@ int moe_comm_signal_wait(const SyncParams* params, cudaStream_t stream) {
     return static_cast<int>(cudaGetLastError());
 }
 
-// A zeroed ErrorRecord in host-mapped memory: `*host` for the CPU, `*device` for kernels.
-int moe_comm_alloc_error_record(void** host, void** device) {
-    cudaError_t err = cudaHostAlloc(host, sizeof(moe_comm::ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable);
+// `bytes` of zeroed host-mapped memory (the ErrorRecord, the dispatch's notify summary): `*host` for the CPU,
+// `*device` for kernels.
+int moe_comm_alloc_mapped(int64_t bytes, void** host, void** device) {
+    cudaError_t err = cudaHostAlloc(host, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
     if (err != cudaSuccess) return static_cast<int>(err);
-    *static_cast<moe_comm::ErrorRecord*>(*host) = moe_comm::ErrorRecord{};
+    memset(*host, 0, bytes);
     return static_cast<int>(cudaHostGetDevicePointer(device, *host, 0));
 }
 
-int moe_comm_free_error_record(void* host) { return static_cast<int>(cudaFreeHost(host)); }
+int moe_comm_free_mapped(void* host) { return static_cast<int>(cudaFreeHost(host)); }
 
 const char* moe_comm_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 

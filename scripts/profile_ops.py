@@ -7,9 +7,9 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the dispatch with CPU sync at the smallest size (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
-MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `send=F` the share of
-sending blocks, `sms=N` the SM count, `times=1` a build that records when each block ends), one bitwise check,
-then the kernel times of a cached dispatch and a combine at the largest token count.
+MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `send=F` / `csend=F` the
+share of sending blocks of the dispatch / combine, `sms=N` the SM count, `times=1` a build that records when each
+block ends), one bitwise check, then the kernel times of a cached dispatch and a combine at the largest token count.
 
 With `--copy-ceiling`, instead: the plain grid-stride block copy of the transport (`copy_blocks`: every rank
 writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the
@@ -59,8 +59,9 @@ def block_times(buf, handle, dispatch, combine) -> list[str]:
     from moe_comm.backends import cuda as cuda_backend
 
     lines = []
-    num_blocks, num_send = handle.num_sms, cuda_backend._num_send_blocks(handle.num_sms)
+    num_blocks = handle.num_sms
     for kernel, (name, fn) in enumerate((("dispatch", dispatch), ("combine", combine))):
+        num_send = cuda_backend._num_send_blocks(name, num_blocks, buf.num_ranks, handle.do_expand)
         fn()
         torch.cuda.synchronize()
         raw = (ctypes.c_uint64 * (2 * num_blocks))()
@@ -93,7 +94,9 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
                                      f"-DMOE_COMM_COMBINE_BATCH={settings.get('cbatch', 1)}",
                                      f"-DMOE_COMM_RECV_CHUNK={settings.get('chunk', 8192)}",
                                      *(["-DMOE_COMM_BLOCK_TIMES"] if settings.get("times") else []))
-        cuda_backend.SEND_BLOCK_FRACTION = float(settings.get("send", 0.5))
+        cuda_backend.SEND_FRACTION = {op: float(settings[key]) for op, key in (("dispatch", "send"),
+                                                                               ("combine", "csend"))
+                                      if key in settings}
         num_sms = int(settings.get("sms", 0))
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K, backend="cuda")
         try:

@@ -36,7 +36,7 @@ def test_kernel_library_loads_and_structs_match(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_COMM_JIT_CACHE_DIR", str(tmp_path))
     lib = cuda_backend.load_kernels()
     for symbol in ("moe_comm_layout", "moe_comm_dispatch_notify", "moe_comm_dispatch", "moe_comm_combine",
-                   "moe_comm_signal_wait", "moe_comm_copy_blocks"):
+                   "moe_comm_signal_wait", "moe_comm_copy_blocks", "moe_comm_alloc_mapped"):
         assert hasattr(lib, symbol), symbol
 
 

@@ -6,11 +6,14 @@ Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`, pee
                                 rank: the call's signature, rows sent to us, per-local-expert counts, error flags
     [CONTROL_BYTES, num_bytes)  the receive region: block s (`num_max_tokens_per_rank` rows) from rank s
 
-A dispatch: layout kernel (send positions, counts) -> barrier (nobody writes into a region its owner still
-reads) -> send kernel (each row written once per destination rank straight into that rank's block, with its
-metadata and our control slot) -> signal/wait (system-scope release/acquire flags) -> [host reads the control
-slots when the call syncs] -> receive kernel (blocks -> output rows, non-expand or expand with padding).
-A combine: barrier -> rows back to their sources -> signal/wait -> FP32/FP64 reduce in DESIGN 2.2's order.
+A dispatch: layout kernel (send positions, counts) -> notify kernel (the barrier: nobody writes into a region its
+owner still reads; every rank's counts and call signature into every peer's control slot; a summary in host-mapped
+memory that the host reads when the call syncs, then sizes the outputs) -> dispatch kernel: sender blocks write each
+row once per destination rank straight into that rank's block with its metadata (a non-expand dispatch writes the
+own rank's rows straight into the outputs), receiver blocks copy the rows that arrive into the output rows
+(non-expand, or expand with padding). A cached dispatch runs the barrier and the dispatch kernel only.
+A combine: barrier -> one kernel: senders return rows to their sources, reducers add each token's rows (their own
+from the combine input) in FP32/FP64 in DESIGN 2.2's order.
 Small exchanges (argument agreement under MOE_COMM_CHECK_INPUTS) use `_exchange`: block copies into the region.
 Everything is stream-ordered on the comm stream and nothing reads device values on the host unless the call
 asked for a CPU sync, so no-sync steps can be captured in a CUDA graph.
@@ -42,7 +45,8 @@ from .torch_ref import TorchRefBackend
 KERNEL_SOURCES = {"moe_comm_kernels": ("transport.cu", "ep_kernels.cu")}
 KERNEL_INCLUDE_DIRS = ("include",)
 KERNEL_FLAGS: tuple[str, ...] = ()  # extra nvcc flags (scripts/profile_ops.py --variants tries -D settings)
-SEND_BLOCK_FRACTION = 0.5           # share of a dispatch/combine kernel's blocks that send; the others receive
+SEND_FRACTION: dict[str, float] = {}  # "dispatch"/"combine": share of sending blocks, overriding _num_send_blocks
+                                    # (scripts/profile_ops.py --variants send=F,csend=F)
 
 MAX_RANKS = 32                      # csrc/ep_kernels.cu kMaxEpRanks (destinations fit one warp)
 CONTROL_BYTES = sizing.BUFFER_CONTROL_BYTES
@@ -54,6 +58,7 @@ SLOTS_OFFSET = 16384                # control slots [num_ranks][SLOT_STRIDE] int
 SLOT_STRIDE = (CONTROL_BYTES - SLOTS_OFFSET) // (8 * MAX_RANKS)  # fixed, so ranks that disagree on sizes
                                     # still read each other's signature where it was written
 SIGNATURE_LEN = 16                  # csrc/ep_kernels.cu kMaxSignature
+SUMMARY_OFFSET = 64                 # the notify summary in the host-mapped memory (after the ErrorRecord)
 COPY_THREADS = 512                  # csrc/ep_kernels.cu: at most kMaxWarpsPerBlock warps per block
 TAG_BYTES = 16                      # csrc/ep_kernels.cu kTagBytes: a dispatch region row ends in its tag
 MAX_ROUND_SLOTS = 32                # expand combine slots per round: one reducer lane each
@@ -89,6 +94,14 @@ class _EpParams(ctypes.Structure):
                 ("num_signature", ctypes.c_int32), ("signature", ctypes.c_int64 * SIGNATURE_LEN),
                 ("error", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("seq_offset", ctypes.c_int64),
                 ("phase", ctypes.c_int32), ("num_send_blocks", ctypes.c_int32)]
+
+
+class _NotifyArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("num_tokens_per_rank", "num_tokens_per_expert", "flags",
+                                                     "pending_flags", "recv_slots", "summary")] + \
+               [(name, ctypes.c_int64) for name in ("barrier_flags_offset", "exchange_flags_offset",
+                                                    "exchange_seq_offset")] + \
+               [("barrier_phase", ctypes.c_int32), ("exchange_phase", ctypes.c_int32)]
 
 
 class _DispatchInputs(ctypes.Structure):
@@ -134,8 +147,18 @@ class CudaLayout:
     recv_slots: Optional[torch.Tensor]
 
 
-def _num_send_blocks(num_sms: int) -> int:
-    return max(1, min(num_sms - 1, round(num_sms * SEND_BLOCK_FRACTION)))
+def _num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool) -> int:
+    """Blocks of a dispatch/combine kernel that send (the others receive), in proportion to the rows each side
+    stores: dispatch senders store every row (a non-expand dispatch writes the own rank's rows straight into the
+    outputs) and its receivers the rows from peers (all rows when expanding); combine senders store the rows that
+    go back to peers and its reducers load every row of a token, their own from x (benchmarks/NOTES.md)."""
+    R = num_ranks
+    if op == "dispatch":
+        fraction = 0.5 if do_expand else R / (2 * R - 1)
+    else:
+        fraction = (R - 1) / (2 * R - 1)
+    fraction = SEND_FRACTION.get(op, fraction)
+    return max(1, min(num_sms - 1, round(num_sms * fraction)))
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -155,7 +178,8 @@ def load_kernels() -> ctypes.CDLL:
     # The structs above must match the C++ ones byte for byte.
     sizes = [(lib.moe_comm_sizeof_params, 0, _BlockCopyParams), (lib.moe_comm_sizeof_params, 1, _SyncParams),
              (lib.moe_comm_sizeof_ep_structs, 0, _EpParams), (lib.moe_comm_sizeof_ep_structs, 1, _RecvOutputs),
-             (lib.moe_comm_sizeof_ep_structs, 2, _CombineArgs), (lib.moe_comm_sizeof_ep_structs, 3, _DispatchInputs)]
+             (lib.moe_comm_sizeof_ep_structs, 2, _CombineArgs), (lib.moe_comm_sizeof_ep_structs, 3, _DispatchInputs),
+             (lib.moe_comm_sizeof_ep_structs, 4, _NotifyArgs)]
     for fn, which, struct in sizes:
         assert fn(which) == ctypes.sizeof(struct), f"{struct.__name__}: C {fn(which)} != Python {ctypes.sizeof(struct)}"
     return lib
@@ -198,8 +222,11 @@ class CudaBackend(TorchRefBackend):
         self.symm = symm_mem.rendezvous(self.buffer, group.group_name)
         self.region_bytes = num_bytes - CONTROL_BYTES
         self.num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # Host-mapped memory: the ErrorRecord (6 int64) at 0, the dispatch notify's summary at SUMMARY_OFFSET.
         host, dev = ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self.lib.moe_comm_alloc_error_record(ctypes.byref(host), ctypes.byref(dev)), "error record")
+        summary_len = MAX_RANKS * (SIGNATURE_LEN + 2) + MAX_RANKS + 1 + SLOT_STRIDE
+        self._check(self.lib.moe_comm_alloc_mapped(ctypes.c_int64(SUMMARY_OFFSET + 8 * summary_len),
+                                                   ctypes.byref(host), ctypes.byref(dev)), "host-mapped memory")
         self._error_host, self._error_dev = host.value, dev.value
         self._phases: list[str] = []
         self.broken: Optional[str] = None
@@ -211,7 +238,7 @@ class CudaBackend(TorchRefBackend):
         """Wait for our streams to finish with the symmetric buffer, then free the error record."""
         torch.cuda.synchronize(self.device)
         if self._error_host is not None:
-            self._check(self.lib.moe_comm_free_error_record(ctypes.c_void_p(self._error_host)), "free")
+            self._check(self.lib.moe_comm_free_mapped(ctypes.c_void_p(self._error_host)), "free")
             self._error_host = None
 
     def _check(self, code: int, what: str) -> None:
@@ -349,7 +376,7 @@ class CudaBackend(TorchRefBackend):
         row_stride = meta_offset + _align16(8 + 8 * K + wb * K) + TAG_BYTES
         params = self._ep_params(N, cap, E, K, row_stride, data_bytes, scale_bytes, meta_offset, wb,
                                  c.expert_alignment, list(c.signature().values()), phase="dispatch",
-                                 num_send_blocks=_num_send_blocks(c.num_sms))
+                                 num_send_blocks=_num_send_blocks("dispatch", c.num_sms, R, c.do_expand))
         stream = self._stream()
 
         # Layout (skipped by a cached dispatch: the handle has it).
@@ -367,38 +394,39 @@ class CudaBackend(TorchRefBackend):
         else:
             layout, clean_idx = handle.layout, handle.topk_idx
 
-        # Barrier, then the counts into every peer's control slot (and wait for theirs).
-        self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before dispatch", stream)
+        # Barrier, then the counts into every peer's control slot and theirs into ours (one kernel), read on the
+        # host when the call syncs; a cached dispatch only needs the barrier.
         slots = self._slots(L)
+        sync = verify_agreement or (handle is None and c.do_cpu_sync)
+        # The receivers of later cached dispatches need these counts (same row stride as the slots).
+        recv_slots = torch.empty(R, SLOT_STRIDE, dtype=torch.int64, device=dev) if handle is None else None
         if handle is None or verify_agreement:
-            self._check(self.lib.moe_comm_dispatch_notify(
-                ctypes.byref(params), ctypes.c_void_p(layout.num_tokens_per_rank.data_ptr()),
-                ctypes.c_void_p(layout.num_tokens_per_expert.data_ptr()), ctypes.c_void_p(layout.flags.data_ptr()),
-                stream), "dispatch notify")
-            self._signal_wait(EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET, "dispatch notify", stream)
+            notify = _NotifyArgs(layout.num_tokens_per_rank.data_ptr(), layout.num_tokens_per_expert.data_ptr(),
+                                 layout.flags.data_ptr(), self.pending_flags.data_ptr(), _ptr(recv_slots),
+                                 self._error_dev + SUMMARY_OFFSET if sync else 0, BARRIER_FLAGS_OFFSET,
+                                 EXCHANGE_FLAGS_OFFSET, EXCHANGE_SEQ_OFFSET,
+                                 self._phase_id("barrier before dispatch"), self._phase_id("dispatch notify"))
+            self._check(self.lib.moe_comm_dispatch_notify(ctypes.byref(params), ctypes.byref(notify), stream),
+                        "dispatch notify")
+        else:
+            self._signal_wait(BARRIER_FLAGS_OFFSET, BARRIER_SEQ_OFFSET, "barrier before dispatch", stream)
+        if sync:
+            num_rows, rows_per_expert = self._read_summary(c, L)
 
-        # Output sizes: from the handle, from the control slots (host sync), or the worst case.
+        # Output sizes: from the handle, from the summary (host sync), or the worst case.
         aligned_list = None
-        if verify_agreement or (handle is None and c.do_cpu_sync):
-            host = self._read_slots(slots, c, L)
         if handle is not None:
             M, P = handle.recv_src_idx.shape[0], handle.num_recv_rows
             aligned_list = handle.num_recv_tokens_per_expert_list
             recv_slots = layout.recv_slots
+        elif c.do_cpu_sync:
+            M = num_rows
+            aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in rows_per_expert]
+            P = sum(aligned_list) if c.do_expand else M
         else:
-            # The receivers of later cached dispatches need these counts (same row stride as the slots).
-            recv_slots = slots.new_empty(R, SLOT_STRIDE)
-            recv_slots[:, :slots.shape[1]] = slots
-            if c.do_cpu_sync:
-                host = [row[SIGNATURE_LEN:] for row in host]
-                M = sum(row[0] for row in host)
-                counts = [sum(row[1 + l] for row in host) for l in range(L)]
-                aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in counts]
-                P = sum(aligned_list) if c.do_expand else M
-            else:
-                torch.bitwise_or(self.pending_flags, slots[:, SIGNATURE_LEN + 1 + L], out=self.pending_flags)
-                M = R * cap
-                P = R * cap * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
+            torch.bitwise_or(self.pending_flags, slots[:, SIGNATURE_LEN + 1 + L], out=self.pending_flags)
+            M = R * cap
+            P = R * cap * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
 
         # Send and receive.
         out_dtype = c.x.dtype if c.wire_format is None else torch.float8_e4m3fn
@@ -440,26 +468,25 @@ class CudaBackend(TorchRefBackend):
             num_recv_rows=P, layout=layout)
         return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
 
-    def _read_slots(self, slots: torch.Tensor, c, num_local_experts: int) -> list[list[int]]:
-        """Our control slots on the host (one device-to-host read, with the pending error flags), after checking
-        every rank's signature and error flags. Returns the slots as `[R][stride]` ints."""
-        R = self.num_ranks
-        values = torch.cat([slots.flatten(), self.pending_flags]).tolist()
+    def _read_summary(self, c, num_local_experts: int) -> tuple[int, list[int]]:
+        """Wait for the notify kernel, check every rank's signature and error flags in its host-mapped summary, and
+        return (rows this rank receives, rows per local expert)."""
+        R, S, L = self.num_ranks, SIGNATURE_LEN, num_local_experts
+        torch.cuda.current_stream(self.device).synchronize()
         self.after_host_sync()
-        host, pending = [values[s * slots.shape[1]:(s + 1) * slots.shape[1]] for s in range(R)], values[-R:]
+        values = (ctypes.c_int64 * (R * (S + 2) + R + 1 + L)).from_address(self._error_host + SUMMARY_OFFSET)[:]
+        per_source, pending = [values[s * (S + 2):(s + 1) * (S + 2)] for s in range(R)], values[R * (S + 2):][:R]
         names = list(c.signature())
-        assert len(names) <= SIGNATURE_LEN
-        differing = [f"{name}: {[row[i] for row in host]}" for i, name in enumerate(names)
-                     if len({row[i] for row in host}) > 1]
+        assert len(names) <= S
+        differing = [f"{name}: {[row[i] for row in per_source]}" for i, name in enumerate(names)
+                     if len({row[i] for row in per_source}) > 1]
         if differing:
             raise ValueError("ranks called dispatch with different arguments (per rank): " + "; ".join(differing))
-        if c.handle is not None:
-            return host
-        if any(pending):
-            self.check_pending_errors()
-        self.raise_for_flags([row[SIGNATURE_LEN + 1 + num_local_experts] for row in host], c.topk_idx,
-                             c.num_experts, "")
-        return host
+        if c.handle is None:
+            if any(pending):
+                self.check_pending_errors()
+            self.raise_for_flags([row[S + 1] for row in per_source], c.topk_idx, c.num_experts, "")
+        return values[R * (S + 2) + R], values[R * (S + 2) + R + 1:]
 
     # ------------------------------------------------------------------------------------------------
     # Combine
@@ -486,7 +513,8 @@ class CudaBackend(TorchRefBackend):
                                  f"({self.region_bytes} bytes for {R} ranks x {cap} tokens)")
         num_rounds = -(-K // num_slots) if handle.do_expand else 1
         params = self._ep_params(N, cap, E, K, row_stride, data_bytes, 0, meta_offset, wb, 1, rows_per_token=num_slots,
-                                 phase="combine", num_send_blocks=_num_send_blocks(c.num_sms))
+                                 phase="combine",
+                                 num_send_blocks=_num_send_blocks("combine", c.num_sms, R, handle.do_expand))
 
         combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
         combined_w = None if weights is None else torch.empty(N, K, dtype=weights.dtype, device=dev)

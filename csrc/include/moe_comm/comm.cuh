@@ -159,4 +159,33 @@ __device__ __forceinline__ bool wait_flag_equal(const int64_t* flag, int64_t exp
     return wait_flag(flag, expected, true, timeout_ns, error, rank, phase, peer);
 }
 
+// Tell every rank that this rank reached this point of a phase, then wait until every rank told us the same:
+// thread d of the block signals and waits for rank d (every thread of the block must call this). The phase's flags
+// are an int64 array [num_ranks] at `flags_offset` of every buffer (written by peers); its sequence counter, at
+// `seq_offset` of our buffer, lives on the device so that CUDA graph replays advance it. On return every rank has
+// arrived, or a wait timed out (recorded in `error`; after a timeout anywhere later waits return at once and the
+// host raises at its next check). Release at system scope: whatever this stream wrote before is visible to a
+// peer that has seen the flag.
+__device__ __forceinline__ void signal_wait_block(uint8_t* const* peer_bases, uint8_t* local_base, ErrorRecord* error,
+                                                  int64_t flags_offset, int64_t seq_offset, uint64_t timeout_ns,
+                                                  int rank, int num_ranks, int phase) {
+    __shared__ int64_t seq;
+    __syncthreads();  // a previous call's waiters are done with `seq`
+    if (threadIdx.x == 0) {
+        int64_t* counter = reinterpret_cast<int64_t*>(local_base + seq_offset);
+        seq = *counter + 1;
+        *counter = seq;
+    }
+    __syncthreads();
+    const int peer = threadIdx.x;
+    if (peer < num_ranks) {
+        __threadfence_system();
+        st_release_sys(reinterpret_cast<int64_t*>(peer_bases[peer] + flags_offset) + rank, seq);
+        if (*reinterpret_cast<volatile int64_t*>(&error->code) == 0)
+            wait_flag_at_least(reinterpret_cast<const int64_t*>(local_base + flags_offset) + peer, seq, timeout_ns,
+                               error, rank, phase, peer);
+    }
+    __syncthreads();
+}
+
 }  // namespace moe_comm
