@@ -53,13 +53,18 @@ constexpr int kMaxSignature = 16;
 constexpr int kMaxTableSmem = 48 * 1024 - 256;  // count tables of dispatch receivers (moe_comm/backends/cuda.py)
 constexpr int64_t kMaxDynamicSmem = 220 * 1024;   // dynamic shared memory of a dispatch block (sm_90 allows
                                                   // 227 KB per block, static shared memory included)
-constexpr int kRecvStages = 2;       // chunk buffers per copying receiver warp
+#ifndef MOE_COMM_RECV_STAGES
+#define MOE_COMM_RECV_STAGES 2       // chunk buffers per copying receiver warp (loads in flight: stages - 1)
+#endif
+constexpr int kRecvStages = MOE_COMM_RECV_STAGES;
 #ifndef MOE_COMM_RECV_CHUNK
 #define MOE_COMM_RECV_CHUNK 8192     // bytes per bulk copy of a receiver (benchmarks/NOTES.md)
 #endif
 constexpr int64_t kRecvChunk = MOE_COMM_RECV_CHUNK;
 constexpr int kMaxDevices = 64;     // devices one process may launch dispatches on
-constexpr int64_t kBarrierBytes = 128;  // a copying warp's mbarriers, padded so its buffers stay 128-aligned
+constexpr int64_t kBarrierBytes = 128;  // a copying warp's mbarriers (first half) and their stages' row-ok flags
+                                        // (second half), padded so its buffers stay 128-aligned
+static_assert(kRecvStages >= 2 && kRecvStages * 8 <= kBarrierBytes / 2, "receiver stages: 2 to 8");
 constexpr int kMaxWarpsPerBlock = 16;  // dispatch_impl / combine_impl blocks: at most 512 threads
 constexpr int64_t kTagMagic = 0x6d63;      // top 16 bits of a row tag (the other 48: the sequence number)
 constexpr int kTagBytes = 16;        // the last 16 bytes of a dispatch region row: its tag (int64) and padding
@@ -587,14 +592,15 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
     const int64_t recv_block = blockIdx.x - p.num_send_blocks, num_recv_blocks = gridDim.x - p.num_send_blocks;
     if (warp_in_block < plan.warps) {
         // Copying warp: rows in the order they arrive (position i from every source before position i + 1: every
-        // source sends in position order at the same time). Lane 0 drives the bulk copies, one chunk ahead: it
-        // acquires a row's tag before loading its first chunk, loads chunk n + 1 into the other buffer while chunk
-        // n is stored to the output row(s); the lanes write each row's metadata.
+        // source sends in position order at the same time). Lane 0 drives the bulk copies, kRecvStages - 1 chunks
+        // ahead: it acquires a row's tag before loading its first chunk and loads the chunks ahead into the other
+        // buffers while the current chunk is stored to the output row(s); the lanes write each row's metadata.
         // NOTES: walking the blocks source by source left the receivers waiting on source 0 while source 1's
         // rows piled up; one warp copying one row at a time with registers was latency bound (~9 dependent
         // round trips per 14 KB row).
         uint8_t* area = smem + plan.table_bytes + warp_in_block * plan.warp_bytes;
-        uint64_t* bars = reinterpret_cast<uint64_t*>(area);
+        uint64_t* bars = reinterpret_cast<uint64_t*>(area);                    // one mbarrier per buffer
+        int* stage_ok = reinterpret_cast<int*>(area + kBarrierBytes / 2);      // its chunk's row tag arrived
         uint8_t* stages = area + kBarrierBytes;
         if (lane == 0)
             for (int b = 0; b < kRecvStages; ++b) mbarrier_init(bars + b);
@@ -617,45 +623,50 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
             }
             return total;
         };
+        auto advance = [&](int64_t& k, int64_t& c) {  // the next chunk of this warp: (row k, chunk c)
+            if (++c == num_chunks) {
+                c = 0;
+                k = next_row(k + num_warps);
+            }
+        };
         auto row_ptr = [&](int64_t k) {
             return p.local_base + p.region_offset + (source_of(k) * p.cap + k / num_sources) * p.row_stride;
         };
         auto chunk_bytes = [&](int64_t c) {
             return static_cast<uint32_t>(min(plan.chunk, p.data_bytes - c * plan.chunk));
         };
-        // Lane 0: wait for row k's tag if chunk c is its first, then load the chunk into buffer `it` % stages.
-        auto issue = [&](int64_t k, int64_t c, int64_t it, bool ok) {
-            if (c == 0) {
-                ok = !*reinterpret_cast<volatile int*>(&timed_out) &&
-                     wait_flag_equal(row_tag_ptr(row_ptr(k), p), tag, p.timeout_ns, p.error, p.rank, p.phase,
-                                     source_of(k));
-                if (!ok) timed_out = 1;
+        // Lane 0 loads chunk i of the warp's walk, at (row load_k, chunk load_c), into buffer i % kRecvStages,
+        // waiting for the row's tag first if it is the row's first chunk.
+        int64_t load_k = next_row(warp), load_c = 0, loaded = 0;
+        bool load_ok = true;
+        auto issue = [&]() {
+            if (load_c == 0) {
+                load_ok = !*reinterpret_cast<volatile int*>(&timed_out) &&
+                          wait_flag_equal(row_tag_ptr(row_ptr(load_k), p), tag, p.timeout_ns, p.error, p.rank,
+                                          p.phase, source_of(load_k));
+                if (!load_ok) timed_out = 1;
                 fence_proxy_async();  // the acquire above before the bulk load's reads
             }
-            const int b = static_cast<int>(it % kRecvStages);
-            bulk_wait_read();  // the buffer's previous chunk has been read by its stores
-            bulk_load(stages + b * plan.chunk, row_ptr(k) + c * plan.chunk, chunk_bytes(c), bars + b);
-            return ok;
+            const int b = static_cast<int>(loaded % kRecvStages);
+            stage_ok[b] = load_ok;
+            bulk_wait_read();  // the buffer's previous chunk (the last one stored) has been read by its stores
+            bulk_load(stages + b * plan.chunk, row_ptr(load_k) + load_c * plan.chunk, chunk_bytes(load_c), bars + b);
+            advance(load_k, load_c);
+            ++loaded;
         };
-        int64_t k = next_row(warp), c = 0, it = 0;
-        bool ok = true;  // lane 0: the current row's tag arrived
-        if (lane == 0 && k < total) ok = issue(k, 0, 0, true);
-        while (k < total) {
-            __syncwarp();  // every lane is done with the barrier that the next load re-arms
-            int64_t next_k = k, next_c = c + 1;
-            if (next_c == num_chunks) {
-                next_k = next_row(k + num_warps);
-                next_c = 0;
-            }
-            bool next_ok = ok;
-            if (lane == 0 && next_k < total) next_ok = issue(next_k, next_c, it + 1, ok);
-            const bool row_ok = __shfl_sync(0xffffffffu, ok, 0);
-            __syncwarp();  // orders lane 0's acquire before every lane's loads (shfl alone carries no memory order)
+        if (lane == 0)
+            while (loaded < kRecvStages - 1 && load_k < total) issue();
+        int64_t k = next_row(warp), c = 0;
+        for (int64_t it = 0; k < total; ++it) {
+            __syncwarp();  // every lane is done with the buffer that the next load refills
+            if (lane == 0 && load_k < total) issue();
+            __syncwarp();  // lane 0's acquire and stage_ok before every lane's reads
+            const int b = static_cast<int>(it % kRecvStages);
+            const bool row_ok = stage_ok[b];
             const int s = source_of(k);
             const int64_t m = rank_start[s] + k / num_sources;
             const uint8_t* row = row_ptr(k);
             if (c == 0) recv_row_meta(p, out, run_base, row, s, m, row_ok, lane);
-            const int b = static_cast<int>(it % kRecvStages);
             mbarrier_wait(bars + b, static_cast<uint32_t>((it / kRecvStages) & 1));
             if (row_ok) {
                 const int64_t offset = c * plan.chunk;
@@ -677,10 +688,7 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
                 }
             }
             if (lane == 0) bulk_commit();
-            k = next_k;
-            c = next_c;
-            ok = next_ok;
-            ++it;
+            advance(k, c);
         }
         if (lane == 0) bulk_wait();  // the stores read shared memory until they complete
     }

@@ -7,9 +7,11 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 Then a cProfile of the dispatch with CPU sync at the smallest size (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
-MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `send=F` / `csend=F` the
+MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `stages=N`
+MOE_COMM_RECV_STAGES, `send=F` / `csend=F` the
 share of sending blocks of the dispatch / combine, `sms=N` the SM count, `times=1` a build that records when each
-block ends), one bitwise check, then the kernel times of a cached dispatch and a combine at the largest token count.
+block ends), one bitwise check, then the kernel times of a cached dispatch (BF16 and FP8) and a combine at the
+largest token count.
 
 With `--copy-ceiling`, instead: the plain grid-stride block copy of the transport (`copy_blocks`: every rank
 writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the
@@ -31,6 +33,7 @@ from collections import defaultdict
 import torch
 
 import moe_comm
+from moe_comm import quant
 from moe_comm.testing import parallel_launch
 from moe_comm.testing.bench import loop_times
 from moe_comm.testing.routing import Case, rank_inputs
@@ -50,9 +53,9 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def block_times(buf, handle, dispatch, combine) -> list[str]:
-    """When each block of one dispatch and one combine kernel ended (us after the first block started): senders
-    and receivers apart, as min / median / max (a build with -DMOE_COMM_BLOCK_TIMES)."""
+def block_times(buf, handle, ops: dict) -> list[str]:
+    """When each block of one call of each op (name -> fn: dispatches and a combine) ended, in us after the first
+    block started: senders and receivers apart, as min / median / max (a build with -DMOE_COMM_BLOCK_TIMES)."""
     import ctypes
     import statistics
 
@@ -60,8 +63,10 @@ def block_times(buf, handle, dispatch, combine) -> list[str]:
 
     lines = []
     num_blocks = handle.num_sms
-    for kernel, (name, fn) in enumerate((("dispatch", dispatch), ("combine", combine))):
-        num_send = cuda_backend._num_send_blocks(name, num_blocks, buf.num_ranks, handle.do_expand)
+    for name, fn in ops.items():
+        kernel = 1 if name == "combine" else 0
+        num_send = cuda_backend._num_send_blocks("combine" if kernel else "dispatch", num_blocks, buf.num_ranks,
+                                                 handle.do_expand)
         fn()
         torch.cuda.synchronize()
         raw = (ctypes.c_uint64 * (2 * num_blocks))()
@@ -86,30 +91,37 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     E, K, hidden, num_tokens = 256, 8, 7168, max(args["tokens"])
     case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
                 num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=num_tokens, drop_prob=0.0)
-    lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | combine)"]
+    lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | cached dispatch fp8 | combine)"]
     for variant in args["variants"]:
         settings = dict(item.split("=") for item in variant.split(","))
         cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 8)}",
                                      f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 4)}",
                                      f"-DMOE_COMM_COMBINE_BATCH={settings.get('cbatch', 1)}",
                                      f"-DMOE_COMM_RECV_CHUNK={settings.get('chunk', 8192)}",
+                                     f"-DMOE_COMM_RECV_STAGES={settings.get('stages', 2)}",
                                      *(["-DMOE_COMM_BLOCK_TIMES"] if settings.get("times") else []))
         cuda_backend.SEND_FRACTION = {op: float(settings[key]) for op, key in (("dispatch", "send"),
                                                                                ("combine", "csend"))
                                       if key in settings}
         num_sms = int(settings.get("sms", 0))
-        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K, backend="cuda")
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K,
+                              use_fp8_dispatch=True, backend="cuda")
         try:
             check_case(buf, case, rank)
             x, idx, w = rank_inputs(case, rank, device)
             recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms)
-            ops = (lambda: buf.dispatch(x, handle=handle), lambda: buf.combine(recv_x, handle))
+            x_fp8 = quant.quantize(x, "fp8_block128")
+            handle_fp8 = buf.dispatch(x_fp8, idx, w, num_experts=E, num_sms=num_sms)[3]
+            ops = {"cached dispatch": lambda: buf.dispatch(x, handle=handle),
+                   "cached dispatch fp8": lambda: buf.dispatch(x_fp8, handle=handle_fp8),
+                   "combine": lambda: buf.combine(recv_x, handle)}
             # The operation's own kernel (the barrier's time is the ranks' skew, not the kernel's).
             times = [sum(us for name, us in kernel_times(fn, args["iters"]).items() if "signal_wait" not in name)
-                     for fn in ops]
-            lines.append(f"    {variant:30s} {times[0]:8.1f} | {times[1]:8.1f}   (SMs {handle.num_sms})")
+                     for fn in ops.values()]
+            lines.append(f"    {variant:30s} " + " | ".join(f"{us:8.1f}" for us in times) +
+                         f"   (SMs {handle.num_sms})")
             if settings.get("times"):
-                lines += block_times(buf, handle, *ops)
+                lines += block_times(buf, handle, ops)
         except RuntimeError as exc:  # e.g. a build whose kernels need more registers than a launch allows
             lines.append(f"    {variant:30s} failed: {exc}")
         if rank == 0:
