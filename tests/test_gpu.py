@@ -306,6 +306,25 @@ def test_cuda_fp8_matches_reference(nccl_pool):
     assert nccl_pool.run(fp8_rank, cases) == [2 * 3 * len(cases)] * WORLD_SIZE
 
 
+def disagreement_rank(rank: int, world_size: int) -> str:
+    """Ranks that size a synchronizing dispatch differently all get a ValueError naming every rank's value (from the
+    notify kernel's summary), and the buffer keeps working afterwards."""
+    case = Case(seed=231, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(32),
+                num_max_tokens_per_rank=40)
+    buf = make_buffer(case, "cuda")
+    x, idx, w = rank_inputs(case, rank, buf.device)
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, idx, w, num_experts=8, num_max_tokens_per_rank=32 + rank)
+    check_case(buf, case, rank)
+    return str(info.value)
+
+
+def test_cuda_ranks_must_agree_on_sizes(nccl_pool):
+    messages = nccl_pool.run(disagreement_rank)
+    assert messages == [messages[0]] * WORLD_SIZE
+    assert f"num_max_tokens_per_rank: {list(range(32, 32 + WORLD_SIZE))}" in messages[0], messages[0]
+
+
 def bad_routing_rank(rank: int, world_size: int) -> list[str]:
     """Out-of-range and duplicate experts on rank 0 raise a ValueError on every rank (at once with a CPU sync, at
     the next synchronizing dispatch without), and the buffer keeps working afterwards."""

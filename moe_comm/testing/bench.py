@@ -55,10 +55,14 @@ def loop_times(fn: Callable[[], object], iters: int, device: torch.device) -> tu
     for _ in range(iters):
         fn()
     host = (time.perf_counter() - t0) * 1e6 / iters
+    # Every rank sleeps as long as the slowest host needs: with sleeps of their own lengths, the rank that woke
+    # first would count the wait for the other in its first call.
+    slowest = torch.tensor([host], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     torch.cuda.synchronize(device)
     dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(host * iters * 1.5 * 2000) + 100_000)  # about 2 GHz clock cycles per ns
+    torch.cuda._sleep(int(slowest.item() * iters * 1.5 * 2000) + 100_000)  # about 2000 clock cycles per us
     start.record()
     for _ in range(iters):
         fn()
