@@ -283,16 +283,12 @@ __global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
             per_source[i] = slot_value(s, c <= S ? c : S + 1 + L);
         }
         int64_t* pending = per_source + R * (S + 2);
+        int64_t* totals = pending + R;  // rows in all, then rows per local expert
         for (int s = threadIdx.x; s < R; s += blockDim.x) pending[s] = n.pending_flags[s];
-        if (threadIdx.x == 0) {
+        for (int i = threadIdx.x; i < 1 + L; i += blockDim.x) {
             int64_t rows = 0;
-            for (int s = 0; s < R; ++s) rows += slot_value(s, S);
-            pending[R] = rows;
-        }
-        for (int l = threadIdx.x; l < L; l += blockDim.x) {
-            int64_t rows = 0;
-            for (int s = 0; s < R; ++s) rows += slot_value(s, S + 1 + l);
-            pending[R + 1 + l] = rows;
+            for (int s = 0; s < R; ++s) rows += slot_value(s, S + i);
+            totals[i] = rows;
         }
     }
 }
@@ -725,13 +721,14 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize) dispatch_impl(E
 
 // ------------------------------------------------------------------------------------------------------------
 // Combine: one kernel, blocks [0, num_send_blocks) send and the others reduce, at the same time.
-// Send: row m of the dispatch output goes back to its source rank s, into block `rank` at the row it came from
-// (expand: one row per (token, slot) of this round, at sub-row slot - slot_begin); a warp writes the rows of
-// kCombineBatch items, then its lanes release their tags. Reduce, one warp per token of this rank: the lanes find
-// the token's rows in the documented order (ascending rank, or ascending slot in expand mode), each acquires its
-// row's tag, then the warp adds them in that order in Acc precision from zero (or the accumulator of earlier
-// rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select of slot
-// j's value on its owner rank.
+// Send: row m of the dispatch output goes back to its source rank s (another rank: our own rows stay here), into
+// block `rank` at the row it came from (expand: one row per (token, slot) of this round, at sub-row
+// slot - slot_begin); a warp writes the rows of kCombineBatch items, then its lanes release their tags.
+// Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order (ascending
+// rank, or ascending slot in expand mode), each acquires its row's tag (rows from this rank itself are read from
+// x and have none), then the warp adds them in that order in Acc precision from zero (or the accumulator of
+// earlier rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select
+// of slot j's value on its owner rank.
 // ------------------------------------------------------------------------------------------------------------
 template <typename T>
 struct AccOf { using type = float; };

@@ -8,10 +8,9 @@ For each token count and op (dispatch with CPU sync, cached dispatch, combine) o
 Then a cProfile of the dispatch with CPU sync at the smallest size (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
 MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `stages=N`
-MOE_COMM_RECV_STAGES, `send=F` / `csend=F` the
-share of sending blocks of the dispatch / combine, `sms=N` the SM count, `times=1` a build that records when each
-block ends), one bitwise check, then the kernel times of a cached dispatch (BF16 and FP8) and a combine at the
-largest token count.
+MOE_COMM_RECV_STAGES, `send=F` / `csend=F` the share of sending blocks of the dispatch / combine, `sms=N` the SM
+count, `times=1` a build that records when each block ends), one bitwise check, then the kernel times of a cached
+dispatch (BF16 and FP8) and a combine at the largest token count.
 
 With `--copy-ceiling`, instead: the plain grid-stride block copy of the transport (`copy_blocks`: every rank
 writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the

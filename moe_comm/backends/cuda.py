@@ -235,7 +235,7 @@ class CudaBackend(TorchRefBackend):
         dist.barrier(group=group)
 
     def close(self) -> None:
-        """Wait for our streams to finish with the symmetric buffer, then free the error record."""
+        """Wait for our streams to finish with the symmetric buffer, then free the host-mapped memory."""
         torch.cuda.synchronize(self.device)
         if self._error_host is not None:
             self._check(self.lib.moe_comm_free_mapped(ctypes.c_void_p(self._error_host)), "free")
@@ -396,7 +396,6 @@ class CudaBackend(TorchRefBackend):
 
         # Barrier, then the counts into every peer's control slot and theirs into ours (one kernel), read on the
         # host when the call syncs; a cached dispatch only needs the barrier.
-        slots = self._slots(L)
         sync = verify_agreement or (handle is None and c.do_cpu_sync)
         # The receivers of later cached dispatches need these counts (same row stride as the slots).
         recv_slots = torch.empty(R, SLOT_STRIDE, dtype=torch.int64, device=dev) if handle is None else None
@@ -424,6 +423,7 @@ class CudaBackend(TorchRefBackend):
             aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in rows_per_expert]
             P = sum(aligned_list) if c.do_expand else M
         else:
+            slots = self._slots(L)
             torch.bitwise_or(self.pending_flags, slots[:, SIGNATURE_LEN + 1 + L], out=self.pending_flags)
             M = R * cap
             P = R * cap * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
