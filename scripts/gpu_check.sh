@@ -2,7 +2,8 @@
 # The device session in three commands, for a machine with 2+ GPUs whose python3 already has torch (the lent
 # H200 machines): run from the repo root; logs and results go to OUT (or /tmp/gpu_check).
 #   scripts/gpu_check.sh tests      GPU tier (both backends) + kernel compile/load + FP8 casts on CUDA (~3 min)
-#   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend (~2 min)
+#   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, one rank per GPU
+#                                   (at most 8, as the GPU tier) (~2 min)
 #   scripts/gpu_check.sh megatron   Megatron GPU tier and the recipe's `small` preset, 50 steps with alltoall and
 #                                   with moe_comm; needs megatron-core/wandb wheels carried in .whl (README of the
 #                                   device tool: pip download ... --python-version 3.12 -d .whl)
@@ -18,7 +19,9 @@ case "${1:-}" in
         python3 -m pytest -q -p no:cacheprovider --timeout 300 --durations=10 tests/test_gpu.py \
             tests/test_kernels_compile.py tests/test_quant.py 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
     bench)
-        python3 scripts/bench.py --backend cuda --json "$out/bench.json" --md "$out/bench.md" 2>&1 | tail -45 ;;
+        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --json "$out/bench.json" --md "$out/bench.md" \
+            2>&1 | tail -45 ;;
     megatron)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || exit 1

@@ -16,8 +16,8 @@ With `--copy-ceiling`, instead: the plain grid-stride block copy of the transpor
 writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the
 per-SM floor the dispatch and combine kernels are measured against.
 
-    python scripts/profile_ops.py [--tokens 128 4096] [--iters 50] [--out DIR] [--variants unroll=8,send=0.6 ...]
-                                  [--copy-ceiling]
+    python scripts/profile_ops.py [--num-ranks 2] [--tokens 128 4096] [--iters 50] [--out DIR]
+                                  [--variants unroll=8,send=0.6 ...] [--copy-ceiling]
 """
 
 from __future__ import annotations
@@ -202,6 +202,7 @@ def profile_rank(rank: int, world_size: int, args: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-ranks", type=int, default=2, help="ranks, one GPU each")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile.txt")
@@ -209,7 +210,7 @@ def main() -> None:
     parser.add_argument("--copy-ceiling", action="store_true", help="per-SM throughput of a plain block copy")
     args = parser.parse_args()
     fn = copy_ceiling_rank if args.copy_ceiling else variants_rank if args.variants else profile_rank
-    report = parallel_launch(2, fn, {"tokens": args.tokens, "iters": args.iters, "variants": args.variants},
+    report = parallel_launch(args.num_ranks, fn, {"tokens": args.tokens, "iters": args.iters, "variants": args.variants},
                              backend="nccl", timeout_s=600)[0]
     print(report)
     if args.out:
