@@ -10,7 +10,11 @@ host sync; combine = reverse + FP32 index_add). Then an SM sweep of cached dispa
 token count, next to the analytical `get_theoretical_num_sms`, and the JIT build times (CUDA backend).
 
 Bandwidths (from the back-to-back time on CUDA): logical GB/s = bytes of all received rows (own rank included) /
-time (DeepEP's metric); wire GB/s = bytes received from other ranks / time.
+time (DeepEP's metric); wire GB/s = bytes received from other ranks / time. Host us (CUDA) = isolated-call time
+minus back-to-back time: the host's issue time that the device does not hide.
+
+The markdown starts with the run's commit, versions and command; the JSON carries them as `meta`
+(`moe_comm.testing.bench.run_metadata`).
 
     python scripts/bench.py [--num-ranks 2] [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
                             [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--json F] [--md F]
@@ -19,7 +23,6 @@ time (DeepEP's metric); wire GB/s = bytes received from other ranks / time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -34,7 +37,7 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm import quant
 from moe_comm.testing import parallel_launch
-from moe_comm.testing.bench import AllToAllBaseline, loop_times, median_time_us
+from moe_comm.testing.bench import AllToAllBaseline, loop_times, median_time_us, run_metadata
 from moe_comm.testing.checks import check_case
 from moe_comm.testing.routing import Case, rank_inputs
 
@@ -106,23 +109,48 @@ def gbs(num_bytes: float, us: float) -> float:
     return num_bytes / (us * 1e3)
 
 
-def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, dict]:
-    """The markdown table (slowest rank per cell) and the JSON record."""
+def meta_lines(meta: dict) -> list[str]:
+    """The markdown's first lines: where the numbers came from."""
+    commit = "not a checkout" if meta["commit"] is None else meta["commit"][:12] + (" (dirty)" if meta["dirty"] else "")
+    gpus = f"{meta['num_gpus']}x {meta['gpu']}" if meta["gpu"] else "no GPU"
+    return [f"commit {commit}; torch {meta['torch']}, CUDA {meta['cuda'] or '-'}, NCCL {meta['nccl'] or '-'}, "
+            f"Python {meta['python']}; {gpus} on {meta['hostname']}; {meta['date_utc']}",
+            "",
+            f"    {meta['command']}",
+            ""]
+
+
+def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> tuple[str, dict]:
+    """The markdown table (slowest rank per cell) and the JSON record.
+
+    Arguments:
+        config: the run's options (`main`).
+        per_rank: what `bench_rank` returned on each rank.
+        jit: `jit_times()` on the CUDA backend, else None.
+        meta: `run_metadata(sys.argv)`.
+
+    Returns:
+        `(markdown, record)`; the record is the JSON (`meta`, `config`, `table` with one entry per token count and
+        op, `per_rank` raw timings, `jit`).
+    """
     device = torch.cuda.get_device_name(0) if config["pg_backend"] == "nccl" else platform.machine()
     first = per_rank[0]
-    lines = [f"moe_comm {moe_comm.__version__}, backend {first['backend']}, {config['num_ranks']} ranks over "
-             f"{config['pg_backend']} on "
-             f"{device}; hidden {config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts; "
-             f"median of {config['iters']}, slowest rank; bitwise check passed; "
-             f"analytical num_sms {first['theoretical_num_sms']}",
-             "",
-             "",
-             "us: one call on an idle stream, host issue time included; back-to-back: device time per call of "
-             f"{config['iters']} calls issued ahead of the GPU (DeepEP's measure; CUDA only), which the GB/s use.",
-             "",
-             "| tokens | op | us | back-to-back us | SMs | logical GB/s | wire GB/s | baseline us | "
-             "baseline back-to-back us |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = meta_lines(meta)
+    lines += [f"moe_comm {moe_comm.__version__}, backend {first['backend']}, {config['num_ranks']} ranks over "
+              f"{config['pg_backend']} on "
+              f"{device}; hidden {config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts; "
+              f"median of {config['iters']}, slowest rank; bitwise check passed; "
+              f"analytical num_sms {first['theoretical_num_sms']}",
+              "",
+              "",
+              "us: one call on an idle stream, host issue time included; back-to-back: device time per call of "
+              f"{config['iters']} calls issued ahead of the GPU (DeepEP's measure; CUDA only), which the GB/s use; "
+              "host: us minus back-to-back, the issue time the device does not hide (CUDA only; noise can make it "
+              "negative).",
+              "",
+              "| tokens | op | us | back-to-back us | host us | SMs | logical GB/s | wire GB/s | baseline us | "
+              "baseline back-to-back us |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     table = []
     for i, row in enumerate(first["rows"]):
         slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k not in
@@ -137,13 +165,15 @@ def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, d
             scale = 0.5 if "fp8" in op else 1.0  # e4m3 rows are half the bytes (scales not counted)
             us, b2b = slowest[op], slowest.get(f"{op} b2b")
             device_us = us if b2b is None else b2b
-            entry = {"tokens": row["tokens"], "op": op, "us": us, "back_to_back_us": b2b, "num_sms": row["num_sms"],
+            entry = {"tokens": row["tokens"], "op": op, "us": us, "back_to_back_us": b2b,
+                     "host_us": None if b2b is None else us - b2b, "num_sms": row["num_sms"],
                      "logical_gbs": gbs(recv_bytes * scale, device_us), "wire_gbs": gbs(wire_bytes * scale, device_us),
                      "baseline_us": slowest.get(base) if base else None,
                      "baseline_back_to_back_us": slowest.get(f"{base} b2b") if base else None}
             table.append(entry)
             cell = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-            lines.append(f"| {row['tokens']} | {op} | {us:.1f} | {cell(b2b)} | {row['num_sms']} | "
+            lines.append(f"| {row['tokens']} | {op} | {us:.1f} | {cell(b2b)} | {cell(entry['host_us'])} | "
+                         f"{row['num_sms']} | "
                          f"{entry['logical_gbs']:.2f} | {entry['wire_gbs']:.2f} | {cell(entry['baseline_us'])} | "
                          f"{cell(entry['baseline_back_to_back_us'])} |")
     if first["sweep"]:
@@ -156,7 +186,7 @@ def report(config: dict, per_rank: list[dict], jit: dict | None) -> tuple[str, d
     if jit:
         lines += ["", f"JIT: cold build {jit['cold_build_s']} s, warm first load {jit['warm_first_load_s']} s "
                       f"({', '.join(jit['libraries'])})"]
-    record = {"date": datetime.date.today().isoformat(), "config": config, "device": device, "table": table,
+    record = {"date": meta["date_utc"][:10], "meta": meta, "config": config, "device": device, "table": table,
               "per_rank": per_rank, "jit": jit}
     return "\n".join(lines), record
 
@@ -177,12 +207,14 @@ def main() -> None:
     if args.num_ranks < 1:
         parser.error(f"--num-ranks={args.num_ranks} must be >= 1")
     pg_backend = "nccl" if torch.cuda.device_count() >= max(args.num_ranks, 2) else "gloo"
-    config = {"num_ranks": args.num_ranks, "backend": args.backend, "tokens": args.tokens, "hidden": args.hidden, "num_experts": args.num_experts,
-              "num_topk": args.num_topk, "sms": args.sms, "iters": args.iters, "pg_backend": pg_backend}
+    config = {"num_ranks": args.num_ranks, "backend": args.backend, "tokens": args.tokens, "hidden": args.hidden,
+              "num_experts": args.num_experts, "num_topk": args.num_topk, "sms": args.sms, "iters": args.iters,
+              "pg_backend": pg_backend}
+    meta = run_metadata(sys.argv)
     start = time.monotonic()
     per_rank = parallel_launch(args.num_ranks, bench_rank, config, backend=pg_backend, timeout_s=1800)
     jit = jit_times() if per_rank[0]["backend"] == "cuda" else None
-    text, record = report(config, per_rank, jit)
+    text, record = report(config, per_rank, jit, meta)
     print(text)
     print(f"({time.monotonic() - start:.0f} s)")
     if args.json:

@@ -4,26 +4,62 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_bench_script_smoke(tmp_path):
-    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One CPU bench run shared by the tests below: `(json path, markdown path, stdout)`."""
+    out = tmp_path_factory.mktemp("bench")
+    out_json, out_md = out / "bench.json", out / "bench.md"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--backend", "torch", "--tokens", "8", "16",
            "--hidden", "128", "--num-experts", "4", "--num-topk", "2", "--sms", "4", "--iters", "2",
            "--json", str(out_json), "--md", str(out_md)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
+    return out_json, out_md, done.stdout
+
+
+def test_bench_script_smoke(bench_run):
+    out_json, out_md, _ = bench_run
     record = json.loads(out_json.read_text())
     ops = {(row["tokens"], row["op"]) for row in record["table"]}
     assert ops == {(t, op) for t in (8, 16)
                    for op in ("dispatch", "cached dispatch", "dispatch fp8", "cached dispatch fp8", "combine")}
     assert all(row["us"] > 0 for row in record["table"])
-    # Back-to-back device times are a CUDA measure: none on CPU.
-    assert all(row["back_to_back_us"] is None for row in record["table"])
+    # Back-to-back device times, and the host time derived from them, are CUDA measures: none on CPU.
+    assert all(row["back_to_back_us"] is None and row["host_us"] is None for row in record["table"])
     # The baseline comes from the same run, beside every BF16 op.
     assert all(row["baseline_us"] > 0 for row in record["table"] if "fp8" not in row["op"])
-    assert "bitwise check passed" in out_md.read_text() and "SM sweep at 16 tokens" in out_md.read_text()
+    md = out_md.read_text()
+    assert "bitwise check passed" in md and "SM sweep at 16 tokens" in md
+    assert "| host us |" in md
+
+
+def test_bench_records_its_run(bench_run):
+    out_json, out_md, _ = bench_run
+    meta = json.loads(out_json.read_text())["meta"]
+    assert set(meta) == {"commit", "dirty", "moe_comm", "torch", "cuda", "nccl", "python", "gpu", "num_gpus",
+                         "hostname", "date_utc", "command"}
+    assert meta["torch"] and meta["python"] and meta["hostname"] and meta["date_utc"].endswith("+00:00")
+    assert "scripts/bench.py --backend torch --tokens 8 16" in meta["command"]
+    if (ROOT / ".git").exists():  # a clone or a worktree (.git is a file there)
+        assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]) and isinstance(meta["dirty"], bool)
+    # The markdown opens with where the numbers came from.
+    head = out_md.read_text().splitlines()[:3]
+    assert head[0].startswith("commit ") and f"torch {meta['torch']}" in head[0]
+    assert meta["command"] in head[2]
+
+
+def test_run_metadata_outside_a_checkout(tmp_path):
+    from moe_comm.testing.bench import run_metadata
+
+    meta = run_metadata(["bench.py", "--x", "a b"], repo_dir=tmp_path)
+    assert meta["commit"] is None and meta["dirty"] is None
+    assert meta["command"].endswith("bench.py --x 'a b'")

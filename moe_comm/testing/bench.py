@@ -1,5 +1,5 @@
-"""Benchmark helpers: timers (one isolated call, on CPU and CUDA; back-to-back calls, on CUDA), and the NCCL/gloo
-baseline that every benchmark table prints beside moe_comm.
+"""Benchmark helpers: timers (one isolated call, on CPU and CUDA; back-to-back calls, on CUDA), the NCCL/gloo
+baseline that every benchmark table prints beside moe_comm, and the run metadata every result records.
 
 The baseline is what Megatron's alltoall dispatcher does with `torch.distributed`: dedup each token per
 destination rank, permute rows into rank order, exchange counts with a host sync, `all_to_all_single` the
@@ -8,12 +8,68 @@ rows; combine is the reverse `all_to_all_single` plus an FP32 `index_add_` on th
 
 from __future__ import annotations
 
+import datetime
+import pathlib
+import platform
+import shlex
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+import moe_comm
+
+
+def _git(repo_dir: pathlib.Path, *args: str) -> str | None:
+    """Output of `git -C repo_dir args`, or None when git is missing, fails or hangs."""
+    try:
+        done = subprocess.run(["git", "-C", str(repo_dir), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def run_metadata(argv: Sequence[str], repo_dir: str | pathlib.Path | None = None) -> dict:
+    """What a result needs beside its numbers to be found again and reproduced (DESIGN section 8.5).
+
+    Reads the commit only from a checkout whose top level is `repo_dir` itself: an installed copy inside some
+    other repository (a venv in a checkout) must not report that repository's commit. Never raises.
+
+    Arguments:
+        argv: the command line of the run (`sys.argv`), recorded shell-quoted after the interpreter's name.
+        repo_dir: the checkout to read the commit from; default: the one holding this `moe_comm` package.
+
+    Returns:
+        a JSON-ready dict: `commit` (full hash) and `dirty` (tracked files changed), both None outside a checkout;
+        `moe_comm`, `torch`, `cuda` (`torch.version.cuda`, None on CPU builds), `nccl` ("2.28.9", None without
+        CUDA), `python`, `gpu` (name of device 0, None without CUDA), `num_gpus`, `hostname`, `date_utc`
+        (ISO 8601, seconds) and `command`.
+    """
+    repo = pathlib.Path(repo_dir if repo_dir is not None else pathlib.Path(moe_comm.__file__).parents[1]).resolve()
+    commit = dirty = None
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top is not None and pathlib.Path(top).resolve() == repo:
+        commit = _git(repo, "rev-parse", "HEAD")
+        status = _git(repo, "status", "--porcelain", "--untracked-files=no")
+        dirty = None if commit is None or status is None else bool(status)
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (AttributeError, RuntimeError):
+            pass  # a torch built without NCCL
+    return {"commit": commit, "dirty": dirty, "moe_comm": moe_comm.__version__, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "nccl": nccl, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "num_gpus": torch.cuda.device_count() if cuda else 0, "hostname": socket.gethostname(),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([pathlib.Path(sys.executable).name, *argv])}
 
 
 def median_time_us(fn: Callable[[], object], device: torch.device, num_warmups: int = 3,
