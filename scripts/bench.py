@@ -14,7 +14,8 @@ time (DeepEP's metric); wire GB/s = bytes received from other ranks / time. Host
 minus back-to-back time: the host's issue time that the device does not hide.
 
 The markdown starts with the run's commit, versions and command; the JSON carries them as `meta`
-(`moe_comm.testing.bench.run_metadata`).
+(`moe_comm.testing.bench.run_metadata`). With `--json F.json` and matplotlib importable, the plot of
+`scripts/plot_results.py` is written to F.png.
 
     python scripts/bench.py [--num-ranks 2] [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
                             [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--json F] [--md F]
@@ -220,6 +221,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("plot skipped: matplotlib is not importable")
+        else:
+            from plot_results import plot_bench  # scripts/ is sys.path[0] when this file runs as a script
+            png = os.path.splitext(args.json)[0] + ".png"
+            plot_bench(record, png)
+            print(f"plot: {png}")
     if args.md:
         with open(args.md, "w") as f:
             f.write(text + "\n")

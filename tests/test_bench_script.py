@@ -1,4 +1,5 @@
-"""scripts/bench.py runs end to end on CPU (reference backend over gloo) and writes its table and JSON."""
+"""scripts/bench.py runs end to end on CPU (reference backend over gloo) and writes its table, JSON and plot;
+scripts/plot_results.py draws a PNG from that JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +65,17 @@ def test_run_metadata_outside_a_checkout(tmp_path):
     meta = run_metadata(["bench.py", "--x", "a b"], repo_dir=tmp_path)
     assert meta["commit"] is None and meta["dirty"] is None
     assert meta["command"].endswith("bench.py --x 'a b'")
+
+
+def test_plot_results_writes_png(bench_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_json, _, stdout = bench_run
+    # The bench drew its own plot beside the JSON...
+    assert out_json.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE), stdout
+    # ...and the plotter draws one from the JSON alone.
+    png = tmp_path / "plot.png"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_results.py"), str(out_json), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = png.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000

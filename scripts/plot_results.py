@@ -1,0 +1,199 @@
+"""PNG plots of result JSON files, to lie beside their tables in benchmarks/ (DESIGN section 8.5).
+
+A bench record (`scripts/bench.py --json`): time per call against tokens for the dispatch with CPU sync, the cached
+dispatch, both FP8 dispatches and the combine, with the NCCL (gloo on CPU) baseline of the same run, on log-log
+axes; back-to-back device time on CUDA, one isolated call where there is none (CPU). A second panel, when the run
+has one, shows the SM sweep at the largest token count beside the analytical SM count and that size's baseline.
+Every cell is the slowest rank's, as in the table.
+
+Recipe metrics (`recipes/megatron_moe/train.py --metrics-json`, one file per dispatcher of the same preset and
+seed): loss and tokens/s per step, one line per file.
+
+    python scripts/plot_results.py RESULT.json [-o RESULT.png]
+    python scripts/plot_results.py METRICS.json [METRICS.json ...] -o OUT.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+# op in the bench table -> label and style; FP8 shares the BF16 dispatch's shape in another colour
+BENCH_LINES = {
+    "dispatch": ("dispatch (CPU sync)", dict(color="C0", linestyle="-", marker="o")),
+    "cached dispatch": ("cached dispatch", dict(color="C0", linestyle="--", marker="s")),
+    "dispatch fp8": ("FP8 dispatch (CPU sync)", dict(color="C2", linestyle="-", marker="o")),
+    "cached dispatch fp8": ("cached FP8 dispatch", dict(color="C2", linestyle="--", marker="s")),
+    "combine": ("combine", dict(color="C1", linestyle="-", marker="^")),
+}
+BASELINE_LINES = {
+    "dispatch": ("dispatch", dict(color="0.3", linestyle=":", marker="x")),
+    "combine": ("combine", dict(color="0.3", linestyle="-.", marker="+", markersize=9)),
+}
+
+
+def bench_series(record: dict) -> tuple[dict, dict, bool]:
+    """Time per call against tokens, per op and per baseline op.
+
+    Arguments:
+        record: a bench JSON record.
+
+    Returns:
+        `(ops, baselines, back_to_back)`: `{op: [(tokens, us), ...]}` for moe_comm's ops and for the baseline's
+        dispatch and combine; `back_to_back` says whether the times are back-to-back device times (else one
+        isolated call each).
+    """
+    back_to_back = all(row.get("back_to_back_us") is not None for row in record["table"])
+    key = "back_to_back_us" if back_to_back else "us"
+    ops, baselines = {}, {}
+    for row in record["table"]:
+        ops.setdefault(row["op"], []).append((row["tokens"], row[key]))
+        base = row.get(f"baseline_{key}")
+        if row["op"] in BASELINE_LINES and base is not None:
+            baselines.setdefault(row["op"], []).append((row["tokens"], base))
+    return ops, baselines, back_to_back
+
+
+def sweep_series(record: dict) -> dict:
+    """The SM sweep, slowest rank per point: `{op: [(num_sms, us), ...]}` (empty when the run has none)."""
+    per_rank = record.get("per_rank") or []
+    series = {}
+    for i, point in enumerate(per_rank[0]["sweep"] if per_rank else []):
+        for op in ("cached dispatch", "combine"):
+            series.setdefault(op, []).append((point["num_sms"], max(r["sweep"][i][op] for r in per_rank)))
+    return series
+
+
+def _axes(ax, xs: list[int], log_x: bool) -> None:
+    """Log y (log2 x when `log_x`) with the measured x values as ticks and plain numbers on both axes."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    if log_x:
+        ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(set(xs)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _title(record: dict) -> str:
+    """Two lines: the run's shape, then where it came from (commit, versions, date)."""
+    config, meta = record["config"], record.get("meta")
+    shape = (f"{record.get('device', '?')}, {config['num_ranks']} ranks over {config['pg_backend']}, backend "
+             f"{record['per_rank'][0]['backend']}; hidden {config['hidden']} bf16, top-{config['num_topk']} of "
+             f"{config['num_experts']} experts")
+    if meta is None:
+        return f"{shape}\n{record.get('date', '')}, a record without run metadata (its markdown names the commit)"
+    commit = "no checkout" if meta["commit"] is None else meta["commit"][:10] + (" (dirty)" if meta["dirty"] else "")
+    return (f"{shape}\ncommit {commit}, torch {meta['torch']}, CUDA {meta['cuda'] or '-'}, NCCL "
+            f"{meta['nccl'] or '-'}, {meta['date_utc'][:10]}")
+
+
+def plot_bench(record: dict, path: str | pathlib.Path) -> None:
+    """Write the bench record's plot to `path` (PNG).
+
+    Arguments:
+        record: a bench JSON record (`scripts/bench.py --json`, old records without `meta` too).
+        path: where the PNG goes.
+    """
+    from matplotlib.figure import Figure
+
+    ops, baselines, back_to_back = bench_series(record)
+    sweep = sweep_series(record)
+    base_name = "NCCL" if record["config"]["pg_backend"] == "nccl" else record["config"]["pg_backend"]
+    fig = Figure(figsize=(13, 5.2) if sweep else (7.5, 5.2), layout="constrained")
+    axes = fig.subplots(1, 2 if sweep else 1, squeeze=False)[0]
+    ax = axes[0]
+    for op, (label, style) in BENCH_LINES.items():
+        if op in ops:
+            ax.plot(*zip(*ops[op]), label=label, **style)
+    for op, (label, style) in BASELINE_LINES.items():
+        if op in baselines:
+            ax.plot(*zip(*baselines[op]), label=f"{base_name} baseline {label}", **style)
+    _axes(ax, [t for series in ops.values() for t, _ in series], log_x=True)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("us per call, back to back (device time)" if back_to_back else
+                  "us per call, one isolated call (host included)")
+    ax.set_title("time per call against tokens (lower is better)", fontsize=10)
+    ax.legend(fontsize=8)
+    if sweep:
+        ax = axes[1]
+        tokens = max(record["config"]["tokens"])
+        for op in ("cached dispatch", "combine"):
+            label, style = BENCH_LINES[op]
+            ax.plot(*zip(*sweep[op]), label=label, **style)
+        for op, (label, style) in BASELINE_LINES.items():
+            at = dict(baselines.get(op, [])).get(tokens)
+            if at is not None:
+                ax.axhline(at, color=style["color"], linestyle=style["linestyle"], linewidth=1,
+                           label=f"{base_name} baseline {label}")
+        theory = record["per_rank"][0].get("theoretical_num_sms")
+        if theory is not None:
+            ax.axvline(theory, color="C3", linestyle="--", linewidth=1, label=f"analytical num_sms ({theory})")
+        _axes(ax, [n for n, _ in sweep["combine"]], log_x=False)
+        ax.set_xlabel("SMs")
+        ax.set_ylabel("us per call, back to back (device time)" if back_to_back else
+                      "us per call, one isolated call (host included)")
+        ax.set_title(f"SM sweep at {tokens} tokens", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(_title(record), fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
+def plot_recipe(runs: list[dict], path: str | pathlib.Path) -> None:
+    """Write loss and tokens/s per step of recipe runs to `path` (PNG).
+
+    Arguments:
+        runs: metrics records (`train.py --metrics-json`), one line each, labelled by dispatcher.
+        path: where the PNG goes.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    loss_ax, speed_ax = fig.subplots(1, 2)
+    for run in runs:
+        summary, history = run["summary"], run["history"]
+        steps = [h["step"] for h in history]
+        loss_ax.plot(steps, [h["loss"] for h in history], label=summary["dispatcher"])
+        # Step 1 is the warm-up (JIT, allocator): it would squash the axis.
+        speed_ax.plot(steps[1:], [h["tokens_per_s"] / 1e3 for h in history[1:]],
+                      label=f"{summary['dispatcher']} (mean {summary['mean_tokens_per_s'] / 1e3:.1f}k)")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_title("loss per step", fontsize=10)
+    speed_ax.set_xlabel("step")
+    speed_ax.set_ylabel("thousand tokens/s")
+    speed_ax.set_title("throughput per step (from step 2)", fontsize=10)
+    for ax in (loss_ax, speed_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    first = runs[0]["summary"]
+    fig.suptitle(f"recipe preset {first['preset']}, {first['steps']} steps, seed {first['seed']}, "
+                 f"{first['world_size']} ranks", fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="one bench JSON, or recipe metrics JSONs of one preset")
+    parser.add_argument("-o", "--out", default=None, help="the PNG (default: the first JSON with .png)")
+    args = parser.parse_args(argv)
+    records = [json.loads(pathlib.Path(path).read_text()) for path in args.results]
+    out = args.out or str(pathlib.Path(args.results[0]).with_suffix(".png"))
+    if all("table" in record for record in records):
+        if len(records) != 1:
+            parser.error(f"one bench JSON at a time, got {len(records)}")
+        plot_bench(records[0], out)
+    elif all({"summary", "history"} <= record.keys() for record in records):
+        plot_recipe(records, out)
+    else:
+        parser.error("each file must be a bench JSON (a `table`) or recipe metrics (`summary` and `history`)")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
