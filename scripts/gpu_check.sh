@@ -7,6 +7,10 @@
 #   scripts/gpu_check.sh megatron   Megatron GPU tier and the recipe's `small` preset, 50 steps with alltoall and
 #                                   with moe_comm; needs megatron-core/wandb wheels carried in .whl (README of the
 #                                   device tool: pip download ... --python-version 3.12 -d .whl)
+# Results worth keeping go to benchmarks/<theme>_<hardware>_<date>.{md,json,png} (dispatch-combine_h200x2_...,
+# recipe-small_h200x2_...), replacing that theme's older files (NOTES.md names those by git commit); test logs stay
+# out of benchmarks/. Where the tree has no .git (a copied working tree), the bench records commit None: write the
+# commit into the markdown when committing the result.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared machines.
