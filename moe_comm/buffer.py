@@ -8,6 +8,7 @@ Shape legend: N = this rank's tokens, K = top-k slots, H = hidden, R = ranks, L 
 from __future__ import annotations
 
 import datetime
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -115,17 +116,20 @@ class Buffer:
         num_topk: largest top-k of a call (sizing maximum).
         use_fp8_dispatch: reserve room for FP8 rows with scales.
         backend: "torch" (reference, any group), "cuda" (NVLink kernels) or "auto" (cuda where every peer is
-            NVLink-reachable and the kernels are available, else torch).
+            NVLink-reachable and the kernels can be built or loaded, else torch with one warning saying why; every
+            rank takes the same choice).
         deterministic: receive order and combine reduction order exactly as DESIGN 2.1/2.2 specify.
         num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing (CUDA backend kernels;
             the reference backend on NCCL relies on the process group's own timeout).
         num_cpu_timeout_secs: how long a host wait for a peer may block before failing.
+        cuda_tuning: `moe_comm.backends.cuda.CudaTuning`, kernel build variants and block splits for experiments
+            (`scripts/profile_ops.py`); None: the defaults.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_max_tokens_per_rank: int = 4096,
                  hidden: int = 7168, num_topk: int = 8, use_fp8_dispatch: bool = False, backend: str = "auto",
                  deterministic: bool = False, num_gpu_timeout_secs: float = 100,
-                 num_cpu_timeout_secs: float = 300) -> None:
+                 num_cpu_timeout_secs: float = 300, *, cuda_tuning: Optional[cuda_backend.CudaTuning] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moe_comm.Buffer needs torch.distributed to be initialized "
                                "(torch.distributed.init_process_group)")
@@ -141,6 +145,9 @@ class Buffer:
                             ("num_cpu_timeout_secs", num_cpu_timeout_secs)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+        if cuda_tuning is not None and not isinstance(cuda_tuning, cuda_backend.CudaTuning):
+            raise TypeError(f"cuda_tuning must be a moe_comm.backends.cuda.CudaTuning or None, "
+                            f"got {type(cuda_tuning).__name__}")
 
         self.group = group
         self.rank = dist.get_rank(group)
@@ -155,12 +162,12 @@ class Buffer:
         self.num_bytes = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
                                                      use_fp8_dispatch)
         self.device = self.group_device(group)
-        self.backend = self._resolve_backend(backend)
+        self.backend = self._resolve_backend(backend, cuda_tuning)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
         if self.backend == "cuda":
             self._impl = cuda_backend.CudaBackend(group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
-                                                  self.num_gpu_timeout_secs)
+                                                  self.num_gpu_timeout_secs, cuda_tuning)
         else:
             self._impl = TorchRefBackend(group, self.device, self.num_cpu_timeout_secs)
         self._destroyed = False
@@ -175,15 +182,21 @@ class Buffer:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _resolve_backend(self, backend: str) -> str:
+    def _resolve_backend(self, backend: str, cuda_tuning) -> str:
         if backend == "torch":
             return "torch"
-        usable = self.device.type == "cuda" and cuda_backend.peers_reachable(self.group)
-        if backend == "cuda" and not usable:
-            raise ValueError(f"backend='cuda' needs every rank of the group on a GPU of this host with peer access "
-                             f"(group device: {self.device}, {self.num_ranks} ranks, "
-                             f"{torch.cuda.device_count()} local GPUs); use backend='torch' or 'auto'")
-        return "cuda" if usable else "torch"
+        if self.device.type != "cuda":
+            if backend == "cuda":
+                raise ValueError(f"backend='cuda' needs an NCCL group on GPUs, this group works on {self.device}; "
+                                 f"use backend='torch' or 'auto'")
+            return "torch"  # gloo: the reference backend is the only one, no warning
+        why_not = cuda_backend.why_not_usable(self.group, cuda_tuning)  # collective: every rank gets the same
+        if why_not is None:
+            return "cuda"
+        if backend == "cuda":
+            raise ValueError(f"backend='cuda' cannot run on this group: {why_not}; use backend='torch' or 'auto'")
+        warnings.warn(f"moe_comm: backend='auto' uses the reference backend ('torch'): {why_not}", stacklevel=3)
+        return "torch"
 
     def _machine_topology(self) -> sizing.Topology:
         """The sizing model's inputs, read off this machine where possible.

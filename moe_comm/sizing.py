@@ -1,7 +1,8 @@
 """Analytical model of DeepEP V2 for expert-parallel dispatch/combine (DESIGN 2.4).
 
-Pure functions: no GPU, no torch, no imports from the rest of `moe_comm`, so the model can be used from a
-launcher script, a config validator or a notebook before any process group exists.
+Pure functions: no GPU, no torch, no imports from the rest of `moe_comm` but `moe_comm.layout` (the buffer's
+layout, itself pure), so the model can be used from a launcher script, a config validator or a notebook before
+any process group exists.
 
 The model assumes a balanced gate: every token picks `num_topk` distinct experts uniformly at random, and
 experts are laid out contiguously, `num_experts / num_ranks` per rank. Traffic is counted per token as a
@@ -23,6 +24,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from fractions import Fraction
+
+from . import layout
 
 # Hardware defaults, per direction. NVLink 4 (H100/H200) runs 18 links at 26.5625 GB/s, NVLink 5 (B200)
 # 18 links at 50 GB/s; `nvidia-smi nvlink -s` reports the same per-link numbers.
@@ -53,8 +56,8 @@ MAX_DIRECT_NUM_QPS = 9
 
 NVIDIA_SMI_TIMEOUT_S = 5.0
 
-# Bytes reserved for counters and flags at the end of the buffer.
-BUFFER_CONTROL_BYTES = 1 << 20
+# Bytes of the control region (counters, flags, control slots) at the start of the buffer.
+BUFFER_CONTROL_BYTES = layout.CONTROL_BYTES
 # FP8 dispatch carries one fp32 scale per block of this many hidden elements.
 FP8_SCALE_BLOCK = 128
 
@@ -460,15 +463,12 @@ def get_buffer_size_hint(
 ) -> int:
     """Bytes of the per-rank symmetric buffer for dispatch and combine.
 
-    Layout (other modules index the buffer with exactly these sizes):
-    - `row_data_bytes = align16(hidden * elem_size)`; with `use_fp8_dispatch`,
-      `max(that, align16(hidden + (hidden // 128) * 4))`, the fp8 data plus one fp32 scale per 128 elements.
-      Combine stays in `elem_size` precision, so the wider of the two rows is reserved.
-    - `row_meta_bytes = align16(num_topk * 16 + 8)`: per top-k slot an int64 expert index and up to a float64
-      weight, plus the int64 source token index.
-    - `row_bytes = row_data_bytes + row_meta_bytes`.
-    - `size = 2 * num_ranks * num_max_tokens_per_rank * row_bytes + 1 MiB`: a send staging region and a
-      receive region, each one row per (peer rank, token), then 1 MiB of counters and flags.
+    What the layout holds (`moe_comm.layout`): the control region (`BUFFER_CONTROL_BYTES`), then a receive block
+    of `num_max_tokens_per_rank` rows per rank, each row laid out by `layout.dispatch_row`: the row data
+    (`hidden * elem_size` bytes, or with `use_fp8_dispatch` FP8 data plus one fp32 scale per 128 elements,
+    whichever is wider), padded to 16; the metadata (int64 source index, per slot an int32 local expert id, an
+    int32 rank and a weight of up to 8 bytes), padded to 16; a 16-byte tag. A combine row (data and weights) is
+    never wider; an expand combine moves in rounds of as many slots as the region holds.
 
     Arguments:
         num_ranks: ranks in the expert-parallel group.
@@ -490,10 +490,7 @@ def get_buffer_size_hint(
     if use_fp8_dispatch and hidden % FP8_SCALE_BLOCK != 0:
         raise ValueError(f"{hidden=} is not a multiple of {FP8_SCALE_BLOCK} as FP8 dispatch requires")
 
-    row_data_bytes = _align(hidden * elem_size, 16)
+    row_bytes = layout.dispatch_row(hidden * elem_size, 0, num_topk, 8).stride
     if use_fp8_dispatch:
-        fp8_row_bytes = _align(hidden + (hidden // FP8_SCALE_BLOCK) * 4, 16)
-        row_data_bytes = max(row_data_bytes, fp8_row_bytes)
-    row_meta_bytes = _align(num_topk * 16 + 8, 16)
-    row_bytes = row_data_bytes + row_meta_bytes
-    return 2 * num_ranks * num_max_tokens_per_rank * row_bytes + BUFFER_CONTROL_BYTES
+        row_bytes = max(row_bytes, layout.dispatch_row(hidden, (hidden // FP8_SCALE_BLOCK) * 4, num_topk, 8).stride)
+    return num_ranks * num_max_tokens_per_rank * row_bytes + BUFFER_CONTROL_BYTES

@@ -93,17 +93,17 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
 
 def jit_times() -> dict:
     """Cold build of every kernel library into an empty cache, and a warm first load in a fresh process."""
-    from moe_comm.backends import cuda as cuda_backend
+    from moe_comm.backends import cuda_kernels
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "MOE_COMM_JIT_CACHE_DIR": cache}
-        code = ("import time; from moe_comm.backends import cuda as c; t = time.perf_counter(); c.load_kernels(); "
+        code = ("import time; from moe_comm.backends import cuda_kernels as c; t = time.perf_counter(); c.load_kernels(); "
                 "print(time.perf_counter() - t)")
         cold = float(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
                                     text=True).stdout.split()[-1])
         warm = float(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
                                     text=True).stdout.split()[-1])
     return {"cold_build_s": round(cold, 2), "warm_first_load_s": round(warm, 3),
-            "libraries": sorted(cuda_backend.KERNEL_SOURCES)}
+            "libraries": [cuda_kernels.LIBRARY]}
 
 
 def gbs(num_bytes: float, us: float) -> float:

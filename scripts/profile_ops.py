@@ -12,12 +12,10 @@ MOE_COMM_RECV_STAGES, `send=F` / `csend=F` the share of sending blocks of the di
 count, `times=1` a build that records when each block ends), one bitwise check, then the kernel times of a cached
 dispatch (BF16 and FP8) and a combine at the largest token count.
 
-With `--copy-ceiling`, instead: the plain grid-stride block copy of the transport (`copy_blocks`: every rank
-writes one block to every rank, its own included, as a dispatch does) with 1 to 48 blocks, as GB/s per SM: the
-per-SM floor the dispatch and combine kernels are measured against.
+The per-SM copy floor the kernels are measured against is benchmarks/microbench/copy_bench.cu.
 
     python scripts/profile_ops.py [--num-ranks 2] [--tokens 128 4096] [--iters 50] [--out DIR]
-                                  [--variants unroll=8,send=0.6 ...] [--copy-ceiling]
+                                  [--variants unroll=8,send=0.6 ...]
 """
 
 from __future__ import annotations
@@ -58,18 +56,20 @@ def block_times(buf, handle, ops: dict) -> list[str]:
     import ctypes
     import statistics
 
-    from moe_comm.backends import cuda as cuda_backend
+    from moe_comm.backends.cuda import num_send_blocks
 
     lines = []
     num_blocks = handle.num_sms
+    impl, tuning = buf._impl, buf._impl.tuning
     for name, fn in ops.items():
-        kernel = 1 if name == "combine" else 0
-        num_send = cuda_backend._num_send_blocks("combine" if kernel else "dispatch", num_blocks, buf.num_ranks,
-                                                 handle.do_expand)
+        op = "combine" if name == "combine" else "dispatch"
+        fraction = tuning.combine_send_fraction if op == "combine" else tuning.dispatch_send_fraction
+        num_send = num_send_blocks(op, num_blocks, buf.num_ranks, handle.do_expand, fraction)
         fn()
         torch.cuda.synchronize()
         raw = (ctypes.c_uint64 * (2 * num_blocks))()
-        buf._impl._check(buf._impl.lib.moe_comm_block_times(kernel, raw, num_blocks), "block times")
+        read = impl.kernels.combine_block_times if op == "combine" else impl.kernels.dispatch_block_times
+        impl._check(read(raw, num_blocks), "block times")
         starts, ends = raw[0::2], raw[1::2]
         t0 = min(starts)
         parts = []
@@ -83,7 +83,7 @@ def block_times(buf, handle, ops: dict) -> list[str]:
 
 
 def variants_rank(rank: int, world_size: int, args: dict) -> str:
-    from moe_comm.backends import cuda as cuda_backend
+    from moe_comm.backends.cuda import CudaTuning
     from moe_comm.testing.checks import check_case
 
     device = torch.device("cuda", rank)
@@ -93,18 +93,18 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | cached dispatch fp8 | combine)"]
     for variant in args["variants"]:
         settings = dict(item.split("=") for item in variant.split(","))
-        cuda_backend.KERNEL_FLAGS = (f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 8)}",
-                                     f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 4)}",
-                                     f"-DMOE_COMM_COMBINE_BATCH={settings.get('cbatch', 1)}",
-                                     f"-DMOE_COMM_RECV_CHUNK={settings.get('chunk', 8192)}",
-                                     f"-DMOE_COMM_RECV_STAGES={settings.get('stages', 2)}",
-                                     *(["-DMOE_COMM_BLOCK_TIMES"] if settings.get("times") else []))
-        cuda_backend.SEND_FRACTION = {op: float(settings[key]) for op, key in (("dispatch", "send"),
-                                                                               ("combine", "csend"))
-                                      if key in settings}
+        tuning = CudaTuning(
+            kernel_flags=(f"-DMOE_COMM_COPY_UNROLL={settings.get('unroll', 8)}",
+                          f"-DMOE_COMM_SEND_BATCH={settings.get('batch', 4)}",
+                          f"-DMOE_COMM_COMBINE_BATCH={settings.get('cbatch', 1)}",
+                          f"-DMOE_COMM_RECV_CHUNK={settings.get('chunk', 8192)}",
+                          f"-DMOE_COMM_RECV_STAGES={settings.get('stages', 2)}",
+                          *(["-DMOE_COMM_BLOCK_TIMES"] if settings.get("times") else [])),
+            dispatch_send_fraction=float(settings["send"]) if "send" in settings else None,
+            combine_send_fraction=float(settings["csend"]) if "csend" in settings else None)
         num_sms = int(settings.get("sms", 0))
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K,
-                              use_fp8_dispatch=True, backend="cuda")
+                              use_fp8_dispatch=True, backend="cuda", cuda_tuning=tuning)
         try:
             check_case(buf, case, rank)
             x, idx, w = rank_inputs(case, rank, device)
@@ -126,37 +126,6 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
         if rank == 0:
             print(lines[-1], flush=True)
         buf.destroy()
-    return "\n".join(lines)
-
-
-def copy_ceiling_rank(rank: int, world_size: int, args: dict) -> str:
-    import ctypes
-
-    from moe_comm.backends import cuda as cuda_backend
-
-    device = torch.device("cuda", rank)
-    hidden, num_tokens = 7168, max(args["tokens"])
-    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=8, backend="cuda")
-    impl = buf._impl
-    width = hidden * 2
-    send = torch.randn(world_size * num_tokens, hidden, device=device).to(torch.bfloat16)
-    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-    params = cuda_backend._BlockCopyParams(send.data_ptr(), 0, impl.symm.buffer_ptrs_dev, width, num_tokens, 0,
-                                           num_tokens, cuda_backend.CONTROL_BYTES, rank, world_size)
-    total = world_size * num_tokens * width  # bytes this rank writes (its own block included)
-    lines = [f"copy_blocks: {world_size} x {num_tokens} rows of {width} B per rank ({total / 1e6:.1f} MB, "
-             f"{(world_size - 1) * num_tokens * width / 1e6:.1f} MB over NVLink)"]
-    for num_blocks in (1, 2, 4, 8, 11, 16, 22, 32, 48):
-        def launch() -> None:
-            impl._check(impl.lib.moe_comm_copy_blocks(ctypes.byref(params), num_blocks, cuda_backend.COPY_THREADS,
-                                                      stream), "copy")
-
-        us = sum(kernel_times(launch, args["iters"]).values())
-        lines.append(f"    {num_blocks:3d} blocks: {us:8.1f} us, {total / us / 1e3:7.1f} GB/s, "
-                     f"{total / us / 1e3 / num_blocks:6.1f} GB/s per SM")
-        if rank == 0:
-            print(lines[-1], flush=True)
-    buf.destroy()
     return "\n".join(lines)
 
 
@@ -207,9 +176,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile.txt")
     parser.add_argument("--variants", nargs="*", default=None, help="kernel build variants to compare")
-    parser.add_argument("--copy-ceiling", action="store_true", help="per-SM throughput of a plain block copy")
     args = parser.parse_args()
-    fn = copy_ceiling_rank if args.copy_ceiling else variants_rank if args.variants else profile_rank
+    fn = variants_rank if args.variants else profile_rank
     report = parallel_launch(args.num_ranks, fn, {"tokens": args.tokens, "iters": args.iters, "variants": args.variants},
                              backend="nccl", timeout_s=600)[0]
     print(report)

@@ -74,18 +74,3 @@ def test_baseline_agrees(pools):
     case = Case(seed=61, num_ranks=2, num_experts=8, num_topk=3, hidden=64, num_tokens=(40, 25),
                 num_max_tokens_per_rank=40)
     assert pools(2).run(baseline_agrees_rank, case) == [True, True]
-
-
-def run_cases_fixed_blocks(rank: int, world_size: int, cases: list[Case]) -> int:
-    """The layout the CUDA backend uses (every receive block `num_max_tokens_per_rank` rows, whatever the
-    counts), exercised on CPU through the reference transport."""
-    for case in cases:
-        buf = make_buffer(case)
-        buf._impl.fixed_blocks = True
-        check_case(buf, case, rank)
-    return len(cases)
-
-
-def test_fixed_block_layout(pools, seed):
-    cases = draw_cases(seed * 10 + 9, 20, 2)
-    assert pools(2).run(run_cases_fixed_blocks, cases) == [len(cases)] * 2

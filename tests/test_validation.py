@@ -132,7 +132,7 @@ def constructor_errors_rank(rank: int, world_size: int) -> int:
     bad = [
         (dict(hidden=0), ValueError, "hidden=0 must be >= 1"),
         (dict(backend="nccl2"), ValueError, "backend='nccl2' is not one of"),
-        (dict(backend="cuda"), ValueError, "backend='cuda' needs every rank of the group on a GPU"),
+        (dict(backend="cuda"), ValueError, "backend='cuda' needs an NCCL group on GPUs"),
         (dict(num_cpu_timeout_secs=0), ValueError, "num_cpu_timeout_secs=0"),
         (dict(num_max_tokens_per_rank=-1), ValueError, "num_max_tokens_per_rank=-1"),
         (dict(deterministic="yes"), TypeError, "deterministic must be a bool"),

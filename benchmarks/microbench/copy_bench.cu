@@ -8,7 +8,7 @@
 //         the bytes, the copy engine moves them).
 // Both GPUs run the same kernel at the same time (NVLink loaded in both directions, as in an all-to-all).
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc/include -o /tmp/copy_bench \
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I moe_comm/csrc/include -o /tmp/copy_bench \
 //       benchmarks/microbench/copy_bench.cu && /tmp/copy_bench      (from the repository root)
 // Prints one line per configuration: us per copy (slower GPU), GB/s of stored bytes, GB/s per block (SM).
 
@@ -19,7 +19,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "moe_comm/comm.cuh"
+#include "moe_comm/common/copy.cuh"
 
 using namespace moe_comm;
 

@@ -10,8 +10,10 @@ Cache layout under `default_cache_dir()`:
     .tmp-<name>-<hash16>-*/      a build in progress (or one killed mid-way: the next builder removes it)
 
 The key (`<hash16>` is its first 16 hex digits) is a sha256 over the name, the full `nvcc --version` text,
-the arch, the flag list, and the bytes of every source and of every header reachable from them through
-`#include` (`_reachable_files`). Include-dir paths are not hashed: the headers found there are.
+the arch, the flag list, the generated headers (path and text), and the bytes of every source and of every header
+reachable from them through `#include` (`_reachable_files`). Include-dir paths are not hashed: the headers found
+there are. Generated headers (`generated=`, e.g. `moe_comm/abi.h` from `moe_comm.layout`) are written into
+`<key folder>/gen/`, which is on the include path of the build.
 
 A key folder only ever appears complete (it is renamed into place), so a caller that sees `<name>.so` uses it
 without locking. Otherwise it takes the key's lock, checks again (another rank may have just built it),
@@ -36,14 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
 
-# The kernel sources of this repository (not shipped inside the wheel: a source checkout is needed to build).
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+# The kernel sources, shipped inside the package.
+CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
 
 DEFAULT_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", "--expt-relaxed-constexpr")
 # How often a rank waiting for another rank's build retries the lock.
@@ -119,7 +121,7 @@ def _nvcc_version_of(nvcc: Path) -> str:
 
 
 def build(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = (), flags: Sequence[str] = (),
-          arch: str = "sm_90a", timeout_s: float = 600.0) -> Path:
+          generated: Mapping[str, str] | None = None, arch: str = "sm_90a", timeout_s: float = 600.0) -> Path:
     """Compile `sources` into `<name>.so` with one nvcc run, or return the cached library.
 
     Safe to call from every rank at once: exactly one process per machine (per cache folder) runs nvcc,
@@ -130,6 +132,8 @@ def build(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = 
         sources: the `.cu`/`.cpp` files, compiled and linked together.
         include_dirs: passed as `-I`; headers found there through `#include` are part of the cache key.
         flags: extra nvcc flags, appended after `DEFAULT_FLAGS` and the `-gencode` for `arch`.
+        generated: header path (relative, e.g. `moe_comm/abi.h`) -> text, written for the build and included
+            like any other header; part of the cache key.
         arch: the target, `sm_<digits>` with an optional `a`/`f` suffix; `sm_90a` builds
             `-gencode=arch=compute_90a,code=sm_90a`.
         timeout_s: the longest wait for another process's build (the lock) and, separately, for nvcc.
@@ -141,11 +145,11 @@ def build(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = 
         TimeoutError: the lock stayed held for `timeout_s`; the message names the lock file and its holder.
         RuntimeError: nvcc failed or ran past `timeout_s`; the message has the command and nvcc's output.
     """
-    return _build(_plan(name, sources, include_dirs, flags, arch), default_cache_dir(), timeout_s)
+    return _build(_plan(name, sources, include_dirs, flags, generated, arch), default_cache_dir(), timeout_s)
 
 
 def load(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = (), flags: Sequence[str] = (),
-         arch: str = "sm_90a", timeout_s: float = 600.0) -> ctypes.CDLL:
+         generated: Mapping[str, str] | None = None, arch: str = "sm_90a", timeout_s: float = 600.0) -> ctypes.CDLL:
     """`build`, then open the library with ctypes; once per process per cache key.
 
     Arguments:
@@ -154,17 +158,18 @@ def load(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = (
     Returns:
         The loaded library; set `restype`/`argtypes` on its launchers before calling them.
     """
-    plan = _plan(name, sources, include_dirs, flags, arch)
+    plan = _plan(name, sources, include_dirs, flags, generated, arch)
     if plan.key not in _LOADED:
         _LOADED[plan.key] = ctypes.CDLL(str(_build(plan, default_cache_dir(), timeout_s)))
     return _LOADED[plan.key]
 
 
-def compile_check(sources: Sequence[Path], include_dirs: Sequence[Path] = (), arch: str = "sm_90a") -> float:
+def compile_check(sources: Sequence[Path], include_dirs: Sequence[Path] = (), generated: Mapping[str, str] | None = None,
+                  flags: Sequence[str] = (), arch: str = "sm_90a") -> float:
     """Prove that `sources` compile, in a throw-away cache (CI runs this on a machine without a GPU).
 
     Arguments:
-        sources, include_dirs, arch: as for `build`.
+        sources, include_dirs, generated, flags, arch: as for `build`.
 
     Returns:
         The seconds the build took.
@@ -172,7 +177,7 @@ def compile_check(sources: Sequence[Path], include_dirs: Sequence[Path] = (), ar
     Raises:
         RuntimeError: nvcc failed; the message has the command and nvcc's output.
     """
-    plan = _plan("compile_check", sources, include_dirs, (), arch)
+    plan = _plan("compile_check", sources, include_dirs, flags, generated, arch)
     with tempfile.TemporaryDirectory(prefix="moe_comm-jit-check-") as root:
         start = time.monotonic()
         _build(plan, Path(root), timeout_s=600.0)
@@ -189,18 +194,20 @@ class _Plan:
     flags: tuple[str, ...]
     include_dirs: tuple[Path, ...]
     sources: tuple[Path, ...]
+    generated: tuple[tuple[str, str], ...]
 
     @property
     def folder_name(self) -> str:
         return f"{self.name}-{self.key[:16]}"
 
     def command(self, library: Path) -> list[str]:
-        return [str(self.nvcc), *self.flags, *(f"-I{d}" for d in self.include_dirs), "-o", str(library),
+        gen = library.parent / "gen"
+        return [str(self.nvcc), *self.flags, *(f"-I{d}" for d in (gen, *self.include_dirs)), "-o", str(library),
                 *map(str, self.sources)]
 
 
 def _plan(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], flags: Sequence[str],
-          arch: str) -> _Plan:
+          generated: Mapping[str, str] | None, arch: str) -> _Plan:
     if not _NAME_RE.fullmatch(name):
         raise ValueError(f"{name=} must match {_NAME_RE.pattern}: it names the cache folder")
     if not _ARCH_RE.fullmatch(arch):
@@ -215,6 +222,10 @@ def _plan(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], flag
         if not path.is_file():
             raise FileNotFoundError(f"source {path} of build {name!r} does not exist")
     dir_paths = tuple(Path(d).absolute() for d in include_dirs)
+    gen_files = tuple(sorted((generated or {}).items()))
+    for relative, _ in gen_files:
+        if Path(relative).is_absolute() or ".." in Path(relative).parts:
+            raise ValueError(f"generated header {relative!r} must be a relative path inside the build")
     final_flags = (*DEFAULT_FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}", *flags)
     nvcc = find_nvcc()
 
@@ -222,11 +233,12 @@ def _plan(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], flag
     digest = hashlib.sha256()
     fields = [name.encode(), _nvcc_version_of(nvcc).encode(), arch.encode(), "\0".join(final_flags).encode(),
               "\0".join(p.name for p in source_paths).encode()]
+    fields += [f"{relative}\0{text}".encode() for relative, text in gen_files]
     fields += [data for _, data in _reachable_files(source_paths, dir_paths)]
     for field in fields:
         digest.update(len(field).to_bytes(8, "little"))
         digest.update(field)
-    return _Plan(name, digest.hexdigest(), nvcc, final_flags, dir_paths, source_paths)
+    return _Plan(name, digest.hexdigest(), nvcc, final_flags, dir_paths, source_paths, gen_files)
 
 
 def _reachable_files(sources: tuple[Path, ...], include_dirs: tuple[Path, ...]) -> list[tuple[Path, bytes]]:
@@ -287,6 +299,10 @@ def _build(plan: _Plan, root: Path, timeout_s: float) -> Path:
 def _compile(plan: _Plan, folder: Path, timeout_s: float) -> float:
     """Run nvcc into `folder`, write `folder/build.log`; the seconds it took, or RuntimeError."""
     library = folder / f"{plan.name}.so"
+    for relative, text in plan.generated:
+        path = folder / "gen" / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     command = plan.command(library)
     start = time.monotonic()
     returncode, output = _run(command, timeout_s)

@@ -1,0 +1,248 @@
+"""What the backends share (they are siblings: neither is built on the other): stream control around an operation,
+argument agreement across ranks, value checks of `topk_idx` and their error messages, the FP8 cast before rows
+travel. The reference backend (`torch_ref`) and the CUDA backend (`cuda`) each implement `dispatch_steps`,
+`combine_steps` and `gather_values`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import quant
+from ..event import EventOverlap
+from ..handle import EPHandle
+
+# Error flag bits of a rank's routing (the reference computes them in torch, the kernels in the layout kernel).
+FLAG_OUT_OF_RANGE = 1
+FLAG_DUPLICATE = 2
+
+
+class Backend:
+    """Base of the backends behind `moe_comm.Buffer`: stream control, agreement and value checks.
+
+    Arguments:
+        group: the process group.
+        device: the group's device (CPU for gloo, the current CUDA device for NCCL).
+        num_cpu_timeout_secs: how long a host wait for a peer may block before raising.
+    """
+
+    name = "base"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = device
+        self.timeout_secs = num_cpu_timeout_secs
+        self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._comm_stream_busy = False  # an async call ran on the comm stream since the last synchronous one
+        # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
+        self.pending_flags = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
+
+    # ------------------------------------------------------------------------------------------------
+    # Entry points (Buffer calls these with validated calls)
+    # ------------------------------------------------------------------------------------------------
+    def dispatch(self, c, verify_agreement: bool) -> tuple:
+        """Run a validated `DispatchCall` (see `moe_comm.buffer`); first check that all ranks called it with the
+        same sizes when `verify_agreement`."""
+        self.after_host_sync()
+        inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
+        outputs, event = self.run(lambda: self.dispatch_steps(c, verify_agreement), c.previous_event,
+                                   c.async_with_compute_stream, inputs)
+        recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
+        return recv_x, recv_topk_idx, recv_topk_weights, handle, event
+
+    def dispatch_steps(self, c, verify_agreement: bool):
+        """The dispatch itself, inside the stream scope of `run`: `(outputs, works, finalizers)`; with
+        `verify_agreement` it first checks that all ranks called it with the same sizes."""
+        raise NotImplementedError
+
+    def combine_steps(self, c):
+        """The combine itself, inside the stream scope of `run`: `(outputs, works, finalizers)`."""
+        raise NotImplementedError
+
+    def combine(self, c, verify_agreement: bool) -> tuple:
+        """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement`, first check on the
+        comm stream, after `previous_event`, that all ranks called it with the same sizes."""
+        self.after_host_sync()
+        inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None]
+
+        def steps():
+            if verify_agreement:
+                self.check_agreement("combine", c.signature())
+            return self.combine_steps(c)
+
+        outputs, event = self.run(steps, c.previous_event, c.async_with_compute_stream, inputs)
+        combined_x, combined_w = outputs
+        return combined_x, combined_w, event
+
+    # ------------------------------------------------------------------------------------------------
+    # Streams, checks
+    # ------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the backend holds."""
+
+    def after_host_sync(self) -> None:
+        """Called after every host read of device values and at the start of every call (a transport that
+        reports device-side errors raises them here)."""
+
+    def _wait(self, works: list[tuple[object, str]]) -> None:
+        """Block until `works` are done (CPU), or make the current stream wait for them (CUDA)."""
+        if self.comm_stream is None:
+            EventOverlap(works=works, timeout_secs=self.timeout_secs).current_stream_wait()
+            return
+        for work, _ in works:
+            work.wait()
+
+    def run(self, body: Callable[[], tuple], previous_event: Optional[EventOverlap],
+             async_with_compute_stream: bool, inputs: Sequence[torch.Tensor]):
+        """Stream control around one operation.
+
+        `body` returns `(outputs, works, finalizers)`: outputs are allocated, works are the data exchange in
+        flight, finalizers fill the outputs once the works are done. Returns `(outputs, event)`.
+        On CUDA a synchronous call runs on the current stream (stream-ordered, nothing to hand over between
+        streams); an async call runs on the comm stream, ordered after the current stream, and the outputs are
+        recorded for the current stream. The host never waits for the device here.
+        """
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        if self.comm_stream is None:
+            outputs, works, finalizers = body()
+            event = EventOverlap(works=works, finalizers=finalizers, timeout_secs=self.timeout_secs)
+            if not async_with_compute_stream:
+                event.current_stream_wait()
+            return outputs, event
+        compute_stream = torch.cuda.current_stream(self.device)
+        if not async_with_compute_stream:
+            # An async call may still be using the buffer on the comm stream.
+            if self._comm_stream_busy:
+                compute_stream.wait_stream(self.comm_stream)
+                self._comm_stream_busy = False
+            outputs, works, finalizers = body()
+            self._wait(works)
+            for finalize in finalizers:
+                finalize()
+            return outputs, EventOverlap()
+        self.comm_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self.comm_stream):
+            outputs, works, finalizers = body()
+            self._wait(works)
+            for finalize in finalizers:
+                finalize()
+        self._comm_stream_busy = True
+        for t in inputs:
+            t.record_stream(self.comm_stream)
+        for t in _flatten_tensors(outputs):
+            t.record_stream(compute_stream)
+        cuda_event = torch.cuda.Event()
+        cuda_event.record(self.comm_stream)
+        return outputs, EventOverlap(event=cuda_event, extra_tensors=tuple(inputs))
+
+    # ------------------------------------------------------------------------------------------------
+    # Value checks
+    # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def sanitize_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop invalid slots to -1 and return `(clean_idx, flags)`; flags is a 0-d int64 tensor."""
+        out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+        valid = (topk_idx >= 0) & ~out_of_range
+        # A slot repeating an expert of an earlier slot of its row is a duplicate.
+        same = (topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)) & valid.unsqueeze(2) & valid.unsqueeze(1)
+        duplicate = torch.tril(same, diagonal=-1).any(dim=2)
+        clean = torch.where(out_of_range | duplicate, torch.full_like(topk_idx, -1), topk_idx)
+        flags = out_of_range.any().to(torch.int64) * FLAG_OUT_OF_RANGE + \
+            duplicate.any().to(torch.int64) * FLAG_DUPLICATE
+        return clean, flags
+
+    @staticmethod
+    def describe_bad_topk(topk_idx: torch.Tensor, num_experts: int) -> str:
+        """Host-side detail of this rank's first invalid slot (error path only)."""
+        clean, _ = Backend.sanitize_topk_idx(topk_idx, num_experts)
+        bad = (clean != topk_idx).nonzero()
+        if bad.numel() == 0:
+            return ""
+        t, j = bad[0].tolist()
+        row = topk_idx[t].tolist()
+        return f"first bad slot: topk_idx[{t}, {j}]={row[j]} in row {row}"
+
+    def raise_for_flags(self, flags_per_rank: list[int], topk_idx: Optional[torch.Tensor], num_experts: int,
+                        what: str) -> None:
+        """Raise a ValueError naming each problem and the ranks that have it (`num_experts` -1: not known, for
+        slots dropped by an earlier dispatch)."""
+        if not any(flags_per_rank):
+            return
+        problems = []
+        out_of_range = f"entries outside [-1, {num_experts})" if num_experts > 0 else "out-of-range entries"
+        for bit, text in ((FLAG_OUT_OF_RANGE, out_of_range),
+                          (FLAG_DUPLICATE, "duplicate experts in a row")):
+            ranks = [r for r, f in enumerate(flags_per_rank) if f & bit]
+            if ranks:
+                problems.append(f"{text} on rank(s) {ranks}")
+        detail = ""
+        if topk_idx is not None and flags_per_rank[self.rank]:
+            detail = "; " + self.describe_bad_topk(topk_idx, num_experts)
+        raise ValueError(f"topk_idx is invalid{what}: " + ", ".join(problems) + detail)
+
+    def check_inputs_up_front(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+        """MOE_COMM_CHECK_INPUTS=1: agree on every rank's flags before any data moves, then raise everywhere."""
+        _, flags = self.sanitize_topk_idx(topk_idx, num_experts)
+        flags_per_rank = torch.zeros(self.num_ranks, dtype=torch.int64, device=self.device)
+        flags_per_rank[self.rank] = flags
+        work = dist.all_reduce(flags_per_rank, group=self.group, async_op=True)
+        self._wait([(work, f"rank {self.rank} input check all-reduce")])
+        flags = flags_per_rank.tolist()
+        self.after_host_sync()
+        self.raise_for_flags(flags, topk_idx, num_experts, "")
+
+    def check_agreement(self, what: str, values: dict[str, int]) -> None:
+        """Raise ValueError on every rank if the ranks called `what` with different `values`.
+
+        Exchange sizes follow these values, so ranks that disagree would otherwise crash or corrupt rows.
+        Costs one small exchange and a host sync: done on synchronizing calls and with MOE_COMM_CHECK_INPUTS=1.
+        """
+        mine = torch.tensor(list(values.values()), dtype=torch.int64, device=self.device)
+        rows = self.gather_values(mine, f"{what} argument agreement").tolist()
+        self.after_host_sync()
+        differing = [f"{name}: {[row[i] for row in rows]}" for i, name in enumerate(values)
+                     if len({row[i] for row in rows}) > 1]
+        if differing:
+            raise ValueError(f"ranks called {what} with different arguments (per rank): " + "; ".join(differing))
+
+    def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
+        """Every rank's `mine` (1-D int64, same length everywhere) as `[R, n]`, stream-ordered; a peer that does
+        not arrive ends in a TimeoutError naming rank, phase and peer where the backend can."""
+        raise NotImplementedError
+
+    def check_pending_errors(self) -> None:
+        """Raise (on every rank alike) for invalid slots that an earlier dispatch without CPU sync dropped."""
+        flags = self.pending_flags.tolist()
+        if any(flags):
+            self.pending_flags.zero_()
+            self.raise_for_flags(flags, None, -1, " in an earlier dispatch without CPU sync (slots dropped)")
+
+    def _wire_tensors(self, c) -> dict[str, torch.Tensor]:
+        """The per-token data as it travels: x, or FP8 bytes and scales (cast here for `quantize=`)."""
+        if c.wire_format is None:
+            return {"x": c.x}
+        if c.quantize is not None:
+            q, scales = quant.quantize(c.x, c.quantize)
+        else:
+            q, scales = c.fp8_q, c.fp8_scales
+        return {"q": q.view(torch.uint8), "scales": scales}
+
+
+def _flatten_tensors(outputs) -> list[torch.Tensor]:
+    """Every tensor in `outputs`, including those inside tuples and a handle (they cross streams too)."""
+    flat = []
+    for o in outputs:
+        if isinstance(o, torch.Tensor):
+            flat.append(o)
+        elif isinstance(o, (tuple, list)):
+            flat.extend(_flatten_tensors(o))
+        elif isinstance(o, EPHandle):
+            flat.extend(_flatten_tensors([getattr(o, f) for f in o.__dataclass_fields__ if f != "layout"]))
+            flat.extend(_flatten_tensors([getattr(o.layout, f) for f in o.layout.__dataclass_fields__]))
+    return flat

@@ -1,0 +1,116 @@
+"""The C boundary of the CUDA backend: build and load the kernel library (`moe_comm/csrc`, by `moe_comm.jit`),
+declare every function's argument and return types, check that the compiler laid out each struct exactly as
+`moe_comm.layout` did (size and every field offset), and raise a failed launch as a RuntimeError that names the
+failed condition with its values (the launchers' `moe_comm_last_error`).
+
+ctypes, not a torch extension: the kernel library has no torch headers, so the CPU CI machine (whose torch has no
+CUDA parts) compiles it, a cold build takes seconds, and one library serves every torch version. The host path
+keeps a crossing cheap by building each call's argument structs once per shape (`moe_comm.backends.cuda`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import jit, layout
+
+LIBRARY = "moe_comm_kernels"
+# Launchers over header-only device code: csrc/kernels/<op>.cu includes csrc/include/moe_comm/impls/<op>.cuh.
+KERNEL_SOURCES = ("runtime.cu", "layout.cu", "notify.cu", "dispatch.cu", "combine.cu")
+INCLUDE_DIR = jit.CSRC_DIR / "include"
+
+_int, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_EP = ctypes.POINTER(layout.EpParams)
+# name -> (restype, argtypes); every launcher returns 0 or 1 (then moe_comm_last_error says why).
+SIGNATURES = {
+    "moe_comm_last_error": (ctypes.c_char_p, []),
+    "moe_comm_abi": (_int, [ctypes.POINTER(_i64), _int]),
+    "moe_comm_alloc_mapped": (_int, [_i64, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)]),
+    "moe_comm_free_mapped": (_int, [_ptr]),
+    "moe_comm_layout": (_int, [_EP, ctypes.POINTER(layout.LayoutArgs), _ptr]),
+    "moe_comm_barrier": (_int, [_EP, _ptr]),
+    "moe_comm_dispatch_notify": (_int, [_EP, ctypes.POINTER(layout.NotifyArgs), _ptr]),
+    "moe_comm_dispatch": (_int, [_EP, ctypes.POINTER(layout.DispatchInputs), ctypes.POINTER(layout.RecvOutputs),
+                                 _int, _int, _ptr]),
+    "moe_comm_combine": (_int, [_EP, ctypes.POINTER(layout.CombineArgs), _int, _int, _ptr]),
+}
+# Only in a build with -DMOE_COMM_BLOCK_TIMES (scripts/profile_ops.py --variants times=1).
+BLOCK_TIME_SIGNATURES = {name: (_int, [ctypes.POINTER(ctypes.c_uint64), _int])
+                         for name in ("moe_comm_dispatch_block_times", "moe_comm_combine_block_times")}
+
+
+def kernel_sources() -> list[Path]:
+    return [jit.CSRC_DIR / "kernels" / name for name in KERNEL_SOURCES]
+
+
+def generated_headers() -> dict[str, str]:
+    return {"moe_comm/abi.h": layout.render_header()}
+
+
+def compile_check(flags: Sequence[str] = ()) -> float:
+    """Prove that the kernel library compiles for sm_90a (CI, no GPU needed); returns the seconds it took."""
+    return jit.compile_check(kernel_sources(), include_dirs=[INCLUDE_DIR], generated=generated_headers(),
+                             flags=flags)
+
+
+class Kernels:
+    """The loaded kernel library with typed functions.
+
+    Arguments:
+        flags: extra nvcc flags (build variants, e.g. `-DMOE_COMM_COPY_UNROLL=4`); each set is its own build.
+
+    Raises:
+        RuntimeError: nvcc is missing or failed, or a struct's layout differs between ctypes and the compiler.
+    """
+
+    def __init__(self, flags: Sequence[str] = ()) -> None:
+        self.flags = tuple(flags)
+        lib = jit.load(LIBRARY, kernel_sources(), include_dirs=[INCLUDE_DIR], generated=generated_headers(),
+                       flags=self.flags)
+        signatures = dict(SIGNATURES)
+        if "-DMOE_COMM_BLOCK_TIMES" in self.flags:
+            signatures.update(BLOCK_TIME_SIGNATURES)
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name[len("moe_comm_"):], fn)
+        self._check_abi()
+
+    def _check_abi(self) -> None:
+        expected = layout.abi_table()
+        values = (_i64 * len(expected))()
+        count = self.abi(values, len(expected))
+        if count != len(expected):
+            raise RuntimeError(f"moe_comm kernel library has {count} ABI entries, moe_comm.layout {len(expected)}: "
+                               f"the library was built from other sources")
+        wrong = [f"{what}: C {got}, ctypes {want}" for (what, want), got in zip(expected, values) if got != want]
+        if wrong:
+            raise RuntimeError("moe_comm kernel structs differ between the compiler and ctypes: " + "; ".join(wrong))
+
+    def check(self, result: int, what: str, rank: int) -> None:
+        """Raise RuntimeError for a launcher's non-zero result, with the launcher's own message."""
+        if result:
+            raise RuntimeError(f"moe_comm: {what} failed on rank {rank}: {self.last_error().decode()}")
+
+
+_LOADED: dict[tuple[str, ...], Kernels] = {}
+
+
+def load_kernels(flags: Sequence[str] = ()) -> Kernels:
+    """The kernel library built with `flags`, built at first use and loaded once per process."""
+    key = tuple(flags)
+    if key not in _LOADED:
+        _LOADED[key] = Kernels(key)
+    return _LOADED[key]
+
+
+def current_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream of a device (torch's own accessor, without a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+__all__ = ["Kernels", "load_kernels", "compile_check", "kernel_sources", "generated_headers", "current_stream"]

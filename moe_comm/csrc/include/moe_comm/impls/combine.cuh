@@ -1,0 +1,234 @@
+// Combine: every token's rows back to its source rank, summed there in FP32/FP64 in DESIGN 2.2's order; senders
+// and reducers of one kernel running at the same time. Device code only (launched by kernels/combine.cu).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moe_comm/abi.h"
+#include "moe_comm/common/comm.cuh"
+#include "moe_comm/common/copy.cuh"
+#include "moe_comm/common/rows.cuh"
+#include "moe_comm/common/tuning.cuh"
+
+namespace moe_comm {
+
+// ------------------------------------------------------------------------------------------------------------
+// Combine: one kernel, blocks [0, num_send_blocks) send and the others reduce, at the same time.
+// Send: row m of the dispatch output goes back to its source rank s (another rank: our own rows stay here), into
+// block `rank` at the row it came from (expand: one row per (token, slot) of this round, at sub-row
+// slot - slot_begin); a warp writes the rows of kCombineBatch items, then its lanes release their tags.
+// Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order (ascending
+// rank, or ascending slot in expand mode), each acquires its row's tag (rows from this rank itself are read from
+// x and have none), then the warp adds them in that order in Acc precision from zero (or the accumulator of
+// earlier rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select
+// of slot j's value on its owner rank.
+// ------------------------------------------------------------------------------------------------------------
+template <typename T>
+struct AccOf { using type = float; };
+template <>
+struct AccOf<double> { using type = double; };
+
+template <typename T>
+__device__ __forceinline__ typename AccOf<T>::type to_acc(T v) { return static_cast<typename AccOf<T>::type>(v); }
+template <>
+__device__ __forceinline__ float to_acc<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_acc(typename AccOf<T>::type v) { return static_cast<T>(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
+                                  int lane) {
+    const int R = p.num_ranks, K = p.num_topk;
+    const int64_t wb = p.weight_bytes;
+    const int64_t tag = row_tag(p);
+    const int64_t slots = a.do_expand ? a.num_slots : 1;  // region rows per dispatch output row
+    // Rows interleaved across sources (row i to every source before row i + 1), so that every link carries
+    // traffic all the time and every source's reducers can start at once. Rows from this rank itself stay: its
+    // reducers read them from x.
+    // NOTES: going source by source sent everything to rank 0 first, then to rank 1: half the links idle.
+    const int num_sources = R - 1;
+    int64_t max_rows = 0;
+    for (int s = 0; s < R; ++s)
+        if (s != p.rank) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
+    const int64_t total = num_sources * max_rows;
+    // Item k is row k / num_sources received from the walk's source; sub-row q is slot slot_begin + q (expand).
+    // The region row it goes to on that source and the x row it comes from, or false when there is none.
+    auto locate = [&](int64_t k, int64_t q, uint8_t** dst, int64_t* x_row) {
+        if (k >= total) return false;
+        const int s = walk_source(k, num_sources, p.rank);
+        const int64_t i = k / num_sources;
+        const int64_t first = s ? a.psum_rank[s - 1] : 0;
+        if (i >= a.psum_rank[s] - first || a.slot_begin + q >= a.slot_end) return false;
+        const int64_t m = first + i;
+        *x_row = a.do_expand ? a.expand_row[m * K + a.slot_begin + q] : m;
+        if (*x_row < 0 || *x_row >= a.num_x_rows) return false;
+        *dst = p.peer_bases[s] + kControlBytes +
+               ((static_cast<int64_t>(p.rank) * p.cap + i) * slots + q) * p.row_stride;
+        return true;
+    };
+    // A warp sends the rows of kCombineBatch consecutive items, then publishes them all: one release fence per batch.
+    for (int64_t k0 = warp * kCombineBatch; k0 < total; k0 += num_warps * kCombineBatch) {
+        for (int64_t n = 0; n < kCombineBatch * slots; ++n) {
+            uint8_t* dst;
+            int64_t r;
+            if (!locate(k0 + n / slots, n % slots, &dst, &r)) continue;
+            warp_copy16<kCopyUnroll>(dst, a.x + r * p.data_bytes, p.data_bytes, lane);
+            if (a.weights && !a.do_expand)
+                for (int64_t b = lane; b < K * wb; b += kWarpSize) dst[p.weights_offset + b] = a.weights[r * K * wb + b];
+            if (a.weights && a.do_expand && lane < wb) dst[p.weights_offset + lane] = a.weights[r * wb + lane];
+        }
+        __syncwarp();  // every lane's stores above happen before the releases below
+        for (int64_t n = lane; n < kCombineBatch * slots; n += kWarpSize) {
+            uint8_t* dst;
+            int64_t r;
+            if (locate(k0 + n / slots, n % slots, &dst, &r)) st_release_sys(row_tag_ptr(dst, p), tag);
+        }
+    }
+}
+
+template <typename T>
+__device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
+                                    int lane, const uint8_t** rows) {
+    using Acc = typename AccOf<T>::type;
+    constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+    const int R = p.num_ranks, K = p.num_topk, L = p.num_local_experts;
+    uint8_t* region = p.local_base + kControlBytes;
+    const int64_t H = a.hidden, wb = p.weight_bytes, num_vecs = a.hidden / kVec;
+    const int64_t tag = row_tag(p);
+    __shared__ int timed_out;  // a wait of this block timed out: later rows are not waited for
+    if (threadIdx.x == 0) timed_out = 0;
+    __syncthreads();
+    const int64_t own_first = p.rank ? a.psum_rank[p.rank - 1] : 0;  // x rows of the rows we sent ourselves
+    // The x row of (our own token row at `pos`, slot j), or -1 when it has none.
+    auto own_x_row = [&](int64_t pos, int j) -> int64_t {
+        const int64_t x_row = a.do_expand ? a.expand_row[(own_first + pos) * K + j] : own_first + pos;
+        return x_row >= 0 && x_row < a.num_x_rows ? x_row : -1;
+    };
+    for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
+        const int64_t* pos = a.send_pos + t * R;
+        const int64_t* experts = a.clean_idx + t * K;
+        // Lane r owns one candidate row (rank r, or slot slot_begin + r); the rows that exist, in lane order,
+        // are the documented order. A peer's row is in the region behind its tag; our own is a row of x.
+        const uint8_t* row = nullptr;
+        uint8_t* region_row = nullptr;
+        int peer = -1;
+        if (!a.do_expand) {
+            if (lane < R && pos[lane] >= 0) peer = lane;
+        } else {
+            const int j = a.slot_begin + lane;
+            if (j < a.slot_end && experts[j] >= 0) peer = static_cast<int>(experts[j] / L);
+        }
+        if (peer == p.rank) {
+            const int64_t x_row = own_x_row(pos[peer], a.slot_begin + lane);
+            row = x_row >= 0 ? a.x + x_row * p.data_bytes : nullptr;
+        } else if (peer >= 0) {
+            const int64_t block_row = static_cast<int64_t>(peer) * p.cap + pos[peer];
+            region_row = region + (a.do_expand ? block_row * a.num_slots + lane : block_row) * p.row_stride;
+            row = region_row;
+        }
+        const unsigned present = __ballot_sync(0xffffffffu, row != nullptr);
+        const int num_rows = __popc(present);
+        if (row != nullptr) rows[__popc(present & ((1u << lane) - 1))] = row;
+        if (region_row != nullptr && !*reinterpret_cast<volatile int*>(&timed_out) &&
+            !wait_flag_equal(row_tag_ptr(region_row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, peer))
+            timed_out = 1;
+        __syncwarp();
+        for (int64_t v0 = 0; v0 < num_vecs; v0 += kReduceUnroll * kWarpSize) {
+            Acc acc[kReduceUnroll][kVec];
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) {
+                const int64_t v = v0 + lane + u * kWarpSize;
+#pragma unroll
+                for (int k = 0; k < kVec; ++k)
+                    acc[u][k] = a.first_round || v >= num_vecs ? Acc(0)
+                                                               : static_cast<const Acc*>(a.acc)[t * H + v * kVec + k];
+            }
+            for (int r = 0; r < num_rows; ++r) {
+                const int4* src = reinterpret_cast<const int4*>(rows[r]);
+                int4 raw[kReduceUnroll];
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u) {
+                    const int64_t v = v0 + lane + u * kWarpSize;
+                    if (v < num_vecs) raw[u] = __ldcg(src + v);
+                }
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u) {
+                    const T* values = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+                    for (int k = 0; k < kVec; ++k) acc[u][k] += to_acc<T>(values[k]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) {
+                const int64_t v = v0 + lane + u * kWarpSize;
+                if (v >= num_vecs) continue;
+                const int64_t first = t * H + v * kVec;
+                if (!a.last_round) {
+#pragma unroll
+                    for (int k = 0; k < kVec; ++k) static_cast<Acc*>(a.acc)[first + k] = acc[u][k];
+                    continue;
+                }
+                for (const void* bias : {a.bias0, a.bias1}) {
+                    if (bias == nullptr) continue;
+                    const int4 raw = reinterpret_cast<const int4*>(static_cast<const T*>(bias) + first)[0];
+                    const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                    for (int k = 0; k < kVec; ++k) acc[u][k] += to_acc<T>(values[k]);
+                }
+                int4 packed;
+                T* out_values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+                for (int k = 0; k < kVec; ++k) out_values[k] = from_acc<T>(acc[u][k]);
+                reinterpret_cast<int4*>(static_cast<T*>(a.out) + first)[0] = packed;
+            }
+        }
+        if (a.out_weights) {
+            for (int j = lane; j < K; j += kWarpSize) {
+                if (a.do_expand && (j < a.slot_begin || j >= a.slot_end)) continue;
+                uint8_t* dst = a.out_weights + (t * K + j) * wb;
+                if (experts[j] < 0) {
+                    for (int64_t b = 0; b < wb; ++b) dst[b] = 0;
+                    continue;
+                }
+                const int d = static_cast<int>(experts[j] / L);
+                const int64_t block_row = static_cast<int64_t>(d) * p.cap + pos[d];
+                const int64_t x_row = d == p.rank ? own_x_row(pos[d], j) : 0;
+                const uint8_t* src =
+                    d == p.rank ? (a.do_expand ? a.weights + x_row * wb : a.weights + (x_row * K + j) * wb)
+                    : a.do_expand
+                        ? region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride + p.weights_offset
+                        : region + block_row * p.row_stride + p.weights_offset + j * wb;
+                for (int64_t b = 0; b < wb; ++b) dst[b] = x_row < 0 ? 0 : ld_cg_u8(src + b);
+            }
+        }
+        __syncwarp();  // rows[] is rebuilt for the next token
+    }
+}
+
+#ifdef MOE_COMM_BLOCK_TIMES
+__device__ uint64_t g_combine_block_times[kMaxTimedBlocks][2];  // this header is included by kernels/combine.cu only
+#endif
+
+template <typename T>
+__global__ void __launch_bounds__(kThreadsPerBlock) combine_impl(EpParams p, CombineArgs a) {
+    __shared__ const uint8_t* rows[kMaxWarpsPerBlock][kWarpSize];
+    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
+    const int warps_per_block = blockDim.x / kWarpSize;
+    BLOCK_TIME_START(g_combine_block_times);
+    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+        const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
+        combine_send_rows(p, a, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
+    } else {
+        const int64_t warp = static_cast<int64_t>(blockIdx.x - p.num_send_blocks) * warps_per_block + warp_in_block;
+        const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
+        combine_reduce_rows<T>(p, a, warp, num_warps, lane, rows[warp_in_block]);
+    }
+    BLOCK_TIME_END(g_combine_block_times);
+}
+
+}  // namespace moe_comm

@@ -1,0 +1,70 @@
+// Notify and barrier kernels: the handshakes before a dispatch or combine moves rows. Device code only (launched by
+// kernels/notify.cu and kernels/runtime.cu); no torch headers.
+#pragma once
+
+#include <cstdint>
+
+#include "moe_comm/abi.h"
+#include "moe_comm/common/comm.cuh"
+#include "moe_comm/common/rows.cuh"
+
+namespace moe_comm {
+
+// The barrier before an operation: nobody writes into a region its owner still reads. Advances the barrier
+// counter that names the operation in row tags. One block of kMaxRanks threads (thread d talks to rank d).
+__global__ void barrier_impl(EpParams p) {
+    signal_wait_block(p.peer_bases, p.local_base, p.error, kBarrierFlagsOffset, kBarrierSeqOffset, p.timeout_ns,
+                      p.rank, p.num_ranks, p.barrier_phase);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Dispatch notify, one block of kMaxRanks threads (thread d talks to rank d): the barrier before the dispatch,
+// this rank's control slot on every peer (signature, rows, per-expert counts, flags), the exchange (every peer's
+// slot has arrived here), then what arrived goes on: a copy of the slots for the receivers of this and later
+// cached dispatches; with a CPU sync a summary for the host, without one the flags into the pending flags that
+// the next synchronizing call raises.
+// ------------------------------------------------------------------------------------------------------------
+__global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
+    const int R = p.num_ranks, L = p.num_local_experts, S = kSignatureLen;
+    signal_wait_block(p.peer_bases, p.local_base, p.error, kBarrierFlagsOffset, kBarrierSeqOffset, p.timeout_ns,
+                      p.rank, R, p.barrier_phase);
+    const int d = threadIdx.x;
+    if (d < R) {
+        int64_t* slot = control_slot(p.peer_bases[d], p.rank);
+        for (int i = 0; i < S; ++i) slot[i] = p.signature[i];
+        int64_t* counts = slot + S;
+        counts[0] = n.num_tokens_per_rank[d];
+        for (int l = 0; l < L; ++l) counts[1 + l] = n.num_tokens_per_expert[d * L + l];
+        counts[1 + L] = n.flags[0];
+    }
+    signal_wait_block(p.peer_bases, p.local_base, p.error, kExchangeFlagsOffset, kExchangeSeqOffset, p.timeout_ns,
+                      p.rank, R, n.exchange_phase);
+    // Slots written by peers: volatile loads (not through L1).
+    auto slot_value = [&](int s, int i) {
+        return *reinterpret_cast<volatile const int64_t*>(control_slot(p.local_base, s) + i);
+    };
+    const int width = S + L + 2;
+    if (n.recv_slots)
+        for (int i = threadIdx.x; i < R * width; i += blockDim.x)
+            n.recv_slots[(i / width) * kSlotStride + i % width] = slot_value(i / width, i % width);
+    if (!n.summary) {
+        for (int s = threadIdx.x; s < R; s += blockDim.x) n.pending_flags[s] |= slot_value(s, S + 1 + L);
+        return;
+    }
+    // Summary: [R][S + 2] signature, rows, flags per source; [R] pending flags; rows in all; [L] rows per expert.
+    int64_t* per_source = n.summary;
+    for (int i = threadIdx.x; i < R * (S + 2); i += blockDim.x) {
+        const int s = i / (S + 2), c = i % (S + 2);
+        per_source[i] = slot_value(s, c <= S ? c : S + 1 + L);
+    }
+    int64_t* pending = per_source + R * (S + 2);
+    int64_t* totals = pending + R;
+    for (int s = threadIdx.x; s < R; s += blockDim.x) pending[s] = n.pending_flags[s];
+    for (int i = threadIdx.x; i < 1 + L; i += blockDim.x) {
+        int64_t rows = 0;
+        for (int s = 0; s < R; ++s) rows += slot_value(s, S + i);
+        totals[i] = rows;
+    }
+}
+
+}  // namespace moe_comm

@@ -1,0 +1,33 @@
+// Launcher of the combine kernel (include/moe_comm/impls/combine.cuh), after the barrier.
+#include "moe_comm/host/launch.h"
+#include "moe_comm/impls/combine.cuh"
+
+using namespace moe_comm;
+
+// dtype: 1 bf16, 2 float32, 3 float64 (accumulating in float32, float32, float64). num_blocks: p->num_send_blocks
+// senders, then the reducers (at least one of each).
+extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dtype, int num_blocks,
+                                cudaStream_t stream) {
+    MOE_COMM_REQUIRE(p->num_ranks >= 1 && p->num_ranks <= kWarpSize, "num_ranks=%d", p->num_ranks);
+    MOE_COMM_REQUIRE(a->slot_end - a->slot_begin <= kWarpSize, "slot_begin=%d, slot_end=%d", a->slot_begin,
+                     a->slot_end);
+    MOE_COMM_REQUIRE(p->num_send_blocks >= 1 && p->num_send_blocks < num_blocks, "num_send_blocks=%d, num_blocks=%d",
+                     p->num_send_blocks, num_blocks);
+    MOE_COMM_REQUIRE(p->data_bytes % 16 == 0 && p->row_stride % 16 == 0, "data_bytes=%lld, row_stride=%lld",
+                     static_cast<long long>(p->data_bytes), static_cast<long long>(p->row_stride));
+    MOE_COMM_REQUIRE(dtype >= 1 && dtype <= 3, "dtype=%d (1 bf16, 2 float32, 3 float64)", dtype);
+    if (launch_barrier(*p, stream)) return 1;
+    switch (dtype) {
+        case 1: combine_impl<__nv_bfloat16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(*p, *a); break;
+        case 2: combine_impl<float><<<num_blocks, kThreadsPerBlock, 0, stream>>>(*p, *a); break;
+        default: combine_impl<double><<<num_blocks, kThreadsPerBlock, 0, stream>>>(*p, *a); break;
+    }
+    return launch_result("combine_impl", num_blocks, kThreadsPerBlock, 0);
+}
+
+#ifdef MOE_COMM_BLOCK_TIMES
+// [num_blocks][start, end] ns of the last combine_impl launch.
+extern "C" int moe_comm_combine_block_times(uint64_t* host, int num_blocks) {
+    return copy_block_times(g_combine_block_times, host, num_blocks);
+}
+#endif

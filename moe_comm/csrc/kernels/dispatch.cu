@@ -1,0 +1,46 @@
+// Launcher of the dispatch kernel (include/moe_comm/impls/dispatch.cuh), optionally after the barrier.
+#include "moe_comm/host/launch.h"
+#include "moe_comm/impls/dispatch.cuh"
+
+using namespace moe_comm;
+
+// num_blocks: p->num_send_blocks senders, then the receivers (at least one of each). with_barrier: launch the
+// barrier first (a cached dispatch; a fresh one ran it inside the notify kernel).
+extern "C" int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, const RecvOutputs* out, int num_blocks,
+                                 int with_barrier, cudaStream_t stream) {
+    const RecvPlan plan = recv_plan(*p, kMaxWarpsPerBlock);
+    MOE_COMM_REQUIRE(p->num_ranks >= 1 && p->num_ranks <= kMaxRanks, "num_ranks=%d, kMaxRanks=%d", p->num_ranks,
+                     kMaxRanks);
+    MOE_COMM_REQUIRE(p->data_bytes > 0 && p->data_bytes % 16 == 0 && p->scale_bytes % 4 == 0 &&
+                         p->row_stride % 16 == 0,
+                     "data_bytes=%lld, scale_bytes=%lld, row_stride=%lld", static_cast<long long>(p->data_bytes),
+                     static_cast<long long>(p->scale_bytes), static_cast<long long>(p->row_stride));
+    MOE_COMM_REQUIRE(p->num_send_blocks >= 1 && p->num_send_blocks < num_blocks, "num_send_blocks=%d, num_blocks=%d",
+                     p->num_send_blocks, num_blocks);
+    MOE_COMM_REQUIRE(plan.table_bytes <= kRecvTableLimit && plan.warps >= 1,
+                     "count tables %lld bytes (limit %lld), copying warps %d", static_cast<long long>(plan.table_bytes),
+                     static_cast<long long>(kRecvTableLimit), plan.warps);
+    // The opt-in to more than 48 KB of shared memory is a per-device setting of the function: once per device.
+    static bool opted_in[kMaxDevices] = {};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    MOE_COMM_REQUIRE(err == cudaSuccess && device >= 0 && device < kMaxDevices, "cudaGetDevice: %s, device=%d",
+                     cudaGetErrorString(err), device);
+    if (!opted_in[device]) {
+        err = cudaFuncSetAttribute(dispatch_impl, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem);
+        if (err != cudaSuccess) cudaGetLastError();  // not sticky: later launches must not report it again
+        MOE_COMM_REQUIRE(err == cudaSuccess, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize=%lld): %s",
+                         static_cast<long long>(kMaxDynamicSmem), cudaGetErrorString(err));
+        opted_in[device] = true;
+    }
+    if (with_barrier && launch_barrier(*p, stream)) return 1;
+    dispatch_impl<<<num_blocks, kThreadsPerBlock, plan.smem_bytes, stream>>>(*p, *in, *out);
+    return launch_result("dispatch_impl", num_blocks, kThreadsPerBlock, plan.smem_bytes);
+}
+
+#ifdef MOE_COMM_BLOCK_TIMES
+// [num_blocks][start, end] ns of the last dispatch_impl launch.
+extern "C" int moe_comm_dispatch_block_times(uint64_t* host, int num_blocks) {
+    return copy_block_times(g_dispatch_block_times, host, num_blocks);
+}
+#endif

@@ -1,0 +1,278 @@
+"""The symmetric buffer's layout and the kernels' argument structs, defined once for both languages.
+
+The CUDA sources include `moe_comm/abi.h`, which `render_header()` writes from this module whenever the JIT builds
+them (the text is part of the build's cache key), so no offset, limit or struct field is typed twice. The host
+reads the same values from here, `moe_comm.sizing` sizes the buffer with `dispatch_row`, and the CUDA backend
+checks at load time that the compiler laid every struct out as ctypes did (`abi_table`, field by field).
+
+Buffer of every rank (identical layout on every rank; offsets in bytes from the buffer base):
+
+    [0, CONTROL_BYTES)          control region
+        BARRIER_FLAGS_OFFSET    [MAX_RANKS] int64 barrier flags, entry s written by rank s
+        EXCHANGE_FLAGS_OFFSET   [MAX_RANKS] int64 exchange flags, entry s written by rank s
+        BARRIER_SEQ_OFFSET      int64 this rank's barrier counter (on the device, so CUDA graph replays advance it)
+        EXCHANGE_SEQ_OFFSET     int64 this rank's exchange counter
+        SLOTS_OFFSET            [MAX_RANKS][SLOT_STRIDE] int64 control slots, slot s written by rank s:
+                                [signature (SIGNATURE_LEN)][rows sent to us][per-local-expert counts (L)][flags]
+    [CONTROL_BYTES, num_bytes)  receive region: block s (num_max_tokens_per_rank rows, or row groups) from rank s
+
+Region rows, `dispatch_row` / `combine_row`: [data | FP8 scales][pad to 16][meta][pad to 16][tag][pad to 16].
+Dispatch meta: int64 source token index; per slot an int32 local expert id (-1: not ours), an int32 rank of the
+token among its source's tokens of that expert, a weight (0, 4 or 8 bytes). Combine meta: the weights (per slot,
+or one per row in expand mode). Tag: `(TAG_MAGIC << 48) | barrier sequence number`, released after the row.
+
+Host-mapped memory of a CUDA buffer: the `ErrorRecord` at 0, the notify summary at SUMMARY_OFFSET.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+# Limits
+MAX_RANKS = 32                      # a destination per warp lane
+SIGNATURE_LEN = 16                  # int64 values of a call's signature in a control slot (zero-padded)
+MAX_ROUND_SLOTS = 32                # expand combine: slots per round, one reducer lane each
+RECV_TABLE_LIMIT = 48 * 1024 - 256  # bytes of count tables in a dispatch receiver block's shared memory
+
+# Control region
+CONTROL_BYTES = 1 << 20
+BARRIER_FLAGS_OFFSET = 0
+EXCHANGE_FLAGS_OFFSET = 4096
+BARRIER_SEQ_OFFSET = 8192
+EXCHANGE_SEQ_OFFSET = 8200
+SLOTS_OFFSET = 16384
+# Fixed, so that ranks that disagree on sizes still read each other's signature where it was written.
+SLOT_STRIDE = (CONTROL_BYTES - SLOTS_OFFSET) // (8 * MAX_RANKS)
+
+# Rows
+ROW_ALIGN = 16                      # rows move as 16-byte vectors
+TAG_BYTES = 16                      # a region row ends in its tag (int64) and padding
+TAG_MAGIC = 0x6D63                  # top 16 bits of a tag: left-over row data never matches by chance
+
+# Host-mapped memory
+SUMMARY_OFFSET = 64                 # after the ErrorRecord
+ERROR_TIMEOUT = 1                   # ErrorRecord.code of a timed-out wait
+
+
+def align16(n: int) -> int:
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """Byte offsets inside a region row (from the row's start) and its stride."""
+
+    meta_offset: int
+    ids_offset: int                 # dispatch: int32 local expert id per slot
+    ranks_offset: int               # dispatch: int32 rank of the token in its expert per slot
+    weights_offset: int             # weights (dispatch: per slot; combine: per slot or one per row)
+    tag_offset: int
+    stride: int
+
+
+def dispatch_row(data_bytes: int, scale_bytes: int, num_topk: int, weight_bytes: int) -> RowFormat:
+    """Region row of a dispatch: `data_bytes` of row data (or FP8 data) and `scale_bytes` of FP8 scales."""
+    meta = align16(data_bytes + scale_bytes)
+    ids, ranks = meta + 8, meta + 8 + 4 * num_topk
+    weights = ranks + 4 * num_topk
+    tag = align16(weights + weight_bytes * num_topk)
+    return RowFormat(meta, ids, ranks, weights, tag, tag + TAG_BYTES)
+
+
+def combine_row(data_bytes: int, weights_per_row: int, weight_bytes: int) -> RowFormat:
+    """Region row of a combine: the row data and `weights_per_row` weights of `weight_bytes` each."""
+    meta = align16(data_bytes)
+    tag = align16(meta + weight_bytes * weights_per_row)
+    return RowFormat(meta, meta, meta, meta, tag, tag + TAG_BYTES)
+
+
+def summary_len(num_ranks: int, num_local_experts: int) -> int:
+    """int64 values of the notify summary: per source [signature, rows, flags], pending flags per source, rows in
+    all, rows per local expert."""
+    return num_ranks * (SIGNATURE_LEN + 2) + num_ranks + 1 + num_local_experts
+
+
+def recv_table_bytes(num_ranks: int, num_local_experts: int) -> int:
+    """Shared memory of a dispatch receiver block's count tables (int64 rows_from[R], rank_start[R],
+    expert_start[L], expert_count[L], aligned[L], run_base[R * L]), padded to 128 bytes."""
+    R, L = num_ranks, num_local_experts
+    return -(-8 * (2 * R + 3 * L + R * L) // 128) * 128
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Argument structs: (name, [(C type, field, comment)]). Pointer fields become ctypes.c_void_p on the host.
+# ----------------------------------------------------------------------------------------------------------------
+STRUCTS = {
+    "ErrorRecord": [  # host-mapped: what a timed-out wait leaves for the host
+        ("int64_t", "code", "0: no error, ERROR_TIMEOUT: a wait timed out"),
+        ("int64_t", "rank", ""),
+        ("int64_t", "phase", "index into the host's phase names"),
+        ("int64_t", "peer", ""),
+        ("int64_t", "observed", "flag value seen last"),
+        ("int64_t", "expected", ""),
+    ],
+    "EpParams": [  # everything a dispatch, notify, barrier or combine kernel knows about the buffer and the call
+        ("uint8_t* const*", "peer_bases", "[num_ranks] buffer bases (device array)"),
+        ("uint8_t*", "local_base", ""),
+        ("ErrorRecord*", "error", "host-mapped"),
+        ("int64_t", "num_tokens", "this rank's tokens"),
+        ("int64_t", "cap", "rows per source block (num_max_tokens_per_rank)"),
+        ("int64_t", "row_stride", "bytes per region row"),
+        ("int64_t", "data_bytes", "row data bytes (a multiple of 16)"),
+        ("int64_t", "scale_bytes", "FP8 scale bytes per row (a multiple of 4), 0 without FP8"),
+        ("int64_t", "meta_offset", "RowFormat offsets"),
+        ("int64_t", "ids_offset", ""),
+        ("int64_t", "ranks_offset", ""),
+        ("int64_t", "weights_offset", ""),
+        ("int64_t", "tag_offset", ""),
+        ("int64_t", "recv_table_bytes", "dispatch receivers: shared memory of the count tables"),
+        ("uint64_t", "timeout_ns", ""),
+        ("int32_t", "rank", ""),
+        ("int32_t", "num_ranks", ""),
+        ("int32_t", "num_experts", ""),
+        ("int32_t", "num_local_experts", ""),
+        ("int32_t", "num_topk", ""),
+        ("int32_t", "weight_bytes", "0 (no weights), 4 or 8"),
+        ("int32_t", "expert_alignment", ""),
+        ("int32_t", "num_send_blocks", "blocks [0, n) send, the others receive or reduce"),
+        ("int32_t", "phase", "of the operation, reported on timeout"),
+        ("int32_t", "barrier_phase", "of the barrier before it"),
+        ("int64_t[kSignatureLen]", "signature", "the call's sizes, compared on the host when it syncs"),
+    ],
+    "LayoutArgs": [  # layout kernel: send positions and counts of this rank's routing
+        ("const int64_t*", "topk_idx", "[N, K]"),
+        ("int64_t*", "clean_idx", "[N, K] invalid slots -> -1"),
+        ("int64_t*", "send_pos", "[N, R] row inside destination block d, -1 if not sent there"),
+        ("int32_t*", "expert_rank", "[N, K] tokens before this one that chose the slot's expert"),
+        ("int64_t*", "num_tokens_per_rank", "[R]"),
+        ("int64_t*", "num_tokens_per_expert", "[E]"),
+        ("int64_t*", "flags", "[1] error flags: 1 out of range, 2 duplicate expert in a row"),
+    ],
+    "NotifyArgs": [  # notify kernel: barrier, counts into every peer's control slot, exchange, copies
+        ("const int64_t*", "num_tokens_per_rank", "[R] rows this rank sends to each rank"),
+        ("const int64_t*", "num_tokens_per_expert", "[E]"),
+        ("const int64_t*", "flags", "[1] error flags of this rank's routing"),
+        ("int64_t*", "pending_flags", "[R] flags of no-sync dispatches: ORed in, copied to the summary"),
+        ("int64_t*", "recv_slots", "[R][SLOT_STRIDE] copy of the slots, or null"),
+        ("int64_t*", "summary", "host-mapped summary (summary_len values), or null: no CPU sync"),
+        ("int32_t", "exchange_phase", ""),
+        ("int32_t", "padding", ""),
+    ],
+    "DispatchInputs": [
+        ("const uint8_t*", "x", "[N, data_bytes]"),
+        ("const uint8_t*", "scales", "[N, scale_bytes] or null"),
+        ("const int64_t*", "clean_idx", "[N, K]"),
+        ("const uint8_t*", "weights", "[N, K * wb] or null"),
+        ("const int64_t*", "send_pos", "[N, R]"),
+        ("const int32_t*", "expert_rank", "[N, K]"),
+    ],
+    "RecvOutputs": [
+        ("const int64_t*", "counts", "[R][SLOT_STRIDE] from the counts of a slot: rows from source s, then its "
+                                     "per-local-expert counts"),
+        ("uint8_t*", "x", "[P, data_bytes]"),
+        ("uint8_t*", "scales", "[P, scale_bytes] or null"),
+        ("int64_t*", "topk_idx", "[M, K] local ids, or null (cached dispatch)"),
+        ("uint8_t*", "weights", "non-expand [M, K * wb], expand [P * wb], or null"),
+        ("int64_t*", "src_idx", "[M] or null"),
+        ("int32_t*", "expand_row", "[M, K] or null (non-expand)"),
+        ("int64_t*", "psum_rank", "[R] inclusive, or null"),
+        ("int64_t*", "psum_expert", "[L] inclusive aligned, or null"),
+        ("int64_t", "num_rows", "M: rows of topk_idx / src_idx / expand_row (and x when not expanding)"),
+        ("int64_t", "num_expand_rows", "P when expanding"),
+        ("int32_t", "do_expand", ""),
+        ("int32_t", "padding", ""),
+    ],
+    "CombineArgs": [
+        ("const uint8_t*", "x", "[M or P, data_bytes] the dispatch outputs' layout"),
+        ("const uint8_t*", "weights", "non-expand [M, K * wb], expand [P * wb], or null"),
+        ("const int64_t*", "psum_rank", "[R] inclusive rows received from each source"),
+        ("const int32_t*", "expand_row", "[M, K] or null (non-expand)"),
+        ("const int64_t*", "send_pos", "[N, R] (reduce side: this rank's tokens)"),
+        ("const int64_t*", "clean_idx", "[N, K]"),
+        ("void*", "acc", "[N, H] accumulator between rounds, or null (single round)"),
+        ("const void*", "bias0", "[N, H] or null"),
+        ("const void*", "bias1", "[N, H] or null"),
+        ("void*", "out", "[N, H]"),
+        ("uint8_t*", "out_weights", "[N, K * wb] or null"),
+        ("int64_t", "hidden", ""),
+        ("int64_t", "num_x_rows", "rows of x (a row index from the handle past it is never followed)"),
+        ("int32_t", "do_expand", ""),
+        ("int32_t", "slot_begin", ""),
+        ("int32_t", "slot_end", ""),
+        ("int32_t", "num_slots", "sub-rows per token in the region this round"),
+        ("int32_t", "first_round", ""),
+        ("int32_t", "last_round", ""),
+    ],
+}
+
+CONSTANTS = {  # name in C -> (value, C type)
+    "kMaxRanks": (MAX_RANKS, "int"), "kSignatureLen": (SIGNATURE_LEN, "int"),
+    "kMaxRoundSlots": (MAX_ROUND_SLOTS, "int"), "kRecvTableLimit": (RECV_TABLE_LIMIT, "int64_t"),
+    "kControlBytes": (CONTROL_BYTES, "int64_t"), "kBarrierFlagsOffset": (BARRIER_FLAGS_OFFSET, "int64_t"),
+    "kExchangeFlagsOffset": (EXCHANGE_FLAGS_OFFSET, "int64_t"), "kBarrierSeqOffset": (BARRIER_SEQ_OFFSET, "int64_t"),
+    "kExchangeSeqOffset": (EXCHANGE_SEQ_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
+    "kSlotStride": (SLOT_STRIDE, "int64_t"), "kTagMagic": (TAG_MAGIC, "int64_t"),
+    "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"),
+}
+
+_CTYPES = {"int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
+
+
+def _ctype(c_type: str):
+    if c_type.endswith("*"):
+        return ctypes.c_void_p
+    if c_type.endswith("]"):
+        base, count = c_type[:-1].split("[")
+        return _CTYPES[base] * CONSTANTS[count][0]
+    return _CTYPES[c_type]
+
+
+def _make_struct(name: str) -> type:
+    return type(name, (ctypes.Structure,), {"_fields_": [(field, _ctype(t)) for t, field, _ in STRUCTS[name]]})
+
+
+ErrorRecord = _make_struct("ErrorRecord")
+EpParams = _make_struct("EpParams")
+LayoutArgs = _make_struct("LayoutArgs")
+NotifyArgs = _make_struct("NotifyArgs")
+DispatchInputs = _make_struct("DispatchInputs")
+RecvOutputs = _make_struct("RecvOutputs")
+CombineArgs = _make_struct("CombineArgs")
+CTYPES_STRUCTS = {s.__name__: s for s in (ErrorRecord, EpParams, LayoutArgs, NotifyArgs, DispatchInputs,
+                                          RecvOutputs, CombineArgs)}
+
+
+def abi_table() -> list[tuple[str, int]]:
+    """`(what, value)` pairs the compiled library must reproduce: every struct's size and every field's offset,
+    in the order of `STRUCTS` (the generated header lists the same in `kAbiTable`)."""
+    table = []
+    for name, struct in CTYPES_STRUCTS.items():
+        table.append((f"sizeof({name})", ctypes.sizeof(struct)))
+        table += [(f"offsetof({name}, {field})", getattr(struct, field).offset) for _, field, _ in STRUCTS[name]]
+    return table
+
+
+def render_header() -> str:
+    """The text of `moe_comm/abi.h` (generated; the CUDA sources include it)."""
+    out = ["// Generated from moe_comm/layout.py by the JIT: do not edit. See that module for the buffer layout.",
+           "#pragma once", "", "#include <cstddef>", "#include <cstdint>", "", "namespace moe_comm {", ""]
+    out += [f"constexpr {c_type} {name} = {value};" for name, (value, c_type) in CONSTANTS.items()]
+    for name, fields in STRUCTS.items():
+        out += ["", f"struct {name} {{"]
+        for c_type, field, comment in fields:
+            decl = f"{c_type.split('[')[0]} {field}[{c_type.split('[')[1]}" if "[" in c_type else f"{c_type} {field}"
+            out.append(f"    {decl};" + (f"  // {comment}" if comment else ""))
+        out.append("};")
+    out += ["", "// sizeof and offsetof of every struct and field, in moe_comm/layout.py's order (abi_table).",
+            "constexpr int64_t kAbiTable[] = {"]
+    for name, fields in STRUCTS.items():
+        out.append(f"    sizeof({name}),")
+        out += [f"    offsetof({name}, {field})," for _, field, _ in fields]
+    out += ["};", "", "}  // namespace moe_comm", ""]
+    return "\n".join(out)
+
+
+__all__ = ["MAX_RANKS", "SIGNATURE_LEN", "MAX_ROUND_SLOTS", "RECV_TABLE_LIMIT", "CONTROL_BYTES", "SLOT_STRIDE",
+           "TAG_BYTES", "RowFormat", "dispatch_row", "combine_row", "summary_len", "recv_table_bytes", "STRUCTS",
+           "CTYPES_STRUCTS", "abi_table", "render_header"]
