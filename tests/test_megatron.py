@@ -295,6 +295,34 @@ def flex_build_rank(rank: int, world_size: int) -> dict:
     return dict(manager=manager, refused_after_restore=refused_after_restore)
 
 
+def _is_destroyed(buf) -> bool:
+    try:
+        buf.barrier()
+    except RuntimeError as exc:
+        return "destroyed" in str(exc)
+    return False
+
+
+def buffer_cache_rank(rank: int, world_size: int) -> dict:
+    """One buffer per group object; a grown buffer replaces and destroys the old one; clear_buffers() destroys
+    the rest."""
+    import torch.distributed as dist
+
+    from moe_comm.integrations.megatron import MoECommConfig, clear_buffers, get_buffer
+
+    options = MoECommConfig(backend="torch")
+    group, other_group = dist.new_group(list(range(world_size))), dist.new_group(list(range(world_size)))
+    small = get_buffer(group, 8, 64, 4, 2, options)
+    reused = get_buffer(group, 8, 32, 4, 2, options) is small
+    grown = get_buffer(group, 8, 128, 4, 2, options)
+    other = get_buffer(other_group, 8, 64, 4, 2, options)
+    result = dict(reused=reused, grown_is_new=grown is not small, old_destroyed=_is_destroyed(small),
+                  grown_alive=not _is_destroyed(grown), other_is_new=other not in (small, grown))
+    clear_buffers()
+    result["cleared"] = _is_destroyed(grown) and _is_destroyed(other)
+    return result
+
+
 # ----------------------------------------------------------------------------------------------------
 # CPU tier
 # ----------------------------------------------------------------------------------------------------
@@ -304,10 +332,115 @@ def test_core_never_imports_megatron():
 
 
 def test_import_guard_names_the_package():
+    """Without megatron-core (no package metadata, `megatron` not importable): say so and how to install it."""
     code = ("import sys; sys.modules['megatron'] = None\n"
+            "from importlib import metadata\n"
+            "def version(name):\n    raise metadata.PackageNotFoundError(name)\n"
+            "metadata.version = version\n"
             "try:\n    import moe_comm.integrations.megatron\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
-    assert "needs megatron-core" in out.stdout and "pip install" in out.stdout, out.stdout
+    assert "needs megatron-core >= 0.16, which is not installed" in out.stdout, out.stdout
+    assert "pip install 'moe_comm[megatron]'" in out.stdout, out.stdout
+
+
+def test_import_error_names_missing_symbol_and_version(monkeypatch):
+    """A symbol the integration imports is missing: the error names it and the installed version."""
+    from importlib import metadata
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from moe_comm.integrations.megatron import compat
+
+    assert all(name in compat.REQUIRED_SYMBOLS["megatron.core.transformer.moe.token_dispatcher"]
+               for name in ("MoETokenDispatcher", "fused_dispatch"))
+    monkeypatch.delattr(token_dispatcher, "MoETokenDispatcher")
+    monkeypatch.setattr(metadata, "version", lambda name: "0.15.0")
+    with pytest.raises(ImportError, match=r"needs megatron\.core\.transformer\.moe\.token_dispatcher\."
+                                          r"MoETokenDispatcher, which megatron-core 0.15.0 does not have "
+                                          r"\(needs >= 0\.16"):
+        compat.check_megatron_core()
+    monkeypatch.setattr(metadata, "version", lambda name: "0.20.0")  # newer than checked: no ">= 0.16" advice
+    with pytest.raises(ImportError, match=r"which megatron-core 0\.20\.0 does not have \(checked with 0\.16\.1"):
+        compat.check_megatron_core()
+
+
+def test_required_symbols_cover_every_megatron_import():
+    """`compat.REQUIRED_SYMBOLS` lists every Megatron name the integration imports, so the import check
+    (not a bare ImportError) reports any that is missing."""
+    import ast
+    import pathlib
+
+    from moe_comm.integrations.megatron import compat
+
+    package = pathlib.Path(compat.__file__).parent
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
+                for alias in node.names:
+                    assert alias.name in compat.REQUIRED_SYMBOLS.get(node.module, ()), (path.name, node.module,
+                                                                                         alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("megatron") or alias.name in compat.REQUIRED_SYMBOLS, \
+                        (path.name, alias.name)
+
+
+def test_import_defines_missing_te_names():
+    """megatron-core 0.16.1 without Transformer Engine: the router raises NameError until the integration is
+    imported, which defines `te_general_gemm` and the `fused_*` names as None (as 0.17+ does)."""
+    code = ("import torch\n"
+            "from megatron.core.transformer.moe import moe_utils\n"
+            "def gate():\n"
+            "    return moe_utils.router_gating_linear(torch.ones(2, 4), torch.ones(3, 4), None, torch.float32)\n"
+            "try:\n    gate(); before = 'ok'\nexcept NameError:\n    before = 'NameError'\n"
+            "from moe_comm.integrations.megatron import compat\n"
+            "missing = [n for n in compat.TE_NAMES if not hasattr(moe_utils, n)]\n"
+            "print(before, gate().tolist() == [[4.0] * 3] * 2, missing)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    before, gate_ok, missing = out.stdout.strip().split("\n")[-1].split(" ", 2)
+    assert before in ("ok", "NameError") and gate_ok == "True" and missing == "[]", out.stdout
+
+
+def test_define_missing_te_names_keeps_existing_ones(monkeypatch):
+    from megatron.core.transformer.moe import moe_utils
+
+    from moe_comm.integrations.megatron import compat
+
+    gemm = object()
+    monkeypatch.setattr(moe_utils, "te_general_gemm", gemm, raising=False)
+    monkeypatch.delattr(moe_utils, "fused_permute", raising=False)
+    compat.define_missing_te_names()
+    assert moe_utils.te_general_gemm is gemm and moe_utils.fused_permute is None
+
+
+def test_buffer_cache_keyed_by_group_destroys_replaced_buffers(mcore_pool):
+    for r in mcore_pool.run(buffer_cache_rank):
+        assert all(r.values()), r
+
+
+def test_install_flex_dispatcher_twice_restores_megatron_originals():
+    """A second install must not save moe_comm's own functions as the originals; restore() (either one, any
+    number of times) puts Megatron's back."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from moe_comm.integrations.megatron import flex_route, install_flex_dispatcher
+
+    names = ("fused_dispatch", "fused_combine", "set_deepep_num_sms")
+    originals = {name: getattr(token_dispatcher, name) for name in names}
+    restore_first = install_flex_dispatcher(backend="torch")
+    try:
+        restore_second = install_flex_dispatcher(backend="torch", num_sms=8)
+        assert all(getattr(token_dispatcher, name) is getattr(flex_route, name) for name in names)
+        restore_second()
+        assert all(getattr(token_dispatcher, name) is fn for name, fn in originals.items())
+        restore_second()
+        restore_first()
+        assert all(getattr(token_dispatcher, name) is fn for name, fn in originals.items())
+        with pytest.raises(RuntimeError, match="not installed"):
+            flex_route.fused_combine(torch.zeros(1, 1), None, None)
+    finally:
+        for name, fn in originals.items():
+            setattr(token_dispatcher, name, fn)
 
 
 def test_config_errors_name_the_argument():
@@ -406,7 +539,8 @@ def test_module_runner_installs_route_b(tmp_path):
                       "print(td.fused_dispatch.__module__, sys.argv[1:], __name__)\n")
     out = subprocess.run([sys.executable, "-m", "moe_comm.integrations.megatron", "--moe-comm-backend=torch",
                           str(script), "--num-layers", "2"], check=True, timeout=120, capture_output=True, text=True)
-    assert out.stdout.split("\n")[-2] == "moe_comm.integrations.megatron ['--num-layers', '2'] __main__", out.stdout
+    assert out.stdout.split("\n")[-2] == "moe_comm.integrations.megatron.flex_route ['--num-layers', '2'] __main__", \
+        out.stdout
 
 
 @pytest.mark.parametrize("case", FAST_LAYER_CASES, ids=str)

@@ -1,5 +1,8 @@
 """CPU shims of Megatron-core's CUDA assumptions, for running MoE layers and GPTModels over gloo on a machine
-without a GPU (CI, the `tiny` recipe preset). Harness code only: moe_comm itself never patches Megatron.
+without a GPU (CI, the `tiny` recipe preset). Harness code only: the library has no CPU shims. The names
+megatron-core 0.16.1 leaves undefined without Transformer Engine are not shimmed here: they break its router on
+GPUs too, so the integration defines them (`moe_comm/integrations/megatron/compat.py`, called by
+`model.initialize_megatron` for every dispatcher).
 
 `apply_cpu_shims()` is idempotent and does nothing when CUDA is available. Each shim names the Megatron-core
 0.16.1 line it works around (file paths under megatron/core/). Call it before building any Megatron module,
@@ -78,20 +81,10 @@ def apply_cpu_shims() -> None:
     #    the "current device" is the CPU.
     torch.cuda.current_device = lambda: "cpu"
 
-    # 3. transformer/moe/moe_utils.py, `try: from megatron.core.extensions.transformer_engine import ...
-    #    except ImportError: HAVE_TE = False` leaves `te_general_gemm` and the `fused_*` names undefined, so
-    #    `RouterGatingLinearFunction.forward` (`if te_general_gemm is not None`) raises NameError (0.16.1 bug).
-    from megatron.core.transformer.moe import moe_utils
-    for name in ("te_general_gemm", "fused_permute", "fused_permute_with_probs", "fused_unpermute",
-                 "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-                 "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"):
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
-
-    # 4. transformer/moe/moe_utils.py `maybe_move_tensor_to_cpu`: `if torch.is_tensor(tensor) and
+    # 3. transformer/moe/moe_utils.py `maybe_move_tensor_to_cpu`: `if torch.is_tensor(tensor) and
     #    tensor.is_cuda:` converts only CUDA tensors, so the alltoall dispatcher's split sizes stay CPU tensors
     #    and torch 2.13 `all_to_all_single` rejects them (TypeError). Convert CPU tensors too.
-    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor):
@@ -103,7 +96,7 @@ def apply_cpu_shims() -> None:
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
-    # 5. transformer/utils.py `get_default_causal_mask`: `torch.ones(sq, sq, device="cuda")` (imported by
+    # 4. transformer/utils.py `get_default_causal_mask`: `torch.ones(sq, sq, device="cuda")` (imported by
     #    fusions/fused_softmax.py): build the mask on the CPU.
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
@@ -114,7 +107,7 @@ def apply_cpu_shims() -> None:
     transformer_utils.get_default_causal_mask = get_default_causal_mask
     fused_softmax.get_default_causal_mask = get_default_causal_mask
 
-    # 6. tensor_parallel/random.py `CudaRNGStatesTracker.add` / `.fork` (`torch.cuda.get_rng_state()`,
+    # 5. tensor_parallel/random.py `CudaRNGStatesTracker.add` / `.fork` (`torch.cuda.get_rng_state()`,
     #    `_set_cuda_rng_state`), used by attention/dropout and `model_parallel_cuda_manual_seed`: without a
     #    CUDA generator the tracker only records names and forks are no-ops (dropout uses the CPU generator).
     from megatron.core.tensor_parallel import random as mcore_random
@@ -131,6 +124,6 @@ def apply_cpu_shims() -> None:
     mcore_random.CudaRNGStatesTracker.add = add
     mcore_random.CudaRNGStatesTracker.fork = fork
 
-    # 7. jit.py `jit_fuser = torch.compile` (e.g. `@jit_fuser def dispatch_preprocess` of the flex dispatcher):
+    # 6. jit.py `jit_fuser = torch.compile` (e.g. `@jit_fuser def dispatch_preprocess` of the flex dispatcher):
     #    on CPU every new shape compiles C++ with gcc (about 10 s each). Eager runs the same ops, so run eager.
     torch._dynamo.config.disable = True

@@ -112,8 +112,13 @@ def mock_batch(dims: ModelDims, micro_batch_size: int, generator: torch.Generato
 
 
 def initialize_megatron(ep_size: int, seed: int) -> None:
-    """Megatron's model-parallel state (expert parallelism `ep_size`, everything else 1) and RNG tracker."""
+    """Megatron's model-parallel state (expert parallelism `ep_size`, everything else 1) and RNG tracker, and
+    the names megatron-core 0.16.1's router needs without Transformer Engine (also for the alltoall baseline)."""
     from megatron.core import parallel_state, tensor_parallel
+
+    from moe_comm.integrations.megatron.compat import define_missing_te_names
+
+    define_missing_te_names()
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)

@@ -1,33 +1,8 @@
-"""Megatron-core integration: moe_comm as the token dispatcher of Megatron's `MoELayer`.
+"""Route A: moe_comm as the token dispatcher of a `MoELayer` put in a layer spec.
 
-Megatron-core has no dispatcher registry (MoELayer picks allgather/alltoall/flex by a hard-coded if/elif), so
-there are two ways in, both without editing Megatron:
-
-Route A, a layer spec (any megatron-core model built from specs):
-
-    from moe_comm.integrations.megatron import MoECommConfig, moe_comm_layer_spec
-    spec = moe_comm_layer_spec(get_gpt_layer_local_spec(num_experts=8), MoECommConfig(do_expand=True))
-    model = GPTModel(config, transformer_layer_spec=spec, ...)       # config: moe_token_dispatcher_type="alltoall"
-
-  `moe_comm_layer_spec` swaps every `MoELayer` in a layer or block spec for `MoECommMoELayer`, whose token
-  dispatcher is `MoECommTokenDispatcher`. It handles both spec forms: `ModuleSpec(module=MoELayer, ...)`
-  (megatron-core <= 0.17) and `functools.partial(MoELayer, submodules=...)` (0.18+).
-
-Route B, the flex dispatcher (existing `pretrain_gpt.py` command lines):
-
-    from moe_comm.integrations.megatron import install_flex_dispatcher
-    install_flex_dispatcher()     # then --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
-
-  or, without editing the script, `torchrun ... -m moe_comm.integrations.megatron pretrain_gpt.py ARGS`.
-  It replaces the fused DeepEP dispatch/combine functions that Megatron's `_DeepepManager` calls; Megatron keeps
-  its own permutation, router padding and expert-tensor-parallel handling (non-expand layout, as DeepEP).
-
-Megatron's CUDA assumptions (streams, `torch.cuda.current_device()` as a device) hold on GPUs; on CPU they need
-shims, which live in test and recipe harness code (`recipes/megatron_moe/cpu_shims.py`), never here.
-
-Shape legend: T = tokens on this rank (sequence x micro-batch), H = hidden, E = global experts, K = router
-top-k, L = local experts (`E // ep_size`), M = rows received by a non-expand dispatch, P = rows fed to the
-experts (grouped by local expert, each block padded to `expert_alignment`).
+`moe_comm_layer_spec` swaps every `MoELayer` in a layer or block spec for `MoECommMoELayer`, whose token
+dispatcher is `MoECommTokenDispatcher` (Megatron's six-step dispatcher contract on `moe_comm.Buffer` and its
+autograd pair). Shape legend: see the package docstring.
 """
 
 from __future__ import annotations
@@ -35,157 +10,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
-import runpy
-import sys
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import torch
-import torch.distributed as dist
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_rank
 
-try:
-    from megatron.core import utils as _mcore_utils
-    from megatron.core.transformer.moe import token_dispatcher as _mcore_token_dispatcher
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, get_default_pg_collection
-    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
-    from megatron.core.transformer.spec_utils import ModuleSpec
-except ImportError as _exc:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError(
-        "moe_comm.integrations.megatron needs megatron-core (>= 0.16): pip install 'moe_comm[megatron]' "
-        f"or pip install megatron-core. Importing it failed with: {_exc}") from _exc
-
-from .. import autograd as moe_autograd
-from .. import quant
-from ..buffer import BACKENDS, Buffer
-from ..handle import EPHandle
+from ... import autograd as moe_autograd
+from ...buffer import Buffer
+from ...handle import EPHandle
+from .buffers import get_buffer
+from .options import MoECommConfig
 
 
-# ----------------------------------------------------------------------------------------------------
-# Options
-# ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MoECommConfig:
-    """moe_comm's own options for the Megatron dispatcher (Megatron's TransformerConfig has no slot for them).
-
-    Arguments:
-        backend: `moe_comm.Buffer` backend: "auto" (CUDA kernels where available, else the reference backend),
-            "torch" or "cuda".
-        do_expand: route A only. True: the dispatch itself lays rows out per local expert (expand layout, one
-            row per (token, local expert)), so nothing is permuted on the receiver. False: one row per
-            (token, rank), permuted locally (DeepEP's layout).
-        expert_alignment: pad every local expert's block of rows to a multiple of this (zero rows with zero
-            probability), for FP8 (16) or MXFP8 (32) grouped GEMMs. None: Megatron's
-            `moe_router_padding_for_quantization` decides (16, or 32 for the mxfp8 recipe), else 1.
-        quantize: None, "fp8_block128" or "mxfp8": FP8 on the wire for bf16 activations (hidden % 128 == 0).
-            Rows arrive dequantized to bf16 (Megatron's experts take bf16); the backward is a bf16 combine.
-        num_sms: SMs for the communication kernels; 0 = `Buffer.get_theoretical_num_sms` (analytical model).
-        async_comm: run dispatch and combine on the comm stream and wait only where the result is used
-            (`dispatch_postprocess` / `combine_postprocess`), so work scheduled in between (shared experts,
-            EP-overlap schedules) overlaps with the communication.
-        num_max_tokens_per_rank: the most tokens any rank dispatches in one call. None: the maximum over the
-            ranks of the first call's token count (one small all-reduce when the buffer is created).
-        deterministic: fixed receive and reduction order (DESIGN 2.1/2.2); required for bitwise parity with
-            Megatron's alltoall dispatcher.
-        num_cpu_timeout_secs: how long a host wait for a peer may block before raising.
-    """
-
-    backend: str = "auto"
-    do_expand: bool = False
-    expert_alignment: Optional[int] = None
-    quantize: Optional[str] = None
-    num_sms: int = 0
-    async_comm: bool = True
-    num_max_tokens_per_rank: Optional[int] = None
-    deterministic: bool = True
-    num_cpu_timeout_secs: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
-        for name in ("do_expand", "async_comm", "deterministic"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.expert_alignment is not None and (not isinstance(self.expert_alignment, int)
-                                                  or self.expert_alignment < 1):
-            raise ValueError(f"expert_alignment={self.expert_alignment!r} must be None or an int >= 1")
-        if self.quantize is not None and self.quantize not in quant.FP8_FORMATS:
-            raise ValueError(f"quantize={self.quantize!r} is not one of {(None, *quant.FP8_FORMATS)}")
-        if not isinstance(self.num_sms, int) or self.num_sms < 0:
-            raise ValueError(f"num_sms={self.num_sms!r} must be an int >= 0 (0 = analytical model)")
-        if self.num_max_tokens_per_rank is not None and (not isinstance(self.num_max_tokens_per_rank, int)
-                                                         or self.num_max_tokens_per_rank < 1):
-            raise ValueError(f"num_max_tokens_per_rank={self.num_max_tokens_per_rank!r} must be None or an int >= 1")
-        if not self.num_cpu_timeout_secs > 0:
-            raise ValueError(f"num_cpu_timeout_secs={self.num_cpu_timeout_secs!r} must be > 0")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Buffers: one per (group, backend, deterministic), grown when a call needs more (as Megatron's DeepEP path)
-# ----------------------------------------------------------------------------------------------------
-_buffers: dict[tuple, tuple[dist.ProcessGroup, Buffer]] = {}
-
-
-def _max_over_ranks(group: dist.ProcessGroup, value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=Buffer.group_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
-def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size: int, num_topk: int,
-               options: MoECommConfig) -> Buffer:
-    """The cached `moe_comm.Buffer` for `group`, created or grown to fit this call.
-
-    Every rank of `group` must call this at the same point (the first creation runs one all-reduce); ranks
-    agree on sizes because hidden, top-k and dtype are model constants. A later call with more tokens than
-    the buffer was made for raises, since only that rank would know (set `num_max_tokens_per_rank`).
-
-    Arguments:
-        group: the expert-parallel process group.
-        num_tokens: rows this rank dispatches now.
-        hidden: hidden size H of the rows.
-        elem_size: bytes per element of the rows (bf16 2, float32 4).
-        num_topk: top-k slots per token.
-        options: the `MoECommConfig`.
-    """
-    key = (id(group), options.backend, options.deterministic)
-    hidden_bf16 = hidden * max(elem_size, 2) // 2  # Buffer(hidden=) counts bf16 elements
-    use_fp8 = options.quantize is not None
-    entry = _buffers.get(key)
-    if entry is not None:
-        buf = entry[1]
-        if num_tokens > buf.num_max_tokens_per_rank:
-            raise ValueError(
-                f"num_tokens={num_tokens} exceeds the moe_comm buffer's num_max_tokens_per_rank="
-                f"{buf.num_max_tokens_per_rank} (sized at the first call); set "
-                f"MoECommConfig(num_max_tokens_per_rank=...) to the largest micro-batch's tokens per rank")
-        if hidden_bf16 <= buf.hidden and num_topk <= buf.num_topk and (buf.use_fp8_dispatch or not use_fp8):
-            return buf
-        num_max_tokens = buf.num_max_tokens_per_rank
-        hidden_bf16, num_topk = max(hidden_bf16, buf.hidden), max(num_topk, buf.num_topk)
-        use_fp8 = use_fp8 or buf.use_fp8_dispatch
-    else:
-        num_max_tokens = options.num_max_tokens_per_rank or _max_over_ranks(group, max(num_tokens, 1))
-        if num_tokens > num_max_tokens:
-            raise ValueError(f"num_tokens={num_tokens} exceeds MoECommConfig.num_max_tokens_per_rank={num_max_tokens}")
-    buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
-                 use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
-                 num_cpu_timeout_secs=options.num_cpu_timeout_secs)
-    _buffers[key] = (group, buf)
-    return buf
-
-
-def clear_buffers() -> None:
-    """Forget the cached buffers (e.g. before destroying the process groups)."""
-    for _, buf in _buffers.values():
-        buf.destroy()
-    _buffers.clear()
-
-
-# ----------------------------------------------------------------------------------------------------
-# Route A: the token dispatcher
-# ----------------------------------------------------------------------------------------------------
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor,
                         num_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's multi-hot routing to moe_comm's top-k slots, slots in ascending expert order.
@@ -261,7 +101,7 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         if config.moe_pad_expert_input_to_capacity:
             raise ValueError("MoECommTokenDispatcher does not support moe_pad_expert_input_to_capacity=True "
                              "(dropless or capacity-dropping routing only)")
-        self.ep_rank = _mcore_utils.get_pg_rank(self.ep_group)
+        self.ep_rank = get_pg_rank(self.ep_group)
         self.num_experts = config.num_moe_experts
         self.num_local_experts = num_local_experts
         self.num_topk = config.moe_router_topk
@@ -488,144 +328,5 @@ def moe_comm_layer_spec(spec, moe_comm_config: Optional[MoECommConfig] = None):
     return new_spec
 
 
-# ----------------------------------------------------------------------------------------------------
-# Route B: moe_comm behind Megatron's flex dispatcher (DeepEP's fused_dispatch / fused_combine contract)
-# ----------------------------------------------------------------------------------------------------
-@dataclass
-class _FlexSettings:
-    options: MoECommConfig
-    num_sms: Union[int, str, None]
-    megatron_num_sms: int = 0
-    last_num_sms: int = 0  # SMs the last dispatch ran with (for logs)
-
-    def resolve_num_sms(self) -> int:
-        if self.num_sms is None:
-            return 0  # analytical model
-        if self.num_sms == "megatron":
-            return self.megatron_num_sms
-        return self.num_sms
-
-
-_flex: Optional[_FlexSettings] = None
-
-
-def fused_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: torch.Tensor, num_experts: int,
-                   group: dist.ProcessGroup, async_finish: bool = False, allocate_on_comm_stream: bool = False):
-    """Drop-in for `megatron.core.transformer.moe.fused_a2a.fused_dispatch` (DeepEP semantics).
-
-    Arguments:
-        x: `[T, H]` rows. token_indices: `[T, K]` `torch.int64` expert ids (-1 = dropped).
-        token_probs: `[T, K]` `torch.float32`. num_experts: experts over `group`. group: Megatron's TPxEP group.
-        async_finish, allocate_on_comm_stream: run on the comm stream; the current stream waits before return.
-
-    Returns:
-        `(recv_x, recv_token_indices [M, K] local ids or -1, recv_token_probs [M, K], tokens_per_expert (CPU
-        int64 tensor), handle)`, differentiable in `x` and `token_probs`.
-    """
-    if _flex is None:
-        raise RuntimeError("moe_comm flex dispatcher is not installed: call install_flex_dispatcher() first")
-    options = _flex.options
-    buf = get_buffer(group, x.shape[0], x.shape[1], x.element_size(), token_indices.shape[1], options)
-    recv_x, recv_idx, recv_probs, handle, event = moe_autograd.dispatch(
-        buf, x.contiguous(), token_indices.contiguous(), token_probs.float().contiguous(), num_experts=num_experts,
-        num_sms=_flex.resolve_num_sms(), quantize=options.quantize, dequantize=options.quantize is not None,
-        async_with_compute_stream=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
-    event.current_stream_wait()
-    _flex.last_num_sms = handle.num_sms
-    tokens_per_expert = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
-    return recv_x, recv_idx, recv_probs, tokens_per_expert, handle
-
-
-def fused_combine(x: torch.Tensor, group: dist.ProcessGroup, handle: EPHandle, async_finish: bool = False,
-                  allocate_on_comm_stream: bool = False):
-    """Drop-in for `megatron.core.transformer.moe.fused_a2a.fused_combine`: `(combined [T, H], None)`."""
-    if _flex is None:
-        raise RuntimeError("moe_comm flex dispatcher is not installed: call install_flex_dispatcher() first")
-    buf = get_buffer(group, handle.num_tokens, x.shape[1], x.element_size(), handle.num_topk, _flex.options)
-    combined, event = moe_autograd.combine(buf, x.contiguous(), handle, num_sms=_flex.resolve_num_sms(),
-                                           async_with_compute_stream=async_finish,
-                                           allocate_on_comm_stream=allocate_on_comm_stream)
-    event.current_stream_wait()
-    return combined, None
-
-
-def set_deepep_num_sms(num_sms: int) -> None:
-    """Drop-in for `fused_a2a.set_deepep_num_sms`: records Megatron's `--moe-deepep-num-sms` value (used only
-    with `install_flex_dispatcher(num_sms="megatron")`)."""
-    if _flex is not None:
-        _flex.megatron_num_sms = int(num_sms)
-
-
-def flex_last_num_sms() -> int:
-    """SMs the last route-B dispatch ran with (0 before the first one or when not installed)."""
-    return _flex.last_num_sms if _flex is not None else 0
-
-
-_PATCHED_NAMES = ("fused_dispatch", "fused_combine", "set_deepep_num_sms")
-
-
-def install_flex_dispatcher(backend: str = "auto", num_sms: Union[int, str, None] = None,
-                            quantize: Optional[str] = None, deterministic: bool = True,
-                            num_cpu_timeout_secs: float = 300.0) -> Callable[[], None]:
-    """Make Megatron's flex dispatcher with backend "deepep" run on moe_comm (route B).
-
-    Replaces `fused_dispatch`, `fused_combine` and `set_deepep_num_sms` in
-    `megatron.core.transformer.moe.token_dispatcher` (looked up at call time by `_DeepepManager`), so
-    `--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep` works without DeepEP installed.
-    Call it before the model is built. Megatron keeps its own permutation (non-expand layout), router padding
-    and TPxEP handling.
-
-    Arguments:
-        backend: `moe_comm.Buffer` backend ("auto", "torch", "cuda").
-        num_sms: None: the analytical model (Megatron's `--moe-deepep-num-sms` is DeepEP's tuning and is
-            ignored); "megatron": use that flag's value; an int: that many SMs.
-        quantize: None, "fp8_block128" or "mxfp8": FP8 on the wire, dequantized to bf16 on arrival.
-        deterministic, num_cpu_timeout_secs: as `MoECommConfig`.
-
-    Returns:
-        `restore()`, which puts Megatron's original functions back.
-    """
-    global _flex
-    if not (num_sms is None or num_sms == "megatron" or (isinstance(num_sms, int) and num_sms > 0)):
-        raise ValueError(f"num_sms={num_sms!r} must be None, 'megatron' or a positive int")
-    options = MoECommConfig(backend=backend, quantize=quantize, deterministic=deterministic,
-                            num_cpu_timeout_secs=num_cpu_timeout_secs)
-    originals = {name: getattr(_mcore_token_dispatcher, name) for name in _PATCHED_NAMES}
-    _flex = _FlexSettings(options=options, num_sms=num_sms)
-    this_module = sys.modules[__name__]
-    for name in _PATCHED_NAMES:
-        setattr(_mcore_token_dispatcher, name, getattr(this_module, name))
-
-    def restore() -> None:
-        global _flex
-        for name, fn in originals.items():
-            setattr(_mcore_token_dispatcher, name, fn)
-        _flex = None
-
-    return restore
-
-
-def _main(argv: list[str]) -> None:
-    """`python -m moe_comm.integrations.megatron [--moe-comm-backend B] SCRIPT ARGS`: run SCRIPT (e.g.
-    pretrain_gpt.py) with Megatron's flex/deepep dispatcher backed by moe_comm (route B)."""
-    backend = "auto"
-    if argv and argv[0].startswith("--moe-comm-backend="):
-        backend, argv = argv[0].split("=", 1)[1], argv[1:]
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: torchrun ... -m moe_comm.integrations.megatron [--moe-comm-backend=auto|torch|cuda] "
-              "pretrain_gpt.py [ARGS]")
-        return
-    from moe_comm.integrations import megatron as canonical  # the module other imports see, not __main__
-    canonical.install_flex_dispatcher(backend=backend)
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
-
-
-__all__ = ["MoECommConfig", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "expert_alignment_for",
-           "routing_map_to_topk", "install_flex_dispatcher", "flex_last_num_sms", "fused_dispatch", "fused_combine",
-           "set_deepep_num_sms", "get_buffer", "clear_buffers"]
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
+__all__ = ["MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "expert_alignment_for",
+           "routing_map_to_topk"]

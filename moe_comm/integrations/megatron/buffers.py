@@ -1,0 +1,84 @@
+"""The process-wide cache of `moe_comm.Buffer`s behind both routes: one per (process group, backend,
+deterministic), grown when a call needs more, as Megatron's DeepEP path does.
+
+Keys hold the group object itself, not `id(group)`: an id can be reused by a new group once the old one is
+garbage, and would hand it a buffer on a dead group. The cache keeps its groups and buffers alive until
+`clear_buffers()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...buffer import Buffer
+from .options import MoECommConfig
+
+_buffers: dict[tuple[dist.ProcessGroup, str, bool], Buffer] = {}
+
+
+def _max_over_ranks(group: dist.ProcessGroup, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=Buffer.group_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size: int, num_topk: int,
+               options: MoECommConfig) -> Buffer:
+    """The cached `moe_comm.Buffer` for `group`, created or grown to fit this call.
+
+    Every rank of `group` must call this at the same point (the first creation runs one all-reduce); ranks
+    agree on sizes because hidden, top-k and dtype are model constants. A later call with more tokens than
+    the buffer was made for raises, since only that rank would know (set `num_max_tokens_per_rank`).
+
+    Growing (for a larger hidden size or top-k, or for FP8) destroys the old buffer and makes a larger one, so
+    a backward still to run on the old buffer would raise. The MoE layers on one group share the buffer: give
+    them the same sizes and options, and it never grows after their first forward.
+
+    Arguments:
+        group: the expert-parallel process group.
+        num_tokens: rows this rank dispatches now.
+        hidden: hidden size H of the rows.
+        elem_size: bytes per element of the rows (bf16 2, float32 4).
+        num_topk: top-k slots per token.
+        options: the `MoECommConfig`.
+
+    Returns:
+        The `moe_comm.Buffer` to dispatch and combine with.
+    """
+    key = (group, options.backend, options.deterministic)
+    hidden_bf16 = hidden * max(elem_size, 2) // 2  # Buffer(hidden=) counts bf16 elements
+    use_fp8 = options.quantize is not None
+    buf = _buffers.get(key)
+    if buf is not None:
+        if num_tokens > buf.num_max_tokens_per_rank:
+            raise ValueError(
+                f"num_tokens={num_tokens} exceeds the moe_comm buffer's num_max_tokens_per_rank="
+                f"{buf.num_max_tokens_per_rank} (sized at the first call); set "
+                f"MoECommConfig(num_max_tokens_per_rank=...) to the largest micro-batch's tokens per rank")
+        if hidden_bf16 <= buf.hidden and num_topk <= buf.num_topk and (buf.use_fp8_dispatch or not use_fp8):
+            return buf
+        num_max_tokens = buf.num_max_tokens_per_rank
+        hidden_bf16, num_topk = max(hidden_bf16, buf.hidden), max(num_topk, buf.num_topk)
+        use_fp8 = use_fp8 or buf.use_fp8_dispatch
+        del _buffers[key]
+        buf.destroy()
+    else:
+        num_max_tokens = options.num_max_tokens_per_rank or _max_over_ranks(group, max(num_tokens, 1))
+        if num_tokens > num_max_tokens:
+            raise ValueError(f"num_tokens={num_tokens} exceeds MoECommConfig.num_max_tokens_per_rank={num_max_tokens}")
+    buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
+                 use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
+                 num_cpu_timeout_secs=options.num_cpu_timeout_secs)
+    _buffers[key] = buf
+    return buf
+
+
+def clear_buffers() -> None:
+    """Destroy and forget the cached buffers (e.g. before destroying the process groups)."""
+    for buf in _buffers.values():
+        buf.destroy()
+    _buffers.clear()
+
+
+__all__ = ["get_buffer", "clear_buffers"]

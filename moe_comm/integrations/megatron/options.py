@@ -1,0 +1,69 @@
+"""Options of the Megatron integration, shared by route A (`moe_comm_layer_spec`) and route B
+(`install_flex_dispatcher`, which takes a subset as arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ... import quant
+from ...buffer import BACKENDS
+
+
+@dataclass(frozen=True)
+class MoECommConfig:
+    """moe_comm's own options for the Megatron dispatcher (Megatron's TransformerConfig has no slot for them).
+
+    Arguments:
+        backend: `moe_comm.Buffer` backend: "auto" (CUDA kernels where available, else the reference backend),
+            "torch" or "cuda".
+        do_expand: route A only. True: the dispatch itself lays rows out per local expert (expand layout, one
+            row per (token, local expert)), so nothing is permuted on the receiver. False: one row per
+            (token, rank), permuted locally (DeepEP's layout).
+        expert_alignment: pad every local expert's block of rows to a multiple of this (zero rows with zero
+            probability), for FP8 (16) or MXFP8 (32) grouped GEMMs. None: Megatron's
+            `moe_router_padding_for_quantization` decides (16, or 32 for the mxfp8 recipe), else 1.
+        quantize: None, "fp8_block128" or "mxfp8": FP8 on the wire for bf16 activations (hidden % 128 == 0).
+            Rows arrive dequantized to bf16 (Megatron's experts take bf16); the backward is a bf16 combine.
+        num_sms: SMs for the communication kernels; 0 = `Buffer.get_theoretical_num_sms` (analytical model).
+        async_comm: run dispatch and combine on the comm stream and wait only where the result is used
+            (`dispatch_postprocess` / `combine_postprocess`), so work scheduled in between (shared experts,
+            EP-overlap schedules) overlaps with the communication.
+        num_max_tokens_per_rank: the most tokens any rank dispatches in one call. None: the maximum over the
+            ranks of the first call's token count (one small all-reduce when the buffer is created).
+        deterministic: fixed receive and reduction order (DESIGN 2.1/2.2); required for bitwise parity with
+            Megatron's alltoall dispatcher.
+        num_cpu_timeout_secs: how long a host wait for a peer may block before raising.
+    """
+
+    backend: str = "auto"
+    do_expand: bool = False
+    expert_alignment: Optional[int] = None
+    quantize: Optional[str] = None
+    num_sms: int = 0
+    async_comm: bool = True
+    num_max_tokens_per_rank: Optional[int] = None
+    deterministic: bool = True
+    num_cpu_timeout_secs: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        for name in ("do_expand", "async_comm", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.expert_alignment is not None and (not isinstance(self.expert_alignment, int)
+                                                  or self.expert_alignment < 1):
+            raise ValueError(f"expert_alignment={self.expert_alignment!r} must be None or an int >= 1")
+        if self.quantize is not None and self.quantize not in quant.FP8_FORMATS:
+            raise ValueError(f"quantize={self.quantize!r} is not one of {(None, *quant.FP8_FORMATS)}")
+        if not isinstance(self.num_sms, int) or self.num_sms < 0:
+            raise ValueError(f"num_sms={self.num_sms!r} must be an int >= 0 (0 = analytical model)")
+        if self.num_max_tokens_per_rank is not None and (not isinstance(self.num_max_tokens_per_rank, int)
+                                                         or self.num_max_tokens_per_rank < 1):
+            raise ValueError(f"num_max_tokens_per_rank={self.num_max_tokens_per_rank!r} must be None or an int >= 1")
+        if not self.num_cpu_timeout_secs > 0:
+            raise ValueError(f"num_cpu_timeout_secs={self.num_cpu_timeout_secs!r} must be > 0")
+
+
+__all__ = ["MoECommConfig"]
