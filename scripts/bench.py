@@ -207,7 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.num_ranks < 1:
         parser.error(f"--num-ranks={args.num_ranks} must be >= 1")
-    pg_backend = "nccl" if torch.cuda.device_count() >= max(args.num_ranks, 2) else "gloo"
+    pg_backend = "nccl" if torch.cuda.device_count() >= args.num_ranks else "gloo"
     config = {"num_ranks": args.num_ranks, "backend": args.backend, "tokens": args.tokens, "hidden": args.hidden,
               "num_experts": args.num_experts, "num_topk": args.num_topk, "sms": args.sms, "iters": args.iters,
               "pg_backend": pg_backend}

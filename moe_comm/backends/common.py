@@ -51,7 +51,7 @@ class Backend:
         self.after_host_sync()
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
         outputs, event = self.run(lambda: self.dispatch_steps(c, verify_agreement), c.previous_event,
-                                   c.async_with_compute_stream, inputs)
+                                  c.async_with_compute_stream, inputs)
         recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
         return recv_x, recv_topk_idx, recv_topk_weights, handle, event
 
