@@ -1,11 +1,12 @@
 """Where the time of a dispatch/combine goes: host issue time, device time per kernel, Python hot spots.
 
-For each token count and op (dispatch with CPU sync, cached dispatch, combine) on the CUDA backend:
+For each token count and op (dispatch with and without CPU sync, cached dispatch, combine) on the CUDA backend:
 - host us/call: wall time of issuing `--iters` calls back to back, divided by the count (the GPU is not waited
   for, so for ops without a host sync this is the Python + launch cost alone);
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
-Then a cProfile of the dispatch with CPU sync at the smallest size (top functions by own time). Rank 0 prints.
+At the smallest size also the host time of the pieces of a cached dispatch and a combine (checks, allocation, the
+launcher crossing) and a cProfile of every op (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
 MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `stages=N`
 MOE_COMM_RECV_STAGES, `send=F` / `csend=F` the share of sending blocks of the dispatch / combine, `sms=N` the SM
@@ -25,6 +26,7 @@ import cProfile
 import io
 import os
 import pstats
+import time
 from collections import defaultdict
 
 import torch
@@ -129,6 +131,63 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     return "\n".join(lines)
 
 
+def host_us(fn, iters: int) -> float:
+    """Host wall time per call of `fn` issued back to back (the GPU is not waited for inside the loop)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / iters
+    torch.cuda.synchronize()
+    return us
+
+
+def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
+    """Host us per call of the pieces of a cached dispatch and a combine: argument checks, output allocation, the
+    launcher crossing (barrier + kernel launch in C), and the whole call."""
+    impl, dev = buf._impl, x.device
+    buf.dispatch(x, handle=handle)
+    buf.combine(recv_x, handle)
+    (dplan,) = [p for k, p in handle.layout.plans.items() if k[0] == "dispatch"]
+    (cplan,) = [p for k, p in handle.layout.plans.items() if k[0] == "combine"]
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    pieces = {
+        "cached dispatch: checks (Buffer._validate_dispatch)": lambda: buf._validate_dispatch(
+            x, None, None, None, None, 1, 0, handle, None, handle.do_expand, None, False, None, False, False),
+        "cached dispatch: output allocation": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
+                                                                  device=dev),
+        "cached dispatch: launcher (barrier + kernel)": lambda: impl.kernels.dispatch(
+            *dplan.extra["refs"], handle.num_sms, 1, stream),
+        "cached dispatch: whole call": lambda: buf.dispatch(x, handle=handle),
+        "combine: checks (Buffer._validate_combine)": lambda: buf._validate_combine(
+            recv_x, handle, None, None, 0, None, False, False),
+        "combine: launcher (barrier + kernel)": lambda: impl.kernels.combine(
+            *cplan.extra["refs"], 1, handle.num_sms, stream),
+        "combine: whole call": lambda: buf.combine(recv_x, handle),
+        "barrier launcher alone": lambda: impl.kernels.barrier(dplan.extra["refs"][0], stream),
+        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
+    }
+    lines = [f"\nhost us per call, {x.shape[0]} tokens ({iters} calls each):"]
+    for name, fn in pieces.items():
+        lines.append(f"    {host_us(fn, iters):8.1f}  {name}")
+    return lines
+
+
+def cprofile(fn, iters: int, title: str, top: int = 14) -> str:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return f"\ncProfile, {title}, {iters} calls:\n{text.getvalue()}"
+
+
 def profile_rank(rank: int, world_size: int, args: dict) -> str:
     device = torch.device("cuda", rank)
     E, K, hidden = 256, 8, 7168
@@ -141,6 +200,7 @@ def profile_rank(rank: int, world_size: int, args: dict) -> str:
         x, idx, w = rank_inputs(case, rank, device)
         recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
         ops = {"dispatch": lambda: buf.dispatch(x, idx, w, num_experts=E),
+               "dispatch without CPU sync": lambda: buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False),
                "cached dispatch": lambda: buf.dispatch(x, handle=handle),
                "combine": lambda: buf.combine(recv_x, handle)}
         for name, fn in ops.items():
@@ -150,21 +210,10 @@ def profile_rank(rank: int, world_size: int, args: dict) -> str:
             lines.append(f"\n{num_tokens} tokens, {name}: host {host:.1f} us/call, stream {stream:.1f} us/call")
             for kernel, us in kernel_times(fn, iters).items():
                 lines.append(f"    {us:9.1f} us  {100 * us / stream:5.1f}%  {kernel}")
-    small = min(args["tokens"])
-    case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
-                num_tokens=(small,) * world_size, num_max_tokens_per_rank=cap, drop_prob=0.0)
-    x, idx, w = rank_inputs(case, rank, device)
-    for _ in range(3):
-        buf.dispatch(x, idx, w, num_experts=E)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
-        buf.dispatch(x, idx, w, num_experts=E)
-    prof.disable()
-    torch.cuda.synchronize(device)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    lines.append(f"\ncProfile, dispatch (CPU sync) at {small} tokens, {iters} calls:\n{text.getvalue()}")
+        if num_tokens == min(args["tokens"]):
+            lines += host_breakdown(buf, x, handle, recv_x, 200)
+            for name, fn in ops.items():
+                lines.append(cprofile(fn, iters, f"{name} at {num_tokens} tokens"))
     buf.destroy()
     return "\n".join(lines)
 

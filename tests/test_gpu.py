@@ -122,7 +122,7 @@ def test_async_comm_stream(nccl_pool, backend):
 
 
 def gradcheck_rank(rank: int, world_size: int, backend: str) -> bool:
-    base = dict(num_ranks=WORLD_SIZE, num_experts=2 * WORLD_SIZE, num_topk=3, hidden=2, num_tokens=per_rank(3, 0),
+    base = dict(num_ranks=WORLD_SIZE, num_experts=2 * max(WORLD_SIZE, 2), num_topk=3, hidden=2, num_tokens=per_rank(3, 0),
                 num_max_tokens_per_rank=4,
                 dtype="float64", drop_prob=0.25, num_bias=1)
     for case in (Case(seed=81, **base), Case(seed=82, do_expand=True, expert_alignment=3, do_cpu_sync=False, **base)):

@@ -7,6 +7,7 @@
 #include "moe_comm/abi.h"
 #include "moe_comm/common/comm.cuh"
 #include "moe_comm/common/rows.cuh"
+#include "moe_comm/common/tuning.cuh"
 
 namespace moe_comm {
 
@@ -18,7 +19,7 @@ __global__ void barrier_impl(EpParams p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Dispatch notify, one block of kMaxRanks threads (thread d talks to rank d): the barrier before the dispatch,
+// Dispatch notify, one block (thread d < num_ranks talks to rank d): the barrier before the dispatch,
 // this rank's control slot on every peer (signature, rows, per-expert counts, flags), the exchange (every peer's
 // slot has arrived here), then what arrived goes on: a copy of the slots for the receivers of this and later
 // cached dispatches; with a CPU sync a summary for the host, without one the flags into the pending flags that
@@ -28,14 +29,14 @@ __global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
     const int R = p.num_ranks, L = p.num_local_experts, S = kSignatureLen;
     signal_wait_block(p.peer_bases, p.local_base, p.error, kBarrierFlagsOffset, kBarrierSeqOffset, p.timeout_ns,
                       p.rank, R, p.barrier_phase);
-    const int d = threadIdx.x;
-    if (d < R) {
-        int64_t* slot = control_slot(p.peer_bases[d], p.rank);
-        for (int i = 0; i < S; ++i) slot[i] = p.signature[i];
-        int64_t* counts = slot + S;
-        counts[0] = n.num_tokens_per_rank[d];
-        for (int l = 0; l < L; ++l) counts[1 + l] = n.num_tokens_per_expert[d * L + l];
-        counts[1 + L] = n.flags[0];
+    // Our slot on every peer d: signature, rows for d, d's experts' counts, flags (every thread takes values).
+    // NOTES: the exchange's barrier (__syncthreads, then a system fence and release per peer) publishes them.
+    const int width = S + L + 2;
+    for (int i = threadIdx.x; i < R * width; i += blockDim.x) {
+        const int d = i / width, c = i % width;
+        const int64_t value = c < S ? p.signature[c] : c == S ? n.num_tokens_per_rank[d]
+                              : c <= S + L ? n.num_tokens_per_expert[d * L + c - S - 1] : n.flags[0];
+        control_slot(p.peer_bases[d], p.rank)[c] = value;
     }
     signal_wait_block(p.peer_bases, p.local_base, p.error, kExchangeFlagsOffset, kExchangeSeqOffset, p.timeout_ns,
                       p.rank, R, n.exchange_phase);
@@ -43,7 +44,6 @@ __global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
     auto slot_value = [&](int s, int i) {
         return *reinterpret_cast<volatile const int64_t*>(control_slot(p.local_base, s) + i);
     };
-    const int width = S + L + 2;
     if (n.recv_slots)
         for (int i = threadIdx.x; i < R * width; i += blockDim.x)
             n.recv_slots[(i / width) * kSlotStride + i % width] = slot_value(i / width, i % width);
