@@ -165,6 +165,7 @@ class Buffer:
         self.backend = self._resolve_backend(backend, cuda_tuning)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
+        self._fitting: set[tuple] = set()  # call shapes that fit the buffer
         if self.backend == "cuda":
             self._impl = cuda_backend.CudaBackend(group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
                                                   self.num_gpu_timeout_secs, cuda_tuning)
@@ -254,6 +255,9 @@ class Buffer:
 
     def _check_fits(self, num_max_tokens_per_rank: int, hidden: int, num_topk: int, elem_size: int,
                     fp8: bool) -> None:
+        key = (num_max_tokens_per_rank, hidden, num_topk, elem_size, fp8)
+        if key in self._fitting:  # the check runs on every call: once per shape is enough
+            return
         needed = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk, fp8,
                                              elem_size)
         if needed > self.num_bytes:
@@ -261,6 +265,7 @@ class Buffer:
                 f"buffer too small: this call needs {needed} bytes ({num_max_tokens_per_rank=}, {hidden=}, "
                 f"{num_topk=}, element size {elem_size}, fp8={fp8}), the buffer has {self.num_bytes}; "
                 f"create the Buffer with larger maxima (Buffer.get_buffer_size_hint)")
+        self._fitting.add(key)
 
     @staticmethod
     def _check_rows(name: str, t: torch.Tensor) -> None:

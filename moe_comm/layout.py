@@ -12,6 +12,8 @@ Buffer of every rank (identical layout on every rank; offsets in bytes from the 
         EXCHANGE_FLAGS_OFFSET   [MAX_RANKS] int64 exchange flags, entry s written by rank s
         BARRIER_SEQ_OFFSET      int64 this rank's barrier counter (on the device, so CUDA graph replays advance it)
         EXCHANGE_SEQ_OFFSET     int64 this rank's exchange counter
+        KERNEL_DONE_OFFSET      int32 blocks of the running kernel that finished (the last one resets it and, in a
+                                kernel with the barrier fused in, advances the barrier counter)
         SLOTS_OFFSET            [MAX_RANKS][SLOT_STRIDE] int64 control slots, slot s written by rank s:
                                 [signature (SIGNATURE_LEN)][rows sent to us][per-local-expert counts (L)][flags]
     [CONTROL_BYTES, num_bytes)  receive region: block s (num_max_tokens_per_rank rows, or row groups) from rank s
@@ -41,6 +43,7 @@ BARRIER_FLAGS_OFFSET = 0
 EXCHANGE_FLAGS_OFFSET = 4096
 BARRIER_SEQ_OFFSET = 8192
 EXCHANGE_SEQ_OFFSET = 8200
+KERNEL_DONE_OFFSET = 8208
 SLOTS_OFFSET = 16384
 # Fixed, so that ranks that disagree on sizes still read each other's signature where it was written.
 SLOT_STRIDE = (CONTROL_BYTES - SLOTS_OFFSET) // (8 * MAX_RANKS)
@@ -138,6 +141,8 @@ STRUCTS = {
         ("int32_t", "num_send_blocks", "blocks [0, n) send, the others receive or reduce"),
         ("int32_t", "phase", "of the operation, reported on timeout"),
         ("int32_t", "barrier_phase", "of the barrier before it"),
+        ("int32_t", "with_barrier", "the kernel runs the barrier itself (set by the launcher)"),
+        ("int32_t", "padding", ""),
         ("int64_t[kSignatureLen]", "signature", "the call's sizes, compared on the host when it syncs"),
     ],
     "LayoutArgs": [  # layout kernel: send positions and counts of this rank's routing
@@ -211,7 +216,8 @@ CONSTANTS = {  # name in C -> (value, C type)
     "kMaxRoundSlots": (MAX_ROUND_SLOTS, "int"), "kRecvTableLimit": (RECV_TABLE_LIMIT, "int64_t"),
     "kControlBytes": (CONTROL_BYTES, "int64_t"), "kBarrierFlagsOffset": (BARRIER_FLAGS_OFFSET, "int64_t"),
     "kExchangeFlagsOffset": (EXCHANGE_FLAGS_OFFSET, "int64_t"), "kBarrierSeqOffset": (BARRIER_SEQ_OFFSET, "int64_t"),
-    "kExchangeSeqOffset": (EXCHANGE_SEQ_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
+    "kExchangeSeqOffset": (EXCHANGE_SEQ_OFFSET, "int64_t"),
+    "kKernelDoneOffset": (KERNEL_DONE_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
     "kSlotStride": (SLOT_STRIDE, "int64_t"), "kTagMagic": (TAG_MAGIC, "int64_t"),
     "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"),
 }

@@ -144,7 +144,7 @@ def host_us(fn, iters: int) -> float:
 
 def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
     """Host us per call of the pieces of a cached dispatch and a combine: argument checks, output allocation, the
-    launcher crossing (barrier + kernel launch in C), and the whole call."""
+    launcher crossing (one kernel launch in C), and the whole call."""
     impl, dev = buf._impl, x.device
     buf.dispatch(x, handle=handle)
     buf.combine(recv_x, handle)
@@ -156,15 +156,14 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
             x, None, None, None, None, 1, 0, handle, None, handle.do_expand, None, False, None, False, False),
         "cached dispatch: output allocation": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
                                                                   device=dev),
-        "cached dispatch: launcher (barrier + kernel)": lambda: impl.kernels.dispatch(
+        "cached dispatch: launcher": lambda: impl.kernels.dispatch(
             *dplan.extra["refs"], handle.num_sms, 1, stream),
         "cached dispatch: whole call": lambda: buf.dispatch(x, handle=handle),
         "combine: checks (Buffer._validate_combine)": lambda: buf._validate_combine(
             recv_x, handle, None, None, 0, None, False, False),
-        "combine: launcher (barrier + kernel)": lambda: impl.kernels.combine(
+        "combine: launcher": lambda: impl.kernels.combine(
             *cplan.extra["refs"], 1, handle.num_sms, stream),
         "combine: whole call": lambda: buf.combine(recv_x, handle),
-        "barrier launcher alone": lambda: impl.kernels.barrier(dplan.extra["refs"][0], stream),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
     }
     lines = [f"\nhost us per call, {x.shape[0]} tokens ({iters} calls each):"]

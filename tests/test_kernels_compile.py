@@ -69,9 +69,10 @@ def test_abi_mismatch_is_a_runtime_error_naming_the_field(kernels, monkeypatch):
 def test_launcher_failure_names_the_condition_and_values(kernels):
     """Checks run before any launch, so they answer on a machine without a GPU."""
     params = layout.EpParams(num_ranks=0, num_experts=8)
-    assert kernels.layout(ctypes.byref(params), ctypes.byref(layout.LayoutArgs()), None) == 1
+    notify = layout.NotifyArgs(pending_flags=8)
+    assert kernels.layout(ctypes.byref(params), ctypes.byref(layout.LayoutArgs()), ctypes.byref(notify), None) == 1
     message = kernels.last_error().decode()
-    assert "moe_comm_layout" in message and "num_ranks=0" in message and "kMaxRanks=32" in message, message
+    assert "layout.cu" in message and "num_ranks=0, kMaxRanks=32" in message, message
     with pytest.raises(RuntimeError, match="dispatch failed on rank 3: .*num_ranks=0"):
         kernels.check(kernels.dispatch(ctypes.byref(params), ctypes.byref(layout.DispatchInputs()),
                                        ctypes.byref(layout.RecvOutputs()), 4, 0, None), "dispatch", 3)

@@ -15,6 +15,9 @@ from .. import quant
 from ..event import EventOverlap
 from ..handle import EPHandle
 
+# What a synchronous call returns: nothing to wait for (stateless once complete, so one object serves all).
+DONE = EventOverlap()
+
 # Error flag bits of a rank's routing (the reference computes them in torch, the kernels in the layout kernel).
 FLAG_OUT_OF_RANGE = 1
 FLAG_DUPLICATE = 2
@@ -49,7 +52,8 @@ class Backend:
         """Run a validated `DispatchCall` (see `moe_comm.buffer`); first check that all ranks called it with the
         same sizes when `verify_agreement`."""
         self.after_host_sync()
-        inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None]
+        inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None] \
+            if c.async_with_compute_stream else ()
         outputs, event = self.run(lambda: self.dispatch_steps(c, verify_agreement), c.previous_event,
                                   c.async_with_compute_stream, inputs)
         recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
@@ -68,7 +72,7 @@ class Backend:
         """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement`, first check on the
         comm stream, after `previous_event`, that all ranks called it with the same sizes."""
         self.after_host_sync()
-        inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None]
+        inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None] if c.async_with_compute_stream else ()
 
         def steps():
             if verify_agreement:
@@ -115,17 +119,17 @@ class Backend:
             if not async_with_compute_stream:
                 event.current_stream_wait()
             return outputs, event
-        compute_stream = torch.cuda.current_stream(self.device)
         if not async_with_compute_stream:
             # An async call may still be using the buffer on the comm stream.
             if self._comm_stream_busy:
-                compute_stream.wait_stream(self.comm_stream)
+                torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
                 self._comm_stream_busy = False
             outputs, works, finalizers = body()
             self._wait(works)
             for finalize in finalizers:
                 finalize()
-            return outputs, EventOverlap()
+            return outputs, DONE
+        compute_stream = torch.cuda.current_stream(self.device)
         self.comm_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self.comm_stream):
             outputs, works, finalizers = body()

@@ -3,14 +3,15 @@
 Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`, peers mapped through CUDA IPC): a
 control region (flags, counters, one control slot per source rank) and a receive region (a block per source rank).
 
-A dispatch: layout kernel (send positions, counts) -> notify kernel (the barrier: nobody writes into a region its
-owner still reads; every rank's counts and call signature into every peer's control slot; with a CPU sync a summary
-in host-mapped memory that the host reads to size the outputs, without one the error flags into `pending_flags`)
--> dispatch kernel: sender blocks write each row once per destination rank straight into that rank's block with
-its metadata (a non-expand dispatch writes the own rank's rows straight into the outputs), receiver blocks copy the
-rows that arrive into the output rows. A cached dispatch runs the barrier and the dispatch kernel only.
-A combine: barrier -> one kernel: senders return rows to their sources, reducers add each token's rows (their own
-from the combine input) in FP32/FP64 in DESIGN 2.2's order.
+A dispatch is two kernels: layout (send positions, counts), whose last block runs the notify (the barrier: nobody
+writes into a region its owner still reads; every rank's counts and call signature into every peer's control slot;
+with a CPU sync a summary in host-mapped memory that the host reads to size the outputs, without one the error
+flags into `pending_flags`) -> dispatch: sender blocks write each row once per destination rank straight into that
+rank's block with its metadata (a non-expand dispatch writes the own rank's rows straight into the outputs),
+receiver blocks copy the rows that arrive into the output rows. A cached dispatch is the dispatch kernel alone,
+with the barrier fused in (block 0 signals, sender blocks wait for every rank before writing to peers).
+A combine is one kernel with the barrier fused in: senders return rows to their sources, reducers add each token's
+rows (their own from the combine input) in FP32/FP64 in DESIGN 2.2's order.
 
 Nothing reads device values on the host unless the call asked for a CPU sync, so no-sync steps can be captured in
 a CUDA graph. Every wait spins with a timeout (`num_gpu_timeout_secs`); a timed-out wait fills a host-mapped
@@ -304,17 +305,15 @@ class CudaBackend(Backend):
             offsets.append(offsets[-1] + size)
         send_pos, counts, recv_slots, expert_rank, expand_row = (base + o for o in offsets)
         clean_idx = torch.empty(N, K, dtype=torch.int64, device=dev)
-        self._check(self.kernels.layout(ctypes.byref(shape.params), ctypes.byref(lay.LayoutArgs(
-            c.topk_idx.data_ptr(), clean_idx.data_ptr(), send_pos, expert_rank, counts, counts + 8 * R,
-            counts + 8 * (R + E))), stream), "dispatch layout")
-
-        # Barrier, then the counts into every peer's control slot and theirs into ours (one kernel), read on the
-        # host when the call syncs.
+        # Layout, then (its last block) the barrier and the counts into every peer's control slot and theirs into
+        # ours, read on the host when the call syncs.
         summary = self._mapped_dev + lay.SUMMARY_OFFSET if sync else 0
         notify = lay.NotifyArgs(counts, counts + 8 * R, counts + 8 * (R + E), self.pending_flags.data_ptr(),
                                 recv_slots, summary, _PHASE["dispatch notify"], 0)
-        self._check(self.kernels.dispatch_notify(ctypes.byref(shape.params), ctypes.byref(notify), stream),
-                    "dispatch notify")
+        layout_args = lay.LayoutArgs(c.topk_idx.data_ptr(), clean_idx.data_ptr(), send_pos, expert_rank, counts,
+                                     counts + 8 * R, counts + 8 * (R + E))
+        self._check(self.kernels.layout(ctypes.byref(shape.params), ctypes.byref(layout_args), ctypes.byref(notify),
+                                        stream), "dispatch layout and notify")
         if c.do_cpu_sync:
             M, rows_per_expert = self._read_summary(c, L)
             aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in rows_per_expert]
@@ -354,7 +353,7 @@ class CudaBackend(Backend):
         return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
 
     def _cached_dispatch(self, c, verify_agreement: bool):
-        """The barrier and the dispatch kernel along the handle's layout (no layout work, no host sync)."""
+        """The dispatch kernel along the handle's layout, barrier fused in (no layout work, no host sync)."""
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
         key = ("dispatch", c.x.dtype if c.x is not None else None, c.wire_format, c.num_sms)
@@ -418,7 +417,7 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------------------------
     def combine_steps(self, c):
         """Rows back to their sources while the reducers add them, in slot rounds for expand combines that need
-        them (each round: barrier, then one kernel)."""
+        them (each round one kernel, barrier fused in)."""
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
         weights = c.topk_weights

@@ -19,8 +19,9 @@ import torch
 from .. import jit, layout
 
 LIBRARY = "moe_comm_kernels"
-# Launchers over header-only device code: csrc/kernels/<op>.cu includes csrc/include/moe_comm/impls/<op>.cuh.
-KERNEL_SOURCES = ("runtime.cu", "layout.cu", "notify.cu", "dispatch.cu", "combine.cu")
+# Launchers over header-only device code: csrc/kernels/<op>.cu includes csrc/include/moe_comm/impls/<op>.cuh
+# (layout.cu launches the layout and the notify, runtime.cu holds host-mapped memory, errors and the ABI table).
+KERNEL_SOURCES = ("runtime.cu", "layout.cu", "dispatch.cu", "combine.cu")
 INCLUDE_DIR = jit.CSRC_DIR / "include"
 
 _int, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -31,8 +32,7 @@ SIGNATURES = {
     "moe_comm_abi": (_int, [ctypes.POINTER(_i64), _int]),
     "moe_comm_alloc_mapped": (_int, [_i64, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)]),
     "moe_comm_free_mapped": (_int, [_ptr]),
-    "moe_comm_layout": (_int, [_EP, ctypes.POINTER(layout.LayoutArgs), _ptr]),
-    "moe_comm_barrier": (_int, [_EP, _ptr]),
+    "moe_comm_layout": (_int, [_EP, ctypes.POINTER(layout.LayoutArgs), ctypes.POINTER(layout.NotifyArgs), _ptr]),
     "moe_comm_dispatch_notify": (_int, [_EP, ctypes.POINTER(layout.NotifyArgs), _ptr]),
     "moe_comm_dispatch": (_int, [_EP, ctypes.POINTER(layout.DispatchInputs), ctypes.POINTER(layout.RecvOutputs),
                                  _int, _int, _ptr]),

@@ -1,4 +1,4 @@
-// Launcher of the combine kernel (include/moe_comm/impls/combine.cuh), after the barrier.
+// Launcher of the combine kernel (include/moe_comm/impls/combine.cuh), which runs the barrier itself.
 #include "moe_comm/host/launch.h"
 #include "moe_comm/impls/combine.cuh"
 
@@ -16,11 +16,12 @@ extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dty
     MOE_COMM_REQUIRE(p->data_bytes % 16 == 0 && p->row_stride % 16 == 0, "data_bytes=%lld, row_stride=%lld",
                      static_cast<long long>(p->data_bytes), static_cast<long long>(p->row_stride));
     MOE_COMM_REQUIRE(dtype >= 1 && dtype <= 3, "dtype=%d (1 bf16, 2 float32, 3 float64)", dtype);
-    if (launch_barrier(*p, stream)) return 1;
+    EpParams q = *p;
+    q.with_barrier = 1;
     switch (dtype) {
-        case 1: combine_impl<__nv_bfloat16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(*p, *a); break;
-        case 2: combine_impl<float><<<num_blocks, kThreadsPerBlock, 0, stream>>>(*p, *a); break;
-        default: combine_impl<double><<<num_blocks, kThreadsPerBlock, 0, stream>>>(*p, *a); break;
+        case 1: combine_impl<__nv_bfloat16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
+        case 2: combine_impl<float><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
+        default: combine_impl<double><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
     }
     return launch_result("combine_impl", num_blocks, kThreadsPerBlock, 0);
 }

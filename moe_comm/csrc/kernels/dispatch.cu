@@ -1,11 +1,11 @@
-// Launcher of the dispatch kernel (include/moe_comm/impls/dispatch.cuh), optionally after the barrier.
+// Launcher of the dispatch kernel (include/moe_comm/impls/dispatch.cuh).
 #include "moe_comm/host/launch.h"
 #include "moe_comm/impls/dispatch.cuh"
 
 using namespace moe_comm;
 
-// num_blocks: p->num_send_blocks senders, then the receivers (at least one of each). with_barrier: launch the
-// barrier first (a cached dispatch; a fresh one ran it inside the notify kernel).
+// num_blocks: p->num_send_blocks senders, then the receivers (at least one of each). with_barrier: the kernel runs
+// the barrier itself (a cached dispatch; a fresh one ran it in the notify).
 extern "C" int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, const RecvOutputs* out, int num_blocks,
                                  int with_barrier, cudaStream_t stream) {
     const RecvPlan plan = recv_plan(*p, kMaxWarpsPerBlock);
@@ -33,8 +33,9 @@ extern "C" int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, co
                          static_cast<long long>(kMaxDynamicSmem), cudaGetErrorString(err));
         opted_in[device] = true;
     }
-    if (with_barrier && launch_barrier(*p, stream)) return 1;
-    dispatch_impl<<<num_blocks, kThreadsPerBlock, plan.smem_bytes, stream>>>(*p, *in, *out);
+    EpParams q = *p;
+    q.with_barrier = with_barrier ? 1 : 0;
+    dispatch_impl<<<num_blocks, kThreadsPerBlock, plan.smem_bytes, stream>>>(q, *in, *out);
     return launch_result("dispatch_impl", num_blocks, kThreadsPerBlock, plan.smem_bytes);
 }
 

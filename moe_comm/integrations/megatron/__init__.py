@@ -20,7 +20,9 @@ Route B, the flex dispatcher (existing `pretrain_gpt.py` command lines), `flex_r
   or, without editing the script, `torchrun ... -m moe_comm.integrations.megatron pretrain_gpt.py ARGS`
   (`__main__.py`).
 
-Both share `MoECommConfig` (`options.py`) and one buffer per process group (`buffers.py`). Importing this
+Both share `MoECommConfig` (`options.py`) and one buffer per process group (`buffers.py`). `MoECommGroupedMLP`
+(`experts.py`) is an expert module for either: SequentialMLP's function on torch's grouped matmul, taking
+`tokens_per_expert` on the device (route A's sync-free layer) or on the host. Importing this
 package checks megatron-core (`compat.py`: an ImportError names a missing symbol and the installed version)
 and defines the names megatron-core 0.16.1 leaves undefined without Transformer Engine, which its router
 needs on GPUs as on CPU. Megatron's other CUDA assumptions (streams, `torch.cuda.current_device()` as a
@@ -38,12 +40,13 @@ compat.check_megatron_core()
 compat.define_missing_te_names()
 
 from .buffers import clear_buffers, get_buffer  # noqa: E402
+from .experts import MoECommGroupedMLP  # noqa: E402
 from .flex_route import (flex_last_num_sms, fused_combine, fused_dispatch, install_flex_dispatcher,  # noqa: E402
                          restore_flex_dispatcher, set_deepep_num_sms)
 from .options import MoECommConfig  # noqa: E402
 from .spec_route import (MoECommMoELayer, MoECommTokenDispatcher, expert_alignment_for,  # noqa: E402
                          moe_comm_layer_spec, routing_map_to_topk)
 
-__all__ = ["MoECommConfig", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "expert_alignment_for",
+__all__ = ["MoECommConfig", "MoECommGroupedMLP", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "expert_alignment_for",
            "routing_map_to_topk", "install_flex_dispatcher", "restore_flex_dispatcher", "flex_last_num_sms",
            "fused_dispatch", "fused_combine", "set_deepep_num_sms", "get_buffer", "clear_buffers"]

@@ -26,6 +26,10 @@ INSTALL_HINT = "pip install 'moe_comm[megatron]'"
 # Module -> names the integration imports from it (or reads from it at run time: route B's patched functions).
 REQUIRED_SYMBOLS: dict[str, tuple[str, ...]] = {
     "megatron.core.utils": ("get_pg_rank",),
+    "megatron.core.process_groups_config": ("ProcessGroupCollection",),
+    "megatron.core.tensor_parallel": ("get_cuda_rng_tracker", "get_expert_parallel_rng_tracker_name",
+                                      "set_tensor_model_parallel_attributes"),
+    "megatron.core.transformer.module": ("MegatronModule",),
     "megatron.core.transformer.spec_utils": ("ModuleSpec",),
     "megatron.core.transformer.moe.moe_layer": ("MoELayer",),
     "megatron.core.transformer.moe.moe_utils": ("get_align_size_for_quantization", "get_default_pg_collection"),

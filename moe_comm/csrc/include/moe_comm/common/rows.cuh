@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "moe_comm/abi.h"
+#include "moe_comm/common/comm.cuh"
 
 namespace moe_comm {
 
@@ -14,12 +15,59 @@ __device__ __forceinline__ int64_t* control_slot(uint8_t* base, int slot) {
     return reinterpret_cast<int64_t*>(base + kSlotsOffset) + static_cast<int64_t>(slot) * kSlotStride;
 }
 
+// The sequence number of the running operation: the barrier before every operation advances the barrier counter
+// on all ranks alike, so it names the operation. A kernel with the barrier fused in (p.with_barrier) runs as
+// counter + 1 and its last block advances the counter (kernel_done), so every block reads the same value.
+__device__ __forceinline__ int64_t op_seq(const EpParams& p) {
+    return *reinterpret_cast<const volatile int64_t*>(p.local_base + kBarrierSeqOffset) + (p.with_barrier ? 1 : 0);
+}
+
 // The tag that publishes a row of the current operation.
-// NOTES: the barrier before every operation advances this counter on all ranks alike, so it names the operation
-// (48 bits: no wrap in practice); the magic keeps a tag from matching left-over row data by chance.
+// NOTES: 48 bits of the sequence number (no wrap in practice); the magic keeps a tag from matching left-over row
+// data by chance.
 __device__ __forceinline__ int64_t row_tag(const EpParams& p) {
-    const int64_t seq = *reinterpret_cast<const int64_t*>(p.local_base + kBarrierSeqOffset);
-    return (kTagMagic << 48) | (seq & 0xffffffffffffll);
+    return (kTagMagic << 48) | (op_seq(p) & 0xffffffffffffll);
+}
+
+// The barrier fused into an operation's kernel (p.with_barrier): block 0 tells every rank that this rank reached the
+// operation (its earlier operations on the stream are complete, so its region is free); a sender block waits until
+// every rank did the same before it writes into peers' regions. False when a wait timed out or an earlier one did
+// (the block then sends nothing; the host raises the recorded timeout). Every thread of the block must call it.
+__device__ __forceinline__ bool barrier_arrive_and_wait(const EpParams& p, bool is_sender) {
+    const int64_t seq = op_seq(p);
+    const int peer = threadIdx.x;
+    if (blockIdx.x == 0 && peer < p.num_ranks)
+        st_release_sys(reinterpret_cast<int64_t*>(p.peer_bases[peer] + kBarrierFlagsOffset) + p.rank, seq);
+    if (!is_sender) return true;
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = *reinterpret_cast<volatile int64_t*>(&p.error->code) == 0;
+    __syncthreads();
+    if (peer < p.num_ranks && ok &&
+        !wait_flag_at_least(reinterpret_cast<const int64_t*>(p.local_base + kBarrierFlagsOffset) + peer, seq,
+                            p.timeout_ns, p.error, p.rank, p.barrier_phase, peer))
+        ok = 0;
+    __syncthreads();
+    return ok;
+}
+
+// End of every block of a kernel that keeps kernel_done: the last block to finish resets the count and, with the
+// barrier fused in, advances the barrier counter (all blocks have read it by then). Every thread must call it.
+// Returns true in the last block (after a fence: every other block's writes are visible to it).
+__device__ __forceinline__ bool kernel_done(const EpParams& p) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* done = reinterpret_cast<int*>(p.local_base + kKernelDoneOffset);
+        last = atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1;
+        if (last) {
+            *done = 0;
+            if (p.with_barrier) *reinterpret_cast<int64_t*>(p.local_base + kBarrierSeqOffset) = op_seq(p);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return last;
 }
 
 __device__ __forceinline__ int64_t* row_tag_ptr(uint8_t* row, const EpParams& p) {

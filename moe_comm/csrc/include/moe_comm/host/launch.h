@@ -20,9 +20,6 @@ inline const char* file_name(const char* path) {
     return slash ? slash + 1 : path;
 }
 
-// Launch the barrier kernel before an operation (kernels/notify.cu): 0 or 1 as a launcher.
-int launch_barrier(const EpParams& p, cudaStream_t stream);
-
 // 0, or 1 with the launch's CUDA error named.
 inline int launch_result(const char* kernel, int num_blocks, int num_threads, int64_t smem_bytes) {
     const cudaError_t err = cudaGetLastError();

@@ -220,15 +220,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_impl(EpParams p, Com
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     const int warps_per_block = blockDim.x / kWarpSize;
     BLOCK_TIME_START(g_combine_block_times);
-    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+    const bool is_sender = static_cast<int>(blockIdx.x) < p.num_send_blocks;
+    const bool go = !p.with_barrier || barrier_arrive_and_wait(p, is_sender);
+    if (is_sender) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
-        combine_send_rows(p, a, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
+        if (go) combine_send_rows(p, a, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
     } else {
         const int64_t warp = static_cast<int64_t>(blockIdx.x - p.num_send_blocks) * warps_per_block + warp_in_block;
         const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
         combine_reduce_rows<T>(p, a, warp, num_warps, lane, rows[warp_in_block]);
     }
     BLOCK_TIME_END(g_combine_block_times);
+    kernel_done(p);
 }
 
 }  // namespace moe_comm

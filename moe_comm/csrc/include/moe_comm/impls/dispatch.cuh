@@ -392,13 +392,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_impl(EpParams p, Di
     BLOCK_TIME_START(g_dispatch_block_times);
     const int lane = threadIdx.x % kWarpSize;
     const int warps_per_block = blockDim.x / kWarpSize;
-    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+    const bool is_sender = static_cast<int>(blockIdx.x) < p.num_send_blocks;
+    const bool go = !p.with_barrier || barrier_arrive_and_wait(p, is_sender);
+    if (is_sender) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / kWarpSize;
-        dispatch_send_rows(p, in, out, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
+        if (go)
+            dispatch_send_rows(p, in, out, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
     } else {
         dispatch_recv_rows(p, out, recv_plan(p, warps_per_block), lane, dyn_smem);
     }
     BLOCK_TIME_END(g_dispatch_block_times);
+    kernel_done(p);
 }
 
 }  // namespace moe_comm

@@ -1,11 +1,14 @@
-// Layout of a dispatch: where each of this rank's tokens goes and how many rows each rank and expert gets.
-// Device code only (launched by kernels/layout.cu); no torch headers.
+// Layout of a dispatch: where each of this rank's tokens goes and how many rows each rank and expert gets, then (in
+// the same kernel, by its last block) the dispatch notify. Device code only (launched by kernels/layout.cu).
 #pragma once
 
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "moe_comm/abi.h"
+#include "moe_comm/common/rows.cuh"
 #include "moe_comm/common/tuning.cuh"
+#include "moe_comm/impls/notify.cuh"
 
 namespace moe_comm {
 
@@ -15,12 +18,12 @@ namespace moe_comm {
 // (invalid slots -> -1) and the error flags (1: out of range, 2: duplicate expert in a row).
 // NOTES: a row is read into registers once (up to kMaxLayoutTopk slots): re-reading it from global memory inside
 // the duplicate check, behind stores the compiler must assume may alias, made this kernel 10x slower.
+// The last block to finish runs the notify (notify_block) on the complete counts: one launch for both.
 // ------------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kLayoutThreads)
-layout_impl(const int64_t* __restrict__ topk_idx, int64_t num_tokens, int num_topk, int num_experts,
-            int num_ranks, int64_t* __restrict__ clean_idx, int64_t* __restrict__ send_pos,
-            int32_t* __restrict__ expert_rank, int64_t* num_tokens_per_rank, int64_t* num_tokens_per_expert,
-            int64_t* flags) {
+__device__ void layout_column(const int64_t* __restrict__ topk_idx, int64_t num_tokens, int num_topk,
+                              int num_experts, int num_ranks, int64_t* __restrict__ clean_idx,
+                              int64_t* __restrict__ send_pos, int32_t* __restrict__ expert_rank,
+                              int64_t* num_tokens_per_rank, int64_t* num_tokens_per_expert, int64_t* flags) {
     using Scan = cub::BlockScan<int, kLayoutThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
     __shared__ int flag_bits;
@@ -87,5 +90,11 @@ layout_impl(const int64_t* __restrict__ topk_idx, int64_t num_tokens, int num_to
     }
 }
 
+
+__global__ void __launch_bounds__(kLayoutThreads) layout_notify_impl(EpParams p, LayoutArgs a, NotifyArgs n) {
+    layout_column(a.topk_idx, p.num_tokens, p.num_topk, p.num_experts, p.num_ranks, a.clean_idx, a.send_pos,
+                  a.expert_rank, a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags);
+    if (kernel_done(p)) notify_block(p, n);
+}
 
 }  // namespace moe_comm

@@ -1,5 +1,5 @@
-// Notify and barrier kernels: the handshakes before a dispatch or combine moves rows. Device code only (launched by
-// kernels/notify.cu and kernels/runtime.cu); no torch headers.
+// The dispatch notify: the handshake before a dispatch moves rows (barrier, counts, exchange). Device code only
+// (launched by kernels/layout.cu, after the layout in the same kernel or alone); no torch headers.
 #pragma once
 
 #include <cstdint>
@@ -11,21 +11,15 @@
 
 namespace moe_comm {
 
-// The barrier before an operation: nobody writes into a region its owner still reads. Advances the barrier
-// counter that names the operation in row tags. One block of kMaxRanks threads (thread d talks to rank d).
-__global__ void barrier_impl(EpParams p) {
-    signal_wait_block(p.peer_bases, p.local_base, p.error, kBarrierFlagsOffset, kBarrierSeqOffset, p.timeout_ns,
-                      p.rank, p.num_ranks, p.barrier_phase);
-}
-
 // ------------------------------------------------------------------------------------------------------------
-// Dispatch notify, one block (thread d < num_ranks talks to rank d): the barrier before the dispatch,
+// Dispatch notify, one block (thread d < num_ranks talks to rank d): the barrier before the dispatch (nobody
+// writes into a region its owner still reads; it advances the barrier counter that names the operation),
 // this rank's control slot on every peer (signature, rows, per-expert counts, flags), the exchange (every peer's
 // slot has arrived here), then what arrived goes on: a copy of the slots for the receivers of this and later
 // cached dispatches; with a CPU sync a summary for the host, without one the flags into the pending flags that
 // the next synchronizing call raises.
 // ------------------------------------------------------------------------------------------------------------
-__global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
+__device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
     const int R = p.num_ranks, L = p.num_local_experts, S = kSignatureLen;
     signal_wait_block(p.peer_bases, p.local_base, p.error, kBarrierFlagsOffset, kBarrierSeqOffset, p.timeout_ns,
                       p.rank, R, p.barrier_phase);
@@ -34,8 +28,9 @@ __global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
     const int width = S + L + 2;
     for (int i = threadIdx.x; i < R * width; i += blockDim.x) {
         const int d = i / width, c = i % width;
-        const int64_t value = c < S ? p.signature[c] : c == S ? n.num_tokens_per_rank[d]
-                              : c <= S + L ? n.num_tokens_per_expert[d * L + c - S - 1] : n.flags[0];
+        // NOTES: __ldcg, as the counts may come from other blocks of the same kernel (layout_notify_impl).
+        const int64_t value = c < S ? p.signature[c] : c == S ? __ldcg(n.num_tokens_per_rank + d)
+                              : c <= S + L ? __ldcg(n.num_tokens_per_expert + d * L + c - S - 1) : __ldcg(n.flags);
         control_slot(p.peer_bases[d], p.rank)[c] = value;
     }
     signal_wait_block(p.peer_bases, p.local_base, p.error, kExchangeFlagsOffset, kExchangeSeqOffset, p.timeout_ns,
@@ -66,5 +61,7 @@ __global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) {
         totals[i] = rows;
     }
 }
+
+__global__ void dispatch_notify_impl(EpParams p, NotifyArgs n) { notify_block(p, n); }
 
 }  // namespace moe_comm

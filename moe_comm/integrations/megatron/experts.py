@@ -8,7 +8,7 @@ device-side offsets, so it takes `tokens_per_expert` on the host (Megatron's dis
 
     from functools import partial
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
-    from moe_comm.integrations.grouped_mlp import MoECommGroupedMLP
+    from moe_comm.integrations.megatron import MoECommGroupedMLP
     # megatron-core <= 0.17: experts=ModuleSpec(module=MoECommGroupedMLP, submodules=<the MLPSubmodules>)
     # megatron-core >= 0.18: experts=partial(MoECommGroupedMLP, submodules=<the MLPSubmodules>)
 
@@ -33,16 +33,11 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-try:
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel import (get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name,
-                                               set_tensor_model_parallel_attributes)
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-except ImportError as _exc:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError(
-        "moe_comm.integrations.grouped_mlp needs megatron-core (>= 0.16): pip install 'moe_comm[megatron]' "
-        f"or pip install megatron-core. Importing it failed with: {_exc}") from _exc
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import (get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name,
+                                           set_tensor_model_parallel_attributes)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what grouped_mm accepts (no float64)
 
