@@ -22,25 +22,14 @@ VARIANTS = {
 }
 
 
-def nvcc_or_skip() -> None:
-    try:
-        jit.find_nvcc()
-    except RuntimeError:
-        if os.environ.get("CI"):
-            raise  # CI machines have nvcc: its absence is a failure there, not a skip.
-        pytest.skip("nvcc not found")
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_kernel_library_compiles_for_sm90a(variant):
-    nvcc_or_skip()
+def test_kernel_library_compiles_for_sm90a(variant, nvcc):
     seconds = cuda_kernels.compile_check(VARIANTS[variant])
     print(f"{variant}: {seconds:.1f} s")
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    nvcc_or_skip()
+def kernels(tmp_path_factory, nvcc):
     os.environ["MOE_COMM_JIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("jit"))
     try:
         yield cuda_kernels.Kernels()
@@ -81,18 +70,16 @@ def test_launcher_failure_names_the_condition_and_values(kernels):
     assert "num_send_blocks=4, num_blocks=4" in kernels.last_error().decode()
 
 
-def test_generated_header_is_in_the_cache_key(tmp_path, monkeypatch):
+def test_generated_header_is_in_the_cache_key(nvcc):
     """A layout change rebuilds the library: the generated header's text is hashed like any source."""
-    nvcc_or_skip()
     sources = cuda_kernels.kernel_sources()
     a = jit.compiler._plan("k", sources, [cuda_kernels.INCLUDE_DIR], (), {"moe_comm/abi.h": "// a"}, "sm_90a")
     b = jit.compiler._plan("k", sources, [cuda_kernels.INCLUDE_DIR], (), {"moe_comm/abi.h": "// b"}, "sm_90a")
     assert a.key != b.key
 
 
-def test_copy_microbenchmark_compiles_for_sm90a():
+def test_copy_microbenchmark_compiles_for_sm90a(nvcc):
     """benchmarks/microbench/copy_bench.cu (the per-SM copy floor the kernels are measured against) still builds."""
-    nvcc_or_skip()
     source = Path(__file__).resolve().parents[1] / "benchmarks" / "microbench" / "copy_bench.cu"
     seconds = jit.compile_check([source], include_dirs=[cuda_kernels.INCLUDE_DIR], arch="sm_90a")
     print(f"copy_bench: {seconds:.1f} s")
