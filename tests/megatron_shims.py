@@ -47,3 +47,15 @@ def compare(named_ref: dict, named_test: dict) -> dict:
         scale = ref.double().abs().max().item() if ref is not None and ref.numel() else 0.0
         out[name] = (bool(same), max_abs_diff(ref, test), scale)
     return out
+
+
+def expert_grads(experts) -> dict:
+    """Expert parameter gradients under MoECommGroupedMLP's names (`fc1_weight` ...: `[L, ...]`); a
+    SequentialMLP's per-expert gradients are stacked into the same shapes."""
+    grads = {name: param.grad for name, param in experts.named_parameters()}
+    if "local_experts.0.linear_fc1.weight" not in grads:
+        return grads
+    num_local = len(experts.local_experts)
+    return {f"{fc}_{kind}": torch.stack([grads[f"local_experts.{i}.linear_{fc}.{kind}"] for i in range(num_local)])
+            for fc in ("fc1", "fc2") for kind in ("weight", "bias")
+            if f"local_experts.0.linear_{fc}.{kind}" in grads}

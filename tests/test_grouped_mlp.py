@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'moe_comm[megatron]')")
 
-from megatron_shims import compare  # noqa: E402
+from megatron_shims import compare, expert_grads  # noqa: E402
 
 from moe_comm.testing import WorkerPool  # noqa: E402
 from recipes.megatron_moe.model import ModelDims, layer_spec, transformer_config  # noqa: E402
@@ -182,24 +182,13 @@ def _counts(case: Case):
     return counts.as_subclass(HostReadGuard) if case.counts_kind == "guarded" else counts
 
 
-def _param_grads(experts) -> dict:
-    """Parameter gradients under MoECommGroupedMLP's names (SequentialMLP's stacked per expert)."""
-    grads = {name: param.grad for name, param in experts.named_parameters()}
-    if "local_experts.0.linear_fc1.weight" not in grads:
-        return grads
-    return {f"{fc}_{kind}": torch.stack([grads[f"local_experts.{i}.linear_{fc}.{kind}"]
-                                         for i in range(NUM_LOCAL_EXPERTS)])
-            for fc in ("fc1", "fc2") for kind in ("weight", "bias")
-            if f"local_experts.0.linear_{fc}.{kind}" in grads}
-
-
 def _run(module, x, counts, probs, grad) -> dict:
     """Forward + backward: output, input and probability gradients, parameter gradients."""
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
     out, out_bias = module(x, counts, probs)
     assert out_bias is None
     out.backward(grad)
-    named = {"output": out.detach(), "input.grad": x.grad, "probs.grad": probs.grad, **_param_grads(module)}
+    named = {"output": out.detach(), "input.grad": x.grad, "probs.grad": probs.grad, **expert_grads(module)}
     return {k: (v.as_subclass(torch.Tensor) if v is not None else None) for k, v in named.items()}
 
 
@@ -279,8 +268,8 @@ def init_rank(rank: int, world_size: int, use_cpu_initialization: bool) -> dict:
             param.grad = param.detach().clone()
     attrs = {name: (getattr(p, "allreduce", None), getattr(p, "tensor_model_parallel", None))
              for name, p in test.named_parameters()}
-    named_test = _param_grads(test)
-    return {"compare": compare(_param_grads(ref), named_test), "attrs": attrs,
+    named_test = expert_grads(test)
+    return {"compare": compare(expert_grads(ref), named_test), "attrs": attrs,
             "nonzero_weights": bool(named_test["fc1_weight"].abs().sum() > 0)}
 
 
@@ -306,7 +295,7 @@ def moe_layer_rank(rank: int, world_size: int) -> dict:
         out, out_bias = layer(x_in)
         assert out_bias is None
         out.backward(grad)
-        grads = {f"experts.{k}": v for k, v in _param_grads(layer.experts).items()}
+        grads = {f"experts.{k}": v for k, v in expert_grads(layer.experts).items()}
         grads.update({k: p.grad for k, p in layer.named_parameters() if not k.startswith("experts.")})
         named[name] = {"output": out.detach(), "input.grad": x_in.grad, **grads}
     return compare(named["ref"], named["test"])

@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'moe_comm[megatron]')")
 
-from megatron_shims import EP_SIZE, compare, setup_worker  # noqa: E402
+from megatron_shims import EP_SIZE, compare, expert_grads, setup_worker  # noqa: E402
 
 from moe_comm.testing import WorkerPool  # noqa: E402
 from recipes.megatron_moe.model import (ModelDims, build_gpt, build_moe_layer, mock_batch,  # noqa: E402
@@ -143,6 +143,78 @@ def layer_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, o
         return compare(named["ref"], named["test"])
     finally:
         restore()
+
+
+def sync_free_layer_rank(rank: int, world_size: int, dtype: str, ep_size: int, check_graph: bool) -> dict:
+    """Route A's sync-free layer (expand, no CPU sync, MoECommGroupedMLP) against Megatron's alltoall with
+    SequentialMLP, same weights: output, input grad, every parameter grad. On GPUs also: a forward + backward
+    with no host sync (CUDA's sync debug mode) and, with `check_graph`, the same captured in one CUDA graph and
+    replayed on new inputs against eager."""
+    from recipes.megatron_moe import model as recipe_model
+
+    from moe_comm.integrations.megatron import MoECommConfig
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        recipe_model.initialize_megatron(ep_size, 0)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = setup_worker(0)
+    torch_dtype = getattr(torch, dtype)
+    dims = GPU_DIMS if on_gpu else LAYER_DIMS
+    options = MoECommConfig(backend="auto" if on_gpu else "torch", do_expand=True, do_cpu_sync=False)
+    ref = build_moe_layer(transformer_config(dims, "alltoall", ep_size, torch_dtype), dims, "alltoall").to(device)
+    test = build_moe_layer(transformer_config(dims, "moe_comm", ep_size, torch_dtype), dims, "moe_comm", options,
+                           grouped_experts=True).to(device)
+    test.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("experts.")}, strict=False)
+    test.experts.load_sequential(ref.experts)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(16, 2, dims.hidden_size, generator=gen).to(device, torch_dtype)
+    grad_out = torch.randn(16, 2, dims.hidden_size, generator=gen).to(device, torch_dtype)
+
+    def step(layer, x_in):
+        layer.zero_grad(set_to_none=True)
+        x_in = x_in.detach().clone().requires_grad_()
+        out, _ = layer(x_in)
+        out.backward(grad_out)
+        grads = {f"experts.{k}": v for k, v in expert_grads(layer.experts).items()}
+        grads.update({k: p.grad for k, p in layer.named_parameters() if not k.startswith("experts.")})
+        return {"output": out.detach(), "input.grad": x_in.grad, **grads}
+
+    result = {"parity": compare(step(ref, x), step(test, x))}
+    if not on_gpu:
+        return result
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(test, x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    if check_graph:
+        static_x = x.detach().clone().requires_grad_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(test, static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        test.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out, _ = test(static_x)
+            static_out.backward(grad_out)
+        diffs = []
+        for trial in range(2):
+            new_x = torch.randn(16, 2, dims.hidden_size, generator=gen).to(device, torch_dtype)
+            static_x.data.copy_(new_x)
+            graph.replay()
+            replayed = {"output": static_out.detach().clone(), "input.grad": static_x.grad.clone(),
+                        **{f"experts.{k}": v.clone() for k, v in expert_grads(test.experts).items()}}
+            eager = step(test, new_x)
+            diffs.append(compare({k: eager[k] for k in replayed}, replayed))
+        result["graph"] = diffs
+    return result
 
 
 def gpt_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, num_steps: int) -> dict:
@@ -581,6 +653,16 @@ def test_shared_expert_overlap_parity(mcore_pool):
     assert_parity(mcore_pool.run(layer_parity_rank, Case("A", 2), LAYER_DIMS, overrides), exact=True)
 
 
+def test_sync_free_layer_matches_alltoall(mcore_pool):
+    """Expand, no CPU sync, grouped experts with device counts vs alltoall + SequentialMLP: bitwise in float32,
+    except the expert bias gradients (a float32 scatter-add of rows, MoECommGroupedMLP's docstring)."""
+    for rank, result in enumerate(mcore_pool.run(sync_free_layer_rank, "float32", EP_SIZE, False)):
+        parity = result["parity"]
+        bias = {k: v for k, v in parity.items() if k.startswith("experts.") and k.endswith("_bias")}
+        assert_parity([{k: v for k, v in parity.items() if k not in bias}], exact=True)
+        assert_parity([bias], exact=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", full_matrix(), ids=str)
 def test_moe_layer_parity_full(mcore_pool, case):
@@ -631,3 +713,17 @@ def test_gpu_fp8_wire(nccl_pool, quantize, do_expand):
     case = Case("A", 2, do_expand=do_expand, backend="auto", dtype="bfloat16")
     results = nccl_pool.run(dispatcher_parity_rank, case, GPU_DIMS, 16, quantize)
     assert_parity(results, exact=False, rel_tol=BF16_REL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")
+def test_gpu_sync_free_layer():
+    """One GPU per rank (EP = min(2, GPUs)), bf16: the sync-free layer matches alltoall + SequentialMLP to bf16
+    rounding, makes no host sync in forward + backward, and replays from one CUDA graph like eager."""
+    world_size = min(torch.cuda.device_count(), 2)
+    with WorkerPool(world_size, backend="nccl", timeout_s=600) as pool:
+        results = pool.run(sync_free_layer_rank, "bfloat16", world_size, True)
+    for result in results:
+        assert_parity([result["parity"]], exact=False, rel_tol=BF16_REL_TOL)
+        for replay in result["graph"]:
+            assert_parity([replay], exact=False, rel_tol=BF16_REL_TOL)

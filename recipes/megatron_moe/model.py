@@ -57,23 +57,25 @@ def transformer_config(dims: ModelDims, dispatcher: str, ep_size: int, dtype: to
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(dims: ModelDims, dispatcher: str, moe_comm_config=None):
-    """The local (no Transformer Engine) GPT layer spec with the dispatcher's MoE layer."""
+def layer_spec(dims: ModelDims, dispatcher: str, moe_comm_config=None, grouped_experts: bool = False):
+    """The local (no Transformer Engine) GPT layer spec with the dispatcher's MoE layer; its experts are
+    Megatron's SequentialMLP, or with `grouped_experts` moe_comm's `MoECommGroupedMLP` (one grouped GEMM per
+    projection; Megatron's grouped experts need Transformer Engine)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from moe_comm.integrations.megatron import grouped_experts_spec, moe_comm_layer_spec
 
     spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False)
     if dispatcher == "moe_comm":
-        from moe_comm.integrations.megatron import moe_comm_layer_spec
-
-        spec = moe_comm_layer_spec(spec, moe_comm_config)
-    return spec
+        return moe_comm_layer_spec(spec, moe_comm_config, grouped_experts=grouped_experts)
+    return grouped_experts_spec(spec) if grouped_experts else spec
 
 
-def build_moe_layer(config, dims: ModelDims, dispatcher: str, moe_comm_config=None):
+def build_moe_layer(config, dims: ModelDims, dispatcher: str, moe_comm_config=None, grouped_experts: bool = False):
     """One `MoELayer` (or `MoECommMoELayer`) as the layer spec builds it."""
     from megatron.core.transformer.spec_utils import build_module
 
-    mlp = layer_spec(dims, dispatcher, moe_comm_config).submodules.mlp
+    mlp = layer_spec(dims, dispatcher, moe_comm_config, grouped_experts).submodules.mlp
     if isinstance(mlp, functools.partial):  # megatron-core >= 0.18 specs are partials
         from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -81,11 +83,12 @@ def build_moe_layer(config, dims: ModelDims, dispatcher: str, moe_comm_config=No
     return build_module(mlp, config=config)
 
 
-def build_gpt(config, dims: ModelDims, dispatcher: str, moe_comm_config=None):
+def build_gpt(config, dims: ModelDims, dispatcher: str, moe_comm_config=None, grouped_experts: bool = False):
     """A `GPTModel` with rotary positions and the dispatcher's MoE layers."""
     from megatron.core.models.gpt import GPTModel
 
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(dims, dispatcher, moe_comm_config),
+    spec = layer_spec(dims, dispatcher, moe_comm_config, grouped_experts)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=dims.vocab_size, max_sequence_length=dims.seq_length,
                      position_embedding_type="rope")
     # Every weight in the config's dtype, as Megatron's Float16Module does for bf16 (`module.bfloat16()`): the

@@ -45,6 +45,8 @@ class Preset:
     dtype: torch.dtype
     lr: float
     steps: int
+    grouped_experts: bool = False  # MoECommGroupedMLP for every dispatcher (else Megatron's SequentialMLP)
+    swiglu: bool = False
 
 
 PRESETS = {
@@ -56,6 +58,11 @@ PRESETS = {
     "small": Preset(ModelDims(num_layers=4, hidden_size=1024, num_attention_heads=16, num_experts=16,
                               moe_router_topk=4, moe_ffn_hidden_size=2048, seq_length=2048, vocab_size=32768),
                     micro_batch_size=4, dtype=torch.bfloat16, lr=3e-4, steps=50),
+    # 2x H200: one MoE layer of DeepSeek-V3's shapes (hidden 7168, 256 experts, top-8, moe ffn 2048, SwiGLU),
+    # 4096 tokens per rank, grouped experts (the experts' time is what communication must hide behind).
+    "dsv3": Preset(ModelDims(num_layers=1, hidden_size=7168, num_attention_heads=56, num_experts=256,
+                             moe_router_topk=8, moe_ffn_hidden_size=2048, seq_length=4096, vocab_size=32768),
+                   micro_batch_size=1, dtype=torch.bfloat16, lr=3e-4, steps=20, grouped_experts=True, swiglu=True),
 }
 
 
@@ -68,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "torch", "cuda"), default="auto", help="moe_comm Buffer backend")
     p.add_argument("--do-expand", action="store_true", help="moe_comm route A: expand layout (no local permute)")
     p.add_argument("--quantize", choices=("fp8_block128", "mxfp8"), default=None, help="FP8 on the wire (bf16 only)")
+    p.add_argument("--no-cpu-sync", action="store_true",
+                   help="moe_comm route A: the sync-free layer (expand layout, device counts, grouped experts)")
+    p.add_argument("--grouped-experts", action="store_true",
+                   help="MoECommGroupedMLP as experts for any dispatcher (the preset may already use it)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the preset's dtype")
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--out", default="runs/megatron_moe", help="output folder (wandb runs, metrics)")
     p.add_argument("--metrics-json", default=None, help="write per-step metrics here (rank 0)")
@@ -80,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps={args.steps} must be >= 1")
     if args.log_interval < 1:
         p.error(f"--log-interval={args.log_interval} must be >= 1")
+    if args.no_cpu_sync and args.dispatcher != "moe_comm":
+        p.error(f"--no-cpu-sync is route A's (--dispatcher moe_comm), got --dispatcher {args.dispatcher}")
     return args
 
 
@@ -223,6 +237,9 @@ def init_wandb(args, preset: Preset, world_size: int, out_dir: str):
 def main(argv=None) -> int:
     args = parse_args(argv)
     preset = PRESETS[args.preset]
+    if args.dtype is not None:
+        preset = dataclasses.replace(preset, dtype=getattr(torch, args.dtype))
+    grouped = preset.grouped_experts or args.grouped_experts or args.no_cpu_sync
     steps = args.steps or preset.steps
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -247,9 +264,11 @@ def main(argv=None) -> int:
         if args.dispatcher == "moe_comm_flex":
             restore_flex = install_flex_dispatcher(backend=args.backend, quantize=args.quantize)
         else:
-            moe_comm_config = MoECommConfig(backend=args.backend, do_expand=args.do_expand, quantize=args.quantize)
-    config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype)
-    model = build_gpt(config, preset.dims, args.dispatcher, moe_comm_config).to(device)
+            moe_comm_config = MoECommConfig(backend=args.backend, do_expand=args.do_expand or args.no_cpu_sync,
+                                            do_cpu_sync=not args.no_cpu_sync, quantize=args.quantize)
+    swiglu = dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu) if preset.swiglu else {}
+    config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype, **swiglu)
+    model = build_gpt(config, preset.dims, args.dispatcher, moe_comm_config, grouped_experts=grouped).to(device)
     timer = CommTimer(use_cuda)
     for layer in model.decoder.layers:
         timer.instrument(layer.mlp.token_dispatcher)

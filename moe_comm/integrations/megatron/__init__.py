@@ -45,8 +45,9 @@ from .flex_route import (flex_last_num_sms, fused_combine, fused_dispatch, insta
                          restore_flex_dispatcher, set_deepep_num_sms)
 from .options import MoECommConfig  # noqa: E402
 from .spec_route import (MoECommMoELayer, MoECommTokenDispatcher, expert_alignment_for,  # noqa: E402
-                         moe_comm_layer_spec, routing_map_to_topk)
+                         grouped_experts_spec, moe_comm_layer_spec, routing_map_to_topk)
 
-__all__ = ["MoECommConfig", "MoECommGroupedMLP", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "expert_alignment_for",
-           "routing_map_to_topk", "install_flex_dispatcher", "restore_flex_dispatcher", "flex_last_num_sms",
-           "fused_dispatch", "fused_combine", "set_deepep_num_sms", "get_buffer", "clear_buffers"]
+__all__ = ["MoECommConfig", "MoECommGroupedMLP", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec",
+           "grouped_experts_spec", "expert_alignment_for", "routing_map_to_topk", "install_flex_dispatcher",
+           "restore_flex_dispatcher", "flex_last_num_sms", "fused_dispatch", "fused_combine", "set_deepep_num_sms",
+           "get_buffer", "clear_buffers"]

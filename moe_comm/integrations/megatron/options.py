@@ -25,6 +25,11 @@ class MoECommConfig:
             `moe_router_padding_for_quantization` decides (16, or 32 for the mxfp8 recipe), else 1.
         quantize: None, "fp8_block128" or "mxfp8": FP8 on the wire for bf16 activations (hidden % 128 == 0).
             Rows arrive dequantized to bf16 (Megatron's experts take bf16); the backward is a bf16 combine.
+        do_cpu_sync: route A only. False: the sync-free layer: the dispatch sizes its outputs for the worst case
+            and `tokens_per_expert` stays on the device (a tensor of aligned counts), so nothing in the layer's
+            forward or backward waits for the host and the step can be captured in a CUDA graph. Needs
+            `do_expand=True` and experts that take device counts (`MoECommGroupedMLP`); the worst case costs
+            memory: `ranks * num_max_tokens_per_rank * min(top-k, local experts)` rows per layer.
         num_sms: SMs for the communication kernels; 0 = `Buffer.get_theoretical_num_sms` (analytical model).
         async_comm: run dispatch and combine on the comm stream and wait only where the result is used
             (`dispatch_postprocess` / `combine_postprocess`), so work scheduled in between (shared experts,
@@ -40,6 +45,7 @@ class MoECommConfig:
     do_expand: bool = False
     expert_alignment: Optional[int] = None
     quantize: Optional[str] = None
+    do_cpu_sync: bool = True
     num_sms: int = 0
     async_comm: bool = True
     num_max_tokens_per_rank: Optional[int] = None
@@ -49,9 +55,12 @@ class MoECommConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
-        for name in ("do_expand", "async_comm", "deterministic"):
+        for name in ("do_expand", "do_cpu_sync", "async_comm", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.do_cpu_sync and not self.do_expand:
+            raise ValueError("do_cpu_sync=False needs do_expand=True: without a CPU sync only the expand layout "
+                             "gives the experts their rows grouped by expert with the counts on the device")
         if self.expert_alignment is not None and (not isinstance(self.expert_alignment, int)
                                                   or self.expert_alignment < 1):
             raise ValueError(f"expert_alignment={self.expert_alignment!r} must be None or an int >= 1")

@@ -23,6 +23,7 @@ from ... import autograd as moe_autograd
 from ...buffer import Buffer
 from ...handle import EPHandle
 from .buffers import get_buffer
+from .experts import MoECommGroupedMLP
 from .options import MoECommConfig
 
 
@@ -71,7 +72,8 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
     1. `dispatch_preprocess`: routing map and probs -> top-k slots (local work).
     2. `token_dispatch`: `moe_comm.autograd.dispatch` on the comm stream (async with `async_comm`).
     3. `dispatch_postprocess`: waits for the dispatch, then hands the experts rows grouped by local expert,
-       `tokens_per_expert` (a CPU int64 tensor, as Megatron's experts call `.tolist()`) and per-row probs.
+       `tokens_per_expert` (a CPU int64 tensor, as Megatron's experts call `.tolist()`; with
+       `do_cpu_sync=False` an int64 tensor on the device, for `MoECommGroupedMLP`) and per-row probs.
     4. `combine_preprocess`: non-expand: sums each token's local expert outputs into its received row.
     5. `token_combine`: `moe_comm.autograd.combine` on the comm stream (async with `async_comm`).
     6. `combine_postprocess`: waits for the combine, restores `[S, B, H]` (adds overlapped shared experts).
@@ -156,8 +158,8 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         recv_x, recv_topk_idx, recv_weights, handle, event = moe_autograd.dispatch(
             self.buffer, hidden_states.contiguous(), self.topk_idx, probs.contiguous(),
             num_experts=self.num_experts, expert_alignment=self.expert_alignment, num_sms=options.num_sms,
-            do_expand=options.do_expand, quantize=options.quantize, dequantize=options.quantize is not None,
-            async_with_compute_stream=options.async_comm)
+            do_expand=options.do_expand, do_cpu_sync=options.do_cpu_sync, quantize=options.quantize,
+            dequantize=options.quantize is not None, async_with_compute_stream=options.async_comm)
         self.handle, self.recv_topk_idx, self.dispatch_event = handle, recv_topk_idx, event
         self.last_num_sms = handle.num_sms
         self.topk_idx = None
@@ -174,9 +176,14 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
 
     # 3 ------------------------------------------------------------------------------------------------
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Received rows -> `(rows [P, H] grouped by local expert, tokens_per_expert [L] CPU int64, probs [P])`."""
+        """Received rows -> `(rows [P, H] grouped by local expert, tokens_per_expert [L] int64, probs [P])`:
+        counts on the CPU, or on the device without a CPU sync (rows past their sum are the worst case's tail)."""
         self.wait_dispatch()
-        tokens_per_expert = torch.tensor(self.handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
+        if self.options.do_cpu_sync:
+            tokens_per_expert = torch.tensor(self.handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
+        else:
+            psum = self.handle.psum_num_recv_tokens_per_expert
+            tokens_per_expert = torch.diff(psum, prepend=psum.new_zeros(1))
         if self.options.do_expand:
             permuted, permuted_probs = hidden_states, probs
         else:
@@ -272,6 +279,10 @@ class MoECommMoELayer(MoELayer):
                          pg_collection=pg_collection, **kwargs)
         self.token_dispatcher = MoECommTokenDispatcher(self.num_local_experts, self.local_expert_indices, config,
                                                        pg_collection, moe_comm_config)
+        if not self.token_dispatcher.options.do_cpu_sync and not isinstance(self.experts, MoECommGroupedMLP):
+            raise ValueError(f"MoECommConfig(do_cpu_sync=False) needs experts that take tokens_per_expert on the "
+                             f"device, got {type(self.experts).__name__}: build the spec with "
+                             f"moe_comm_layer_spec(..., grouped_experts=True) (MoECommGroupedMLP)")
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
 
@@ -289,24 +300,47 @@ def _moe_comm_builder(obj, moe_comm_config: Optional[MoECommConfig]):
     return functools.partial(MoECommMoELayer, *obj.args, **{**obj.keywords, "moe_comm_config": moe_comm_config})
 
 
-def _swap_moe_layers(spec, moe_comm_config: Optional[MoECommConfig]) -> int:
-    """Replace MoELayer builders inside `spec` in place; return how many were replaced."""
+def _grouped_experts(obj):
+    """A MoELayer builder whose experts builder builds `MoECommGroupedMLP` (same submodules and arguments)."""
+    submodules = obj.submodules if isinstance(obj, ModuleSpec) else obj.keywords["submodules"]
+    experts = submodules.experts
+    if isinstance(experts, ModuleSpec):
+        experts = dataclasses.replace(experts, module=MoECommGroupedMLP)
+    else:
+        experts = functools.partial(MoECommGroupedMLP, *experts.args, **experts.keywords)
+    submodules = dataclasses.replace(submodules, experts=experts)
+    if isinstance(obj, ModuleSpec):
+        return dataclasses.replace(obj, submodules=submodules)
+    return functools.partial(obj.func, *obj.args, **{**obj.keywords, "submodules": submodules})
+
+
+def _swap_moe_layers(spec, swap) -> int:
+    """Replace MoELayer builders inside `spec` in place by `swap(builder)`; return how many were replaced."""
     layer_specs = getattr(spec, "layer_specs", None)
     if isinstance(layer_specs, (list, tuple)):  # TransformerBlockSubmodules (get_gpt_decoder_block_spec)
-        return sum(_swap_moe_layers(s, moe_comm_config) for s in layer_specs)
+        return sum(_swap_moe_layers(s, swap) for s in layer_specs)
     submodules = getattr(spec, "submodules", None)
     if submodules is None:
         return 0
     count = 0
     if _is_moe_layer_builder(getattr(submodules, "mlp", None)):
-        submodules.mlp = _moe_comm_builder(submodules.mlp, moe_comm_config)
+        submodules.mlp = swap(submodules.mlp)
         count += 1
     if getattr(submodules, "moe_layer", None) is not None:  # hybrid (Mamba) stacks
-        count += _swap_moe_layers(submodules.moe_layer, moe_comm_config)
+        count += _swap_moe_layers(submodules.moe_layer, swap)
     return count
 
 
-def moe_comm_layer_spec(spec, moe_comm_config: Optional[MoECommConfig] = None):
+def _rewrite(spec, swap):
+    if _is_moe_layer_builder(spec):
+        return swap(spec)
+    new_spec = copy.deepcopy(spec)
+    if _swap_moe_layers(new_spec, swap) == 0:
+        raise ValueError(f"no MoELayer found in the spec ({type(spec).__name__}); build it with num_experts set")
+    return new_spec
+
+
+def moe_comm_layer_spec(spec, moe_comm_config: Optional[MoECommConfig] = None, grouped_experts: bool = False):
     """A copy of a Megatron layer or block spec with every `MoELayer` replaced by `MoECommMoELayer`.
 
     Arguments:
@@ -314,19 +348,35 @@ def moe_comm_layer_spec(spec, moe_comm_config: Optional[MoECommConfig] = None):
             a block spec with `layer_specs` (`get_gpt_decoder_block_spec`), or a MoE builder itself
             (`ModuleSpec(module=MoELayer)` or `functools.partial(MoELayer, ...)`).
         moe_comm_config: options of the dispatcher (None: defaults).
+        grouped_experts: also build the experts as `MoECommGroupedMLP` (`grouped_experts_spec`); required by
+            `MoECommConfig(do_cpu_sync=False)`.
 
     Returns:
         The new spec (the argument is not modified). Raises ValueError if it holds no MoELayer.
     """
     if moe_comm_config is not None and not isinstance(moe_comm_config, MoECommConfig):
         raise TypeError(f"moe_comm_config must be a MoECommConfig, got {type(moe_comm_config).__name__}")
-    if _is_moe_layer_builder(spec):
-        return _moe_comm_builder(spec, moe_comm_config)
-    new_spec = copy.deepcopy(spec)
-    if _swap_moe_layers(new_spec, moe_comm_config) == 0:
-        raise ValueError(f"no MoELayer found in the spec ({type(spec).__name__}); build it with num_experts set")
-    return new_spec
+
+    def swap(obj):
+        if grouped_experts:
+            obj = _grouped_experts(obj)
+        return _moe_comm_builder(obj, moe_comm_config)
+
+    return _rewrite(spec, swap)
 
 
-__all__ = ["MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "expert_alignment_for",
-           "routing_map_to_topk"]
+def grouped_experts_spec(spec):
+    """A copy of a Megatron layer or block spec whose MoE layers build their experts as `MoECommGroupedMLP`
+    (one grouped GEMM per projection instead of SequentialMLP's loop), any dispatcher kept.
+
+    Arguments:
+        spec: as `moe_comm_layer_spec`.
+
+    Returns:
+        The new spec. Raises ValueError if it holds no MoELayer.
+    """
+    return _rewrite(spec, _grouped_experts)
+
+
+__all__ = ["MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec", "grouped_experts_spec",
+           "expert_alignment_for", "routing_map_to_topk"]

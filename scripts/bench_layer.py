@@ -1,0 +1,241 @@
+"""One Megatron MoE layer, forward + backward, with each dispatcher and expert module, beside its compute-only floor.
+
+DeepSeek-V3's MoE shapes by default (hidden 7168, 256 experts, top-8, moe ffn 2048, SwiGLU, bf16, 4096 tokens per
+rank), EP = the number of ranks (one GPU each, NCCL). Per variant: median milliseconds of forward + backward
+(CUDA events, after warm-up; every rank times the same steps, the slowest rank is reported):
+
+- `alltoall + sequential`: Megatron's alltoall dispatcher and SequentialMLP (a Python loop over local experts);
+- `alltoall + grouped`: Megatron's alltoall dispatcher and moe_comm's MoECommGroupedMLP (one grouped GEMM per
+  projection), the baseline that differs from the moe_comm rows only in communication;
+- `route A (CPU sync)`: moe_comm's dispatcher (expand layout, host counts), grouped experts;
+- `route A sync-free`: expand layout without CPU sync (device counts, worst-case rows), grouped experts;
+- `route A FP8`: route A with FP8 (fp8_block128) on the wire, dequantized on arrival;
+- `route B`: Megatron's flex dispatcher on moe_comm (Megatron's own permutation), grouped experts (EP > 1 only);
+- `floor`: the compute-only floor: the same layer with dispatch and combine replaced by rows already in place
+  (the router on this rank's tokens, then the grouped experts on the rows one route A dispatch produced, same
+  counts and probabilities; forward and backward of both): what the layer costs if communication were free.
+
+Writes a markdown table, a JSON record (with `moe_comm.testing.bench.run_metadata`) and a PNG bar chart.
+
+    python scripts/bench_layer.py [--num-ranks 2] [--tokens 4096] [--iters 20] [--out DIR] [--variants ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from moe_comm.testing import parallel_launch  # noqa: E402
+from moe_comm.testing.bench import run_metadata  # noqa: E402
+from recipes.megatron_moe.model import ModelDims  # noqa: E402
+
+VARIANTS = ("alltoall + sequential", "alltoall + grouped", "route A (CPU sync)", "route A sync-free", "route A FP8",
+            "route B", "floor")
+DSV3 = ModelDims(num_layers=1, hidden_size=7168, num_attention_heads=56, num_experts=256, moe_router_topk=8,
+                 moe_ffn_hidden_size=2048)
+
+
+def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int):
+    """The variant's MoE layer on the current GPU (same seed, so every variant routes the same way)."""
+    from megatron.core import tensor_parallel
+
+    from moe_comm.integrations.megatron import MoECommConfig
+    from recipes.megatron_moe.model import build_moe_layer, transformer_config
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    dispatcher = {"route B": "moe_comm_flex"}.get(variant, "moe_comm" if variant.startswith("route A") else
+                                                  "alltoall")
+    options = None
+    if variant.startswith("route A"):
+        options = MoECommConfig(do_expand=True, do_cpu_sync=variant != "route A sync-free",
+                                quantize="fp8_block128" if variant == "route A FP8" else None)
+    config = transformer_config(dims, dispatcher, ep_size, torch.bfloat16, gated_linear_unit=True,
+                                activation_func=torch.nn.functional.silu, add_bias_linear=False)
+    grouped = variant not in ("alltoall + sequential",)
+    return build_moe_layer(config, dims, dispatcher, options, grouped_experts=grouped).cuda()
+
+
+def _time_ms(step, iters: int) -> float:
+    """Median ms of `step()` (CUDA events), the slowest rank's median."""
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    slowest = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def bench_rank(rank: int, world_size: int, args: dict) -> dict:
+    from recipes.megatron_moe import model as recipe_model
+
+    recipe_model.initialize_megatron(world_size, 0)
+    dims = dataclasses.replace(DSV3, hidden_size=args["hidden"], num_experts=args["num_experts"],
+                               moe_router_topk=args["topk"], moe_ffn_hidden_size=args["ffn"])
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    x = torch.randn(args["tokens"], 1, dims.hidden_size, device="cuda", generator=gen).bfloat16()
+    grad = torch.randn_like(x)
+    results = {}
+    for variant in args["variants"]:
+        if variant == "route B" and world_size < 2:
+            results[variant] = {"skipped": "Megatron's flex dispatcher asserts expert parallelism > 1"}
+            continue
+        restore = None
+        if variant == "route B":
+            from moe_comm.integrations.megatron import install_flex_dispatcher
+
+            restore = install_flex_dispatcher()
+        try:
+            layer = _layer("route A (CPU sync)" if variant == "floor" else variant, dims, world_size, args["seed"])
+            if variant == "floor":
+                step = _make_floor(layer, x)
+            else:
+                def step(layer=layer):
+                    x_in = x.detach().requires_grad_()
+                    out, _ = layer(x_in)
+                    out.backward(grad)
+                    layer.zero_grad(set_to_none=True)
+            ms = _time_ms(step, args["iters"])
+            results[variant] = {"ms": ms, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+        finally:
+            if restore is not None:
+                restore()
+            layer = step = None
+            from moe_comm.integrations.megatron import clear_buffers
+
+            clear_buffers()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return results
+
+
+def _make_floor(layer, x: torch.Tensor):
+    """Forward + backward of the layer's compute with communication removed: one real route A dispatch fixes the
+    rows (and counts and probabilities) the local experts get; each step runs the router on x and the experts on
+    those rows, then backward through both (the experts' output gets a fixed random gradient, the router's
+    probabilities a zero one, so its backward runs too)."""
+    dispatcher = layer.token_dispatcher
+    with torch.no_grad():
+        probs, routing_map = layer.router(x.view(-1, x.shape[-1]))
+        rows, weights = dispatcher.dispatch_preprocess(x, routing_map, probs)
+        recv_x, recv_w = dispatcher.token_dispatch(rows, weights)
+        permuted, counts, permuted_probs = dispatcher.dispatch_postprocess(recv_x, recv_w)
+    rows_in_place = permuted.detach().clone().requires_grad_()
+    probs_in_place = permuted_probs.detach().clone()
+    grad_rows = torch.randn_like(rows_in_place)
+
+    def step():
+        x_step = x.detach().requires_grad_()
+        router_probs, _ = layer.router(x_step.view(-1, x.shape[-1]))
+        out, _ = layer.experts(rows_in_place, counts, probs_in_place)
+        torch.autograd.backward([out, router_probs], [grad_rows, torch.zeros_like(router_probs)])
+        layer.zero_grad(set_to_none=True)
+        rows_in_place.grad = None
+
+    return step
+
+
+def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
+    variants = [v for v in config["variants"] if "ms" in per_rank[0][v]]
+    ms = {v: max(r[v]["ms"] for r in per_rank) for v in variants}
+    floor = ms.get("floor")
+    base = ms.get("alltoall + grouped")
+    lines = [f"MoE layer forward + backward, EP{config['num_ranks']} ({meta.get('gpu')}), hidden {config['hidden']}, "
+             f"{config['num_experts']} experts, top-{config['topk']}, moe ffn {config['ffn']}, SwiGLU, bf16, "
+             f"{config['tokens']} tokens per rank; median of {config['iters']}, slowest rank",
+             f"commit {meta.get('commit')} (dirty: {meta.get('dirty')}), torch {meta.get('torch')}, CUDA "
+             f"{meta.get('cuda')}, NCCL {meta.get('nccl')}, Python {meta.get('python')}",
+             f"command: `{meta.get('command')}`", "",
+             "| variant | ms | x floor | x alltoall + grouped | peak GiB |", "|---|---|---|---|---|"]
+    for v in config["variants"]:
+        r = per_rank[0][v]
+        if "skipped" in r:
+            lines.append(f"| {v} | skipped: {r['skipped']} | | | |")
+            continue
+        ratio = f"{ms[v] / floor:.3f}" if floor else "-"
+        vs = f"{ms[v] / base:.3f}" if base else "-"
+        peak = max(rr[v]["max_memory_gib"] for rr in per_rank)
+        lines.append(f"| {v} | {ms[v]:.2f} | {ratio} | {vs} | {peak:.1f} |")
+    record = {"meta": meta, "config": config, "ms": ms, "per_rank": per_rank}
+    return "\n".join(lines), record
+
+
+def plot(record: dict, path: str) -> None:
+    from matplotlib.figure import Figure
+
+    ms = record["ms"]
+    fig = Figure(figsize=(8, 3.6), dpi=120)
+    ax = fig.add_subplot(1, 1, 1)
+    names = list(ms)
+    colors = ["#999999" if n == "floor" else "#4477aa" if n.startswith("route") else "#cc6677" for n in names]
+    ax.barh(names, [ms[n] for n in names], color=colors)
+    for i, n in enumerate(names):
+        ax.text(ms[n], i, f" {ms[n]:.2f}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("forward + backward, ms (slowest rank, median)")
+    cfg = record["config"]
+    ax.set_title(f"MoE layer, EP{cfg['num_ranks']}, {cfg['tokens']} tokens/rank, hidden {cfg['hidden']}, "
+                 f"{cfg['num_experts']} experts top-{cfg['topk']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-ranks", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=DSV3.hidden_size)
+    parser.add_argument("--num-experts", type=int, default=DSV3.num_experts)
+    parser.add_argument("--topk", type=int, default=DSV3.moe_router_topk)
+    parser.add_argument("--ffn", type=int, default=DSV3.moe_ffn_hidden_size)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", default=None, help="write bench_layer.md/.json/.png here")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.num_ranks:
+        parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs, found {torch.cuda.device_count()}")
+    config = {k: getattr(args, k) for k in ("tokens", "hidden", "num_experts", "topk", "ffn", "iters", "seed",
+                                            "variants")}
+    config["num_ranks"] = args.num_ranks
+    meta = run_metadata(sys.argv)
+    start = time.monotonic()
+    per_rank = parallel_launch(args.num_ranks, bench_rank, config, backend="nccl", timeout_s=1800)
+    text, record = report(config, per_rank, meta)
+    print(text)
+    print(f"({time.monotonic() - start:.0f} s)")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        with open(os.path.join(args.out, "bench_layer.md"), "w") as f:
+            f.write(text + "\n")
+        try:
+            plot(record, os.path.join(args.out, "bench_layer.png"))
+        except ImportError:
+            print("plot skipped: matplotlib is not importable")
+
+
+if __name__ == "__main__":
+    main()
