@@ -118,6 +118,8 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
                     layer.zero_grad(set_to_none=True)
             ms = _time_ms(step, args["iters"])
             results[variant] = {"ms": ms, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+            if rank == 0:
+                print(f"{variant}: {ms:.2f} ms", flush=True)
         finally:
             if restore is not None:
                 restore()

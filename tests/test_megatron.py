@@ -163,9 +163,13 @@ def sync_free_layer_rank(rank: int, world_size: int, dtype: str, ep_size: int, c
     torch_dtype = getattr(torch, dtype)
     dims = GPU_DIMS if on_gpu else LAYER_DIMS
     options = MoECommConfig(backend="auto" if on_gpu else "torch", do_expand=True, do_cpu_sync=False)
-    ref = build_moe_layer(transformer_config(dims, "alltoall", ep_size, torch_dtype), dims, "alltoall").to(device)
-    test = build_moe_layer(transformer_config(dims, "moe_comm", ep_size, torch_dtype), dims, "moe_comm", options,
-                           grouped_experts=True).to(device)
+    # No linear biases on GPUs (DeepSeek's experts have none): with EP=1 Megatron's own SequentialMLP adds its
+    # bias in place into an autograd view and raises.
+    overrides = dict(add_bias_linear=False) if on_gpu else {}
+    ref = build_moe_layer(transformer_config(dims, "alltoall", ep_size, torch_dtype, **overrides), dims,
+                          "alltoall").to(device)
+    test = build_moe_layer(transformer_config(dims, "moe_comm", ep_size, torch_dtype, **overrides), dims, "moe_comm",
+                           options, grouped_experts=True).to(device)
     test.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("experts.")}, strict=False)
     test.experts.load_sequential(ref.experts)
     gen = torch.Generator().manual_seed(1000 + rank)
