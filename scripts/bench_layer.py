@@ -63,7 +63,8 @@ def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int):
         options = MoECommConfig(do_expand=True, do_cpu_sync=variant != "route A sync-free",
                                 quantize="fp8_block128" if variant == "route A FP8" else None)
     config = transformer_config(dims, dispatcher, ep_size, torch.bfloat16, gated_linear_unit=True,
-                                activation_func=torch.nn.functional.silu, add_bias_linear=False)
+                                activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                                use_cpu_initialization=False)  # billions of expert weights: initialize on the GPU
     grouped = variant not in ("alltoall + sequential",)
     return build_moe_layer(config, dims, dispatcher, options, grouped_experts=grouped).cuda()
 

@@ -204,17 +204,20 @@ def sync_free_layer_rank(rank: int, world_size: int, dtype: str, ep_size: int, c
                 step(test, static_x)
         torch.cuda.current_stream().wait_stream(side)
         test.zero_grad(set_to_none=True)
+        static_x.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out, _ = test(static_x)
             static_out.backward(grad_out)
+        # The gradients the graph writes (an eager step below replaces the parameters' .grad attributes).
+        static = {"output": static_out, "input.grad": static_x.grad,
+                  **{f"experts.{k}": v for k, v in expert_grads(test.experts).items()}}
         diffs = []
         for trial in range(2):
             new_x = torch.randn(16, 2, dims.hidden_size, generator=gen).to(device, torch_dtype)
             static_x.data.copy_(new_x)
             graph.replay()
-            replayed = {"output": static_out.detach().clone(), "input.grad": static_x.grad.clone(),
-                        **{f"experts.{k}": v.clone() for k, v in expert_grads(test.experts).items()}}
+            replayed = {k: v.detach().clone() for k, v in static.items()}
             eager = step(test, new_x)
             diffs.append(compare({k: eager[k] for k in replayed}, replayed))
         result["graph"] = diffs
