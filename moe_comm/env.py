@@ -39,6 +39,9 @@ VARIABLES = {
                  "per build, plus its `.lock` file); `~` is expanded."),
         Variable("MOE_COMM_JIT_VERBOSE", "bool", False,
                  "Print one line to stderr per JIT build (with its seconds) or cache hit."),
+        Variable("MOE_COMM_COMMIT", "str", "",
+                 "The commit benchmark results record when the run's copy of the tree has no or a stale git history "
+                 "(a device machine's copy); empty: read it from git."),
     )
 }
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm import env
 
 
 def _git(repo_dir: pathlib.Path, *args: str) -> str | None:
@@ -53,7 +54,9 @@ def run_metadata(argv: Sequence[str], repo_dir: str | pathlib.Path | None = None
     repo = pathlib.Path(repo_dir if repo_dir is not None else pathlib.Path(moe_comm.__file__).parents[1]).resolve()
     commit = dirty = None
     top = _git(repo, "rev-parse", "--show-toplevel")
-    if top is not None and pathlib.Path(top).resolve() == repo:
+    if env.get_str("MOE_COMM_COMMIT"):  # a copied tree whose git history is missing or stale (device machines)
+        commit, dirty = env.get_str("MOE_COMM_COMMIT"), None
+    elif top is not None and pathlib.Path(top).resolve() == repo:
         commit = _git(repo, "rev-parse", "HEAD")
         status = _git(repo, "status", "--porcelain", "--untracked-files=no")
         dirty = None if commit is None or status is None else bool(status)
