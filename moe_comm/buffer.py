@@ -162,6 +162,7 @@ class Buffer:
         self.num_bytes = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
                                                      use_fp8_dispatch)
         self.device = self.group_device(group)
+        self._device_index = -1 if self.device.type == "cpu" else self.device.index
         self.backend = self._resolve_backend(backend, cuda_tuning)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
@@ -247,7 +248,7 @@ class Buffer:
             raise TypeError(f"{name}.dtype={t.dtype} is not one of {list(dtypes)}")
         if t.dim() != ndim:
             raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-        if t.device != self.device:
+        if t.get_device() != self._device_index:  # -1 on the CPU; cheaper than building t.device
             raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")

@@ -369,7 +369,7 @@ class CudaBackend(Backend):
             plan.extra["refs"] = tuple(ctypes.byref(s) for s in (plan.params, plan.extra["inputs"],
                                                                  plan.extra["outputs"]))
             layout.plans[key] = plan
-        data, scales = self._wire(c)
+        data, scales = (c.x, None) if c.wire_format is None else self._wire(c)
         stream = current_stream(self._device_index)
         out_x, out_scales = self._outputs_x(c, handle.num_recv_rows, scales)
         inputs, outputs = plan.extra["inputs"], plan.extra["outputs"]
@@ -390,7 +390,7 @@ class CudaBackend(Backend):
             with_barrier = 0
         self._check(self.kernels.dispatch(params_ref, inputs_ref, outputs_ref, c.num_sms, with_barrier, stream),
                     "dispatch")
-        recv_x = self._finish_x(c, out_x, out_scales)
+        recv_x = out_x if out_scales is None else self._finish_x(c, out_x, out_scales)
         return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), [], []
 
     def _read_summary(self, c, num_local_experts: int) -> tuple[int, list[int]]:
@@ -444,8 +444,9 @@ class CudaBackend(Backend):
         stream = current_stream(self._device_index)
         dtype = DTYPE_CODES[c.x.dtype]
         for r in range(num_rounds):
-            args.slot_begin, args.slot_end = r * num_slots, min(K, (r + 1) * num_slots)
-            args.first_round, args.last_round = int(r == 0), int(r == num_rounds - 1)
+            if num_rounds > 1:  # one round: set once in the plan
+                args.slot_begin, args.slot_end = r * num_slots, min(K, (r + 1) * num_slots)
+                args.first_round, args.last_round = int(r == 0), int(r == num_rounds - 1)
             self._check(self.kernels.combine(params_ref, args_ref, dtype, c.num_sms, stream), "combine")
         return (combined, combined_w), [], []
 
@@ -470,7 +471,8 @@ class CudaBackend(Backend):
         args = lay.CombineArgs(
             psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.expand_row,
             send_pos=layout.send_pos, clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
-            num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots)
+            num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots, slot_begin=0,
+            slot_end=min(K, num_slots), first_round=1, last_round=int(num_slots >= K or not handle.do_expand))
         plan = _Shape(params, row, num_send)
         plan.extra.update(args=args, refs=(ctypes.byref(params), ctypes.byref(args)), num_slots=num_slots,
                           num_rounds=-(-K // num_slots) if handle.do_expand else 1)
