@@ -1,5 +1,6 @@
 """Buffer: the public object. It validates every argument, fills defaults, and hands a `DispatchCall` or
-`CombineCall` to a backend. It never touches raw pointers.
+`CombineCall` to a backend. It never touches raw pointers. (Over 400 lines: the API reference lives in its
+docstrings, and every argument of dispatch and combine is checked here, before any communication.)
 
 Shape legend: N = this rank's tokens, K = top-k slots, H = hidden, R = ranks, L = local experts
 (`num_experts // R`), P = rows of the dispatch output.

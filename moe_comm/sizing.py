@@ -1,4 +1,5 @@
-"""Analytical model of DeepEP V2 for expert-parallel dispatch/combine (DESIGN 2.4).
+"""Analytical model of DeepEP V2 for expert-parallel dispatch/combine (DESIGN 2.4). (Over 400 lines: one model
+whose every intermediate number is exposed and documented, for tests and explanation.)
 
 Pure functions: no GPU, no torch, no imports from the rest of `moe_comm` but `moe_comm.layout` (the buffer's
 layout, itself pure), so the model can be used from a launcher script, a config validator or a notebook before

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The device session in three commands, for a machine with 2+ GPUs whose python3 already has torch (the lent
-# H200 machines): run from the repo root; logs and results go to OUT (or /tmp/gpu_check).
-#   scripts/gpu_check.sh tests      GPU tier (both backends) + kernel compile/load + FP8 casts on CUDA (~3 min)
-#   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, one rank per GPU
-#                                   (at most 8, as the GPU tier) (~2 min)
-#   scripts/gpu_check.sh megatron   Megatron GPU tier and the recipe's `small` preset, 50 steps with alltoall and
-#                                   with moe_comm; needs megatron-core/wandb wheels carried in .whl (README of the
-#                                   device tool: pip download ... --python-version 3.12 -d .whl)
+# The device session in a few commands, for a machine whose python3 already has torch (the lent H200 machines): run
+# from the repo root, one rank per GPU (at most 8); logs and results go to OUT (or /tmp/gpu_check). Pass the local
+# commit as MOE_COMM_COMMIT=$(git rev-parse HEAD): the device copy's git history is stale, results would record it.
+#   scripts/gpu_check.sh tests      GPU tier (both backends) + kernel compile/load + FP8 casts on CUDA (~3 min; one GPU:
+#                                   one rank, the peer tests skip)
+#   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend (~2 min)
+#   scripts/gpu_check.sh megatron   Megatron GPU tier: parity on 2 GPUs, grouped experts, the sync-free layer (no host
+#                                   sync, CUDA graph replay); needs megatron-core carried in .whl (README of the device
+#                                   tool: pip download megatron-core==0.19.2 ... --python-version 3.12 -d .whl)
+#   scripts/gpu_check.sh layer      scripts/bench_layer.py: one DeepSeek-V3-shaped MoE layer with every dispatcher
+#                                   against its compute-only floor (.whl as above)
+#   scripts/gpu_check.sh recipe     the recipe (2 GPUs): `small` 50 steps bf16 with alltoall and moe_comm, `small` 50
+#                                   steps fp32 (max |loss diff| <= 1e-3), `dsv3` alltoall + grouped experts against
+#                                   moe_comm's sync-free layer (.whl with megatron-core, wandb and its needs)
 # Results worth keeping go to benchmarks/<theme>_<hardware>_<date>.{md,json,png} (dispatch-combine_h200x2_...,
-# recipe-small_h200x2_...), replacing that theme's older files (NOTES.md names those by git commit); test logs stay
-# out of benchmarks/. Where the tree has no .git (a copied working tree), the bench records commit None: write the
-# commit into the markdown when committing the result.
+# layer_h200x2_..., recipe-small_h200x2_...), replacing that theme's older files (NOTES.md names those by git
+# commit); test logs stay out of benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared machines.
@@ -30,16 +35,36 @@ case "${1:-}" in
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || exit 1
         export PYTHONPATH=/tmp/site:$PYTHONPATH WANDB_MODE=offline
-        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_megatron.py 2>&1 | tee "$out/megatron_gpu.log" \
-            | tail -20
-        for dispatcher in alltoall moe_comm; do
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_megatron.py tests/test_grouped_mlp.py 2>&1 \
+            | tee "$out/megatron_gpu.log" | tail -20 ;;
+    layer)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site:$PYTHONPATH
+        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        python3 scripts/bench_layer.py --num-ranks "$gpus" --out "$out" 2>&1 | grep -v -i warn | tail -25 ;;
+    recipe)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site:$PYTHONPATH WANDB_MODE=offline
+        train() {  # name, then train.py arguments
+            local name=$1
+            shift
             python3 -m torch.distributed.run --standalone --nproc-per-node 2 recipes/megatron_moe/train.py \
-                --preset small --steps 50 --dispatcher "$dispatcher" --out /tmp/runs \
-                --metrics-json "$out/metrics-$dispatcher.json" 2>&1 | tee "$out/train-$dispatcher.log" \
+                --out /tmp/runs --metrics-json "$out/metrics-$name.json" "$@" 2>&1 | tee "$out/train-$name.log" \
                 | grep -E "^(SUMMARY|wandb)"
-        done
-        python3 recipes/megatron_moe/compare.py "$out/metrics-moe_comm.json" "$out/metrics-alltoall.json" ;;
+        }
+        train small-alltoall --preset small --dispatcher alltoall
+        train small-moe_comm --preset small --dispatcher moe_comm
+        python3 recipes/megatron_moe/compare.py "$out/metrics-small-moe_comm.json" "$out/metrics-small-alltoall.json"
+        train fp32-alltoall --preset small --dtype float32 --dispatcher alltoall
+        train fp32-moe_comm --preset small --dtype float32 --dispatcher moe_comm
+        python3 recipes/megatron_moe/compare.py --max-loss-diff 1e-3 "$out/metrics-fp32-moe_comm.json" \
+            "$out/metrics-fp32-alltoall.json"
+        train dsv3-alltoall --preset dsv3 --dispatcher alltoall
+        train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync
+        python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" ;;
     *)
-        echo "usage: scripts/gpu_check.sh tests|bench|megatron" >&2
+        echo "usage: scripts/gpu_check.sh tests|bench|megatron|layer|recipe" >&2
         exit 2 ;;
 esac

@@ -1,4 +1,5 @@
 """`MoECommGroupedMLP` against Megatron's `SequentialMLP` with the same weights (CPU tier, 2 gloo ranks, EP=2).
+(Over 400 lines: one worker pool and one set of helpers for every case.)
 
 Exactness. Outputs, the input gradient, the probabilities' gradient and every weight gradient are bitwise
 equal to SequentialMLP's in float32 and bfloat16 (grouped path) and float64 (loop fallback): the grouped

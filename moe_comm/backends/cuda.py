@@ -1,4 +1,6 @@
 """CUDA backend: dispatch and combine kernels over NVLink peer memory (`moe_comm/csrc`, layout in `moe_comm.layout`).
+(Over 400 lines: the host side of three operations, fresh dispatch, cached dispatch and combine, each building its
+launch structs; the C boundary itself is `cuda_kernels.py`.)
 
 Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`, peers mapped through CUDA IPC): a
 control region (flags, counters, one control slot per source rank) and a receive region (a block per source rank).

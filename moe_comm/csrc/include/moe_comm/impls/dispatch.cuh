@@ -1,5 +1,6 @@
 // Dispatch: every token to the ranks of its experts, senders and receivers of one kernel running at the same time.
-// Device code only (launched by kernels/dispatch.cu); no torch headers.
+// Device code only (launched by kernels/dispatch.cu); no torch headers. (Over 400 lines: the senders and the
+// receivers of one kernel, which share its row format and tables.)
 #pragma once
 
 #include <cuda_runtime.h>
