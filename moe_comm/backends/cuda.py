@@ -77,12 +77,12 @@ def num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool, frac
 class CudaLayout:
     """Routing state of a CUDA dispatch, kept in `EPHandle.layout` (private to the backend).
 
-    workspace: one uint8 device allocation holding, at the byte offsets below (device pointers), send_pos
-        `[N, R]` int64 (row of each token inside its destination block, -1 if not sent there), counts `[R + E + 1]`
-        int64 (rows per destination rank, rows per expert, error flags), recv_slots `[R, SLOT_STRIDE]` int64 (copy
-        of the control slots this dispatch received, for the receivers of cached dispatches), expert_rank `[N, K]`
-        int32 (tokens before this one that chose the slot's expert), expand_row `[M, K]` int32 (expand only: output
-        row of each (received row, slot)).
+    workspace: one int64 device allocation holding the handle's `topk_idx` `[N, K]`, then at the device pointers
+        below: send_pos `[N, R]` int64 (row of each token inside its destination block, -1 if not sent there),
+        counts `[R + E + 1]` int64 (rows per destination rank, rows per expert, error flags), recv_slots
+        `[R, SLOT_STRIDE]` int64 (copy of the control slots this dispatch received, for the receivers of cached
+        dispatches), expert_rank `[N, K]` int32 (tokens before this one that chose the slot's expert), expand_row
+        `[M, K]` int32 (expand only: output row of each (received row, slot)).
     plans: launch structs of cached dispatches and combines along this handle, built at their first call.
     """
 
@@ -297,16 +297,16 @@ class CudaBackend(Backend):
         stream = current_stream(self._device_index)
         sync = c.do_cpu_sync or verify_agreement
 
-        # Private routing state in one allocation; the handle's public tensors on their own.
+        # The routing state in one int64 allocation (allocations cost host time): the handle's clean topk_idx
+        # [N, K] first (a view), then the private send_pos, counts, recv_slots, expert_rank and expand_row.
         M_worst = R * cap
-        sizes = [8 * N * R, 8 * (R + E + 1), 8 * R * lay.SLOT_STRIDE, -(-4 * N * K // 8) * 8,
-                 4 * M_worst * K if c.do_expand else 0]
-        workspace = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+        sizes = [N * K, N * R, R + E + 1, R * lay.SLOT_STRIDE, -(-N * K // 2), -(-M_worst * K // 2) * c.do_expand]
+        workspace = torch.empty(sum(sizes), dtype=torch.int64, device=dev)
         base, offsets = workspace.data_ptr(), [0]
         for size in sizes[:-1]:
-            offsets.append(offsets[-1] + size)
-        send_pos, counts, recv_slots, expert_rank, expand_row = (base + o for o in offsets)
-        clean_idx = torch.empty(N, K, dtype=torch.int64, device=dev)
+            offsets.append(offsets[-1] + 8 * size)
+        _, send_pos, counts, recv_slots, expert_rank, expand_row = (base + o for o in offsets)
+        clean_idx = workspace[:N * K].view(N, K)
         # Layout, then (its last block) the barrier and the counts into every peer's control slot and theirs into
         # ours, read on the host when the call syncs.
         summary = self._mapped_dev + lay.SUMMARY_OFFSET if sync else 0
@@ -329,12 +329,12 @@ class CudaBackend(Backend):
 
         # Send and receive.
         out_x, out_scales = self._outputs_x(c, P, scales)
-        out_idx = torch.empty(M, K, dtype=torch.int64, device=dev)
-        out_src = torch.empty(M, dtype=torch.int64, device=dev)
+        # The received routing in one int64 allocation: recv_topk_idx [M, K], recv_src_idx [M], the prefix sums.
+        routing = torch.empty(M * K + M + R + L, dtype=torch.int64, device=dev)
+        out_idx, out_src, psum = routing[:M * K].view(M, K), routing[M * K:M * K + M], routing[M * K + M:]
         out_w = None
         if weights is not None:
             out_w = torch.empty((P,) if c.do_expand else (M, K), dtype=weights.dtype, device=dev)
-        psum = torch.empty(R + L, dtype=torch.int64, device=dev)
         inputs = lay.DispatchInputs(data.data_ptr(), _ptr(scales), clean_idx.data_ptr(), _ptr(weights), send_pos,
                                     expert_rank)
         outputs = lay.RecvOutputs(recv_slots + 8 * lay.SIGNATURE_LEN, out_x.data_ptr(), _ptr(out_scales),
