@@ -1,9 +1,10 @@
 """FP8 formats for dispatch: the reference cast and cast-back (DESIGN 2.3).
 
-This module is the oracle that the `quantize=` / `dequantize=True` epilogues of the CUDA kernels are compared
-with BITWISE, on data and on scales. Every arithmetic step below is one IEEE-754 float32 operation with
-round-to-nearest-even, done in the order written. A kernel must do exactly these steps; the notes say which
-tempting shortcuts change bits.
+Both backends cast with this module today: `quantize=` casts before the rows travel and `dequantize=True` after
+they arrived, as separate torch operations (casts fused into the CUDA kernels are issue 14's work). A fused cast
+must match this module BITWISE, on data and on scales: every arithmetic step below is one IEEE-754 float32
+operation with round-to-nearest-even, done in the order written, and the notes say which tempting shortcuts
+change bits.
 
 Formats
 -------
