@@ -276,3 +276,32 @@ def test_ranks_must_agree_on_sizes(pools):
     messages = pools(2).run(disagreement_rank)
     assert messages[0] == messages[1]
     assert "num_max_tokens_per_rank: [6, 7]" in messages[0], messages[0]
+
+
+def backend_choice_rank(rank: int, world_size: int, broken: dict) -> object:
+    """`why_not_usable` on a CPU pool with torch.cuda faked per rank: what each rank can do differs, the verdict
+    must not (every rank must take the same backend). The fakes are undone before returning (the pool is shared)."""
+    import unittest.mock as mock
+
+    import torch.distributed as dist
+
+    from moe_comm.backends import cuda as cuda_backend
+
+    def load_kernels(flags=()):
+        if broken.get("kernels") == rank:
+            raise RuntimeError("nvcc not found; searched $CUDA_HOME/bin/nvcc\nmore lines")
+
+    peer = lambda a, b: broken.get("peer") != rank  # noqa: E731
+    with mock.patch("torch.cuda.is_available", lambda: True), mock.patch("torch.cuda.current_device", lambda: 0), \
+            mock.patch("torch.cuda.device_count", lambda: 2), mock.patch("torch.cuda.can_device_access_peer", peer), \
+            mock.patch.object(cuda_backend, "load_kernels", load_kernels):
+        return cuda_backend.why_not_usable(dist.group.WORLD)
+
+
+def test_backend_choice_is_the_same_on_every_rank(pools):
+    assert pools(2).run(backend_choice_rank, {}) == [None, None]
+    verdicts = pools(2).run(backend_choice_rank, {"kernels": 1})
+    assert verdicts[0] == verdicts[1], verdicts
+    assert verdicts[0] == "rank 1: the kernels cannot be built or loaded (nvcc not found; searched $CUDA_HOME/bin/nvcc)"
+    verdicts = pools(2).run(backend_choice_rank, {"peer": 0, "kernels": 0})
+    assert verdicts[0] == verdicts[1] == "rank 0: GPU 0 has no peer access to GPU(s) [1]", verdicts
