@@ -792,9 +792,44 @@ def test_async_comm_is_waited_where_used(mcore_pool):
         assert r["num_sms"] > 0, r
 
 
-def test_shared_expert_overlap_parity(mcore_pool):
-    overrides = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True, add_bias_linear=False)
-    assert_parity(mcore_pool.run(layer_parity_rank, Case("A", 2), LAYER_DIMS, overrides), exact=True)
+SHARED_EXPERT_OVERLAP = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
+                             add_bias_linear=False)
+FLEX_SHARED_EXPERT_OVERLAP_SINCE = "0.18"  # first megatron-core whose config takes it with the flex dispatcher
+
+
+def _megatron_core_before(version: str):
+    """True / False: the installed megatron-core is older than `version`; None: its version is unknown."""
+    from packaging.version import Version
+
+    from moe_comm.integrations.megatron.compat import megatron_core_version
+
+    installed = megatron_core_version()
+    return None if installed is None else installed < Version(version)
+
+
+@pytest.mark.parametrize("route", ["A", "B"])
+def test_shared_expert_overlap_parity(mcore_pool, route):
+    """`moe_shared_expert_overlap`: the shared expert runs while the dispatch and combine are in flight, bitwise
+    equal to alltoall with the same flag (route A on every version; route B needs megatron-core 0.18+)."""
+    if route == "B" and _megatron_core_before(FLEX_SHARED_EXPERT_OVERLAP_SINCE) is not False:
+        pytest.skip(f"megatron-core < {FLEX_SHARED_EXPERT_OVERLAP_SINCE} refuses moe_shared_expert_overlap with the "
+                    f"flex dispatcher (test_flex_shared_expert_overlap_refused_before_0_18)")
+    assert_parity(mcore_pool.run(layer_parity_rank, Case(route, 2), LAYER_DIMS, SHARED_EXPERT_OVERLAP), exact=True)
+
+
+def test_flex_shared_expert_overlap_refused_before_0_18():
+    """Route B keeps `moe_token_dispatcher_type="flex"`, and megatron-core < 0.18 accepts
+    `moe_shared_expert_overlap` with "alltoall" only: its own TransformerConfig check raises, before any
+    moe_comm code runs. 0.18 added "flex" to that check (route B's overlap then runs:
+    test_shared_expert_overlap_parity[B]); route A (config "alltoall") works on every version."""
+    before = _megatron_core_before(FLEX_SHARED_EXPERT_OVERLAP_SINCE)
+    if before is None:
+        pytest.skip("the installed megatron-core has no package metadata: its version is unknown")
+    if not before:
+        pytest.skip(f"megatron-core >= {FLEX_SHARED_EXPERT_OVERLAP_SINCE} accepts moe_shared_expert_overlap with "
+                    f"the flex dispatcher (test_shared_expert_overlap_parity[B] runs it)")
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap only works with alltoall token dispatcher"):
+        transformer_config(LAYER_DIMS, "moe_comm_flex", EP_SIZE, **SHARED_EXPERT_OVERLAP)
 
 
 def test_sync_free_layer_matches_alltoall(mcore_pool):
