@@ -12,6 +12,9 @@ differently, so the results differ by float32 rounding only. Those cases are che
 `NONEXACT_REL_TOL` (relative to the tensor's largest magnitude). Expand mode adds the K rows in ascending
 expert order and is bitwise for every top-k.
 
+EP overlap (`overlap_moe_expert_parallel_comm`, bf16 as Megatron requires) compares Megatron's combined-1F1B
+schedule with plain steps of the same model instead, bitwise.
+
 The fast subset runs in CI; the full matrix (routes x top-k 1/2/4 x expand x sync/async) is marked `slow`.
 GPU tier (`gpu`, skipped without 2 GPUs): the same on NCCL with backend "auto" (the CUDA backend where
 built), fp32 and bf16, plus FP8 on the wire against alltoall over quantize-dequantized inputs.
@@ -403,6 +406,140 @@ def buffer_cache_rank(rank: int, world_size: int) -> dict:
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlapRow:
+    """One row of the EP-overlap test: a dispatcher ("moe_comm" route A, "moe_comm_flex" route B, "alltoall")
+    and, for route A, the layout and the CPU sync (`do_cpu_sync=False` builds grouped experts)."""
+
+    name: str
+    dispatcher: str
+    do_expand: bool = False
+    do_cpu_sync: bool = True
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def route(self) -> str:
+        return {"moe_comm": "A", "moe_comm_flex": "B"}.get(self.dispatcher, "")
+
+    def moe_comm_config(self):
+        from moe_comm.integrations.megatron import MoECommConfig
+
+        if self.dispatcher != "moe_comm":
+            return None
+        return MoECommConfig(backend="torch", do_expand=self.do_expand, do_cpu_sync=self.do_cpu_sync)
+
+
+OVERLAP_ROWS = [OverlapRow("A", "moe_comm"), OverlapRow("A-expand", "moe_comm", do_expand=True),
+                OverlapRow("A-sync-free", "moe_comm", do_expand=True, do_cpu_sync=False),
+                OverlapRow("B", "moe_comm_flex"), OverlapRow("alltoall", "alltoall")]
+
+
+def _overlap_loss(output_tensor: torch.Tensor):
+    loss = output_tensor.float().mean()
+    return loss, {"loss": loss.detach().clone()}
+
+
+def _overlap_forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Megatron's `forward_step_func`: with `return_schedule_plan` (the EP-overlap schedule) the model's
+    schedule plan instead of its output."""
+    batch = next(data_iterator)
+    args = (batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+    if return_schedule_plan:
+        return model.build_schedule_plan(*args, labels=batch["labels"]), _overlap_loss
+    return model(*args, labels=batch["labels"]), _overlap_loss
+
+
+def ep_overlap_rank(rank: int, world_size: int, row: OverlapRow, dims: ModelDims, num_microbatches: int) -> dict:
+    """Megatron's EP-overlap schedule (`overlap_moe_expert_parallel_comm`: combined 1F1B without pipelining) vs
+    plain forward + backward per micro-batch, same weights and batches, bf16 (the overlap needs it): losses and
+    every parameter gradient, plus what proves the overlap path ran."""
+    import contextlib
+
+    from megatron.core.pipeline_parallel import utils as pp_utils
+    from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+    from megatron.core.transformer.moe import token_dispatcher as mcore_token_dispatcher
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    device = setup_worker(0)
+    restore = _flex_installed(Case("B", dims.moe_router_topk)) if row.route == "B" else (lambda: None)
+    try:
+        models = {}
+        for name, overlap in (("plain", False), ("overlap", True)):
+            config = transformer_config(dims, row.dispatcher, EP_SIZE, torch.bfloat16,
+                                        overlap_moe_expert_parallel_comm=overlap)
+            models[name] = build_gpt(config, dims, row.dispatcher, row.moe_comm_config(),
+                                     grouped_experts=not row.do_cpu_sync).to(device)
+        plain, overlapped = models["plain"], models["overlap"]
+        overlapped.load_state_dict(plain.state_dict(), strict=False)  # strict=False: `_extra_state` entries
+        gen = torch.Generator().manual_seed(1000 + rank)
+        batches = [mock_batch(dims, 2, gen, device) for _ in range(num_microbatches)]
+
+        # Plain: forward, Megatron's loss step (loss and aux-loss scale / micro-batches), backward. The aux-loss
+        # scale is a class attribute: drop what earlier tests in this worker left (its shape differs by version).
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        plain_store = []
+        for batch in batches:
+            output, loss_func = _overlap_forward_step(iter([batch]), plain)
+            loss, _ = forward_step_calc_loss(plain, output, loss_func, plain.config, None, False, num_microbatches,
+                                             plain_store, cp_group_size=1, is_last_stage=True)
+            loss.backward()
+
+        # Overlap: the schedule Megatron's forward_backward_no_pipelining runs when the flag is set (called
+        # directly: that function allocates its token count on "cuda"). Guards: no MoELayer.forward (the layers
+        # run as schedule nodes), one schedule plan per micro-batch, the nodes that ran and whether they freed
+        # their inputs, and for route B the calls of moe_comm's fused_dispatch.
+        plans, nodes, dispatches = [], [], []
+        node_forward, layer_forward = pp_utils.ScheduleNode.forward, MoELayer.forward
+        fused_dispatch = mcore_token_dispatcher.fused_dispatch
+
+        def forward_step(data_iterator, model, return_schedule_plan=False):
+            plan, loss_func = _overlap_forward_step(data_iterator, model, return_schedule_plan)
+            plans.append(type(plan).__name__)
+            return plan, loss_func
+
+        def recording_node_forward(self, *args, **kwargs):
+            nodes.append((self.name, bool(self.free_input)))
+            return node_forward(self, *args, **kwargs)
+
+        def no_layer_forward(self, *args, **kwargs):
+            raise AssertionError("MoELayer.forward ran: the EP-overlap schedule was not used")
+
+        def recording_fused_dispatch(*args, **kwargs):
+            dispatches.append("fused_dispatch")
+            return fused_dispatch(*args, **kwargs)
+
+        pp_utils.ScheduleNode.forward, MoELayer.forward = recording_node_forward, no_layer_forward
+        if row.route == "B":
+            mcore_token_dispatcher.fused_dispatch = recording_fused_dispatch
+        try:
+            store = []
+            combined_1f1b_schedule_for_no_pipelining(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=overlapped,
+                num_microbatches=num_microbatches, input_tensor=None, output_tensor_grad=None,
+                forward_data_store=store, config=overlapped.config, collect_non_loss_data=False,
+                first_val_step=None, forward_only=False, no_sync_func=contextlib.nullcontext,
+                total_num_tokens=torch.zeros([], dtype=torch.int), check_first_val_step=lambda first: first)
+        finally:
+            pp_utils.ScheduleNode.forward, MoELayer.forward = node_forward, layer_forward
+            mcore_token_dispatcher.fused_dispatch = fused_dispatch
+        dispatchers = [layer.mlp.token_dispatcher for layer in overlapped.decoder.layers]
+        dispatcher_types = sorted({type(d).__name__ for d in dispatchers})
+        layouts = sorted({(d.options.do_expand, d.options.do_cpu_sync)
+                          for d in dispatchers if hasattr(d, "options")})
+        named = {"plain": {"losses": torch.stack([d["loss"] for d in plain_store]), **_grads(plain)},
+                 "overlap": {"losses": torch.stack([d["loss"] for d in store]), **_grads(overlapped)}}
+        return dict(parity=compare(named["plain"], named["overlap"]), plans=plans, nodes=nodes,
+                    fused_dispatches=len(dispatches),
+                    fused_dispatch_module=getattr(fused_dispatch, "__module__", None),
+                    dispatcher_types=dispatcher_types, layouts=layouts)
+    finally:
+        restore()
+
+
 # ----------------------------------------------------------------------------------------------------
 # CPU tier
 # ----------------------------------------------------------------------------------------------------
@@ -656,9 +793,44 @@ def test_async_comm_is_waited_where_used(mcore_pool):
         assert r["num_sms"] > 0, r
 
 
-def test_shared_expert_overlap_parity(mcore_pool):
-    overrides = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True, add_bias_linear=False)
-    assert_parity(mcore_pool.run(layer_parity_rank, Case("A", 2), LAYER_DIMS, overrides), exact=True)
+SHARED_EXPERT_OVERLAP = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
+                             add_bias_linear=False)
+FLEX_SHARED_EXPERT_OVERLAP_SINCE = "0.18"  # first megatron-core whose config takes it with the flex dispatcher
+
+
+def _megatron_core_before(version: str):
+    """True / False: the installed megatron-core is older than `version`; None: its version is unknown."""
+    from packaging.version import Version
+
+    from moe_comm.integrations.megatron.compat import megatron_core_version
+
+    installed = megatron_core_version()
+    return None if installed is None else installed < Version(version)
+
+
+@pytest.mark.parametrize("route", ["A", "B"])
+def test_shared_expert_overlap_parity(mcore_pool, route):
+    """`moe_shared_expert_overlap`: the shared expert runs while the dispatch and combine are in flight, bitwise
+    equal to alltoall with the same flag (route A on every version; route B needs megatron-core 0.18+)."""
+    if route == "B" and _megatron_core_before(FLEX_SHARED_EXPERT_OVERLAP_SINCE) is not False:
+        pytest.skip(f"megatron-core < {FLEX_SHARED_EXPERT_OVERLAP_SINCE} refuses moe_shared_expert_overlap with the "
+                    f"flex dispatcher (test_flex_shared_expert_overlap_refused_before_0_18)")
+    assert_parity(mcore_pool.run(layer_parity_rank, Case(route, 2), LAYER_DIMS, SHARED_EXPERT_OVERLAP), exact=True)
+
+
+def test_flex_shared_expert_overlap_refused_before_0_18():
+    """Route B keeps `moe_token_dispatcher_type="flex"`, and megatron-core < 0.18 accepts
+    `moe_shared_expert_overlap` with "alltoall" only: its own TransformerConfig check raises, before any
+    moe_comm code runs. 0.18 added "flex" to that check (route B's overlap then runs:
+    test_shared_expert_overlap_parity[B]); route A (config "alltoall") works on every version."""
+    before = _megatron_core_before(FLEX_SHARED_EXPERT_OVERLAP_SINCE)
+    if before is None:
+        pytest.skip("the installed megatron-core has no package metadata: its version is unknown")
+    if not before:
+        pytest.skip(f"megatron-core >= {FLEX_SHARED_EXPERT_OVERLAP_SINCE} accepts moe_shared_expert_overlap with "
+                    f"the flex dispatcher (test_shared_expert_overlap_parity[B] runs it)")
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap only works with alltoall token dispatcher"):
+        transformer_config(LAYER_DIMS, "moe_comm_flex", EP_SIZE, **SHARED_EXPERT_OVERLAP)
 
 
 def test_sync_free_layer_matches_alltoall(mcore_pool):
@@ -669,6 +841,36 @@ def test_sync_free_layer_matches_alltoall(mcore_pool):
         bias = {k: v for k, v in parity.items() if k.startswith("experts.") and k.endswith("_bias")}
         assert_parity([{k: v for k, v in parity.items() if k not in bias}], exact=True)
         assert_parity([bias], exact=False)
+
+
+OVERLAP_MICROBATCHES = 3
+
+
+@pytest.mark.parametrize("row", OVERLAP_ROWS, ids=str)
+def test_ep_overlap_schedule_matches_plain_steps(mcore_pool, row):
+    """`overlap_moe_expert_parallel_comm`: Megatron's combined-1F1B schedule (layers split into schedule nodes,
+    one micro-batch's forward interleaved with another's backward) gives the losses and every parameter gradient
+    of plain forward + backward steps bit for bit, bf16, 2-layer GPTModel, 3 micro-batches. Route A frees
+    nothing it still needs (the schedule frees the dispatch and expert nodes' inputs); the alltoall row checks
+    the harness itself."""
+    results = mcore_pool.run(ep_overlap_rank, row, GPT_DIMS, OVERLAP_MICROBATCHES)
+    num_layer_steps = GPT_DIMS.num_layers * OVERLAP_MICROBATCHES
+    for rank, result in enumerate(results):
+        assert result["plans"] == ["TransformerModelChunkSchedulePlan"] * OVERLAP_MICROBATCHES, (rank, result)
+        names = [name for name, _ in result["nodes"]]
+        assert all(names.count(name) == num_layer_steps for name in ("moe_dispatch", "mlp", "moe_combine")), \
+            (rank, names)
+        if row.route == "A":
+            assert result["dispatcher_types"] == ["MoECommTokenDispatcher"], (rank, result)
+            assert result["layouts"] == [(row.do_expand, row.do_cpu_sync)], (rank, result)
+            assert {("moe_dispatch", True), ("mlp", True)} <= set(result["nodes"]), (rank, result["nodes"])
+        elif row.route == "B":
+            assert result["dispatcher_types"] == ["MoEFlexTokenDispatcher"], (rank, result)
+            assert result["fused_dispatch_module"] == "moe_comm.integrations.megatron.flex_route", (rank, result)
+            assert result["fused_dispatches"] == num_layer_steps, (rank, result)
+        else:
+            assert result["dispatcher_types"] == ["MoEAlltoAllTokenDispatcher"], (rank, result)
+        assert_parity([result["parity"]], exact=True)
 
 
 @pytest.mark.slow

@@ -124,6 +124,16 @@ def apply_cpu_shims() -> None:
     mcore_random.CudaRNGStatesTracker.add = add
     mcore_random.CudaRNGStatesTracker.fork = fork
 
-    # 6. jit.py `jit_fuser = torch.compile` (e.g. `@jit_fuser def dispatch_preprocess` of the flex dispatcher):
+    # 6. pipeline_parallel/utils.py `ScheduleNode._forward` / `_backward` (the EP-overlap schedule,
+    #    `overlap_moe_expert_parallel_comm`): `input.record_stream(self.stream)` and `g.record_stream(...)` with
+    #    the fake streams above (torch raises "unknown parameter type"): nothing to record on CPU.
+    torch.Tensor.record_stream = lambda self, stream=None: None
+
+    # 7. pipeline_parallel/utils.py `ScheduleNode._forward` / `_backward`: `torch.cuda.nvtx.range_push` /
+    #    `range_pop` raise "NVTX functions not installed" in a CPU build of torch (0.19.2 no longer calls them).
+    torch.cuda.nvtx.range_push = lambda *args, **kwargs: None
+    torch.cuda.nvtx.range_pop = lambda *args, **kwargs: None
+
+    # 8. jit.py `jit_fuser = torch.compile` (e.g. `@jit_fuser def dispatch_preprocess` of the flex dispatcher):
     #    on CPU every new shape compiles C++ with gcc (about 10 s each). Eager runs the same ops, so run eager.
     torch._dynamo.config.disable = True

@@ -118,6 +118,13 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         self.options = options
         self.expert_alignment = expert_alignment_for(config, options)
         self.cudagraph_attrs = []
+        # NOTES: Megatron's EP-overlap schedule (`overlap_moe_expert_parallel_comm`) runs a layer as separate
+        # schedule nodes and frees the storage of the "moe_dispatch" and "mlp" nodes' inputs after their forward
+        # (`should_free_input`: it expects alltoall's dispatch_preprocess / dispatch_postprocess to return
+        # copies). Ours return aliases of tensors autograd saved: the `[T, H]` rows are a view of the pre-MLP
+        # layernorm output (saved by the router), and in the expand layout the experts get `recv_x` itself
+        # (saved by fc1). So under that schedule both are copied; otherwise the backward reads freed storage.
+        self.copy_freed_inputs = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
         # State of the forward in flight (one per MoELayer call).
         self.hidden_shape = None
         self.probs_dtype = None
@@ -136,6 +143,8 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         """`[S, B, H]` tokens, `[T, E]` bool routing map and probs -> `([T, H] rows, [T, K] float32 weights)`."""
         self.hidden_shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if self.copy_freed_inputs:  # see NOTES in __init__
+            hidden = hidden.clone()
         num_tokens = hidden.shape[0]
         if tuple(routing_map.shape) != (num_tokens, self.num_experts) or routing_map.dtype != torch.bool:
             raise ValueError(f"routing_map must be [{num_tokens}, {self.num_experts}] torch.bool, got "
@@ -185,7 +194,10 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
             psum = self.handle.psum_num_recv_tokens_per_expert
             tokens_per_expert = torch.diff(psum, prepend=psum.new_zeros(1))
         if self.options.do_expand:
-            permuted, permuted_probs = hidden_states, probs
+            # The received rows are the experts' input as they are (a copy under the EP-overlap schedule: see
+            # NOTES in __init__).
+            permuted = hidden_states.clone() if self.copy_freed_inputs else hidden_states
+            permuted_probs = probs
         else:
             permuted, permuted_probs = self._permute_by_expert(hidden_states, probs,
                                                                self.handle.num_recv_tokens_per_expert_list)
