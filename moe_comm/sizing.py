@@ -464,8 +464,11 @@ def get_buffer_size_hint(
 ) -> int:
     """Bytes of the per-rank symmetric buffer for dispatch and combine.
 
-    What the layout holds (`moe_comm.layout`): the control region (`BUFFER_CONTROL_BYTES`), then a receive block
-    of `num_max_tokens_per_rank` rows per rank, each row laid out by `layout.dispatch_row`: the row data
+    What the layout holds (`moe_comm.layout`): the control region (`BUFFER_CONTROL_BYTES`), then a receive region
+    of two rows per (rank, token): a dispatch fills one (a block of `num_max_tokens_per_rank` rows per source rank);
+    an expand combine returns a token's rows, one per slot, in rounds of as many slots as the region holds, so the
+    second row halves its rounds (each round is a kernel with its barrier). A row is laid out by
+    `layout.dispatch_row`: the row data
     (`hidden * elem_size` bytes, or with `use_fp8_dispatch` FP8 data plus one fp32 scale per 128 elements,
     whichever is wider), padded to 16; the metadata (int64 source index, per slot an int32 local expert id, an
     int32 rank and a weight of up to 8 bytes), padded to 16; a 16-byte tag. A combine row (data and weights) is
@@ -494,4 +497,4 @@ def get_buffer_size_hint(
     row_bytes = layout.dispatch_row(hidden * elem_size, 0, num_topk, 8).stride
     if use_fp8_dispatch:
         row_bytes = max(row_bytes, layout.dispatch_row(hidden, (hidden // FP8_SCALE_BLOCK) * 4, num_topk, 8).stride)
-    return num_ranks * num_max_tokens_per_rank * row_bytes + BUFFER_CONTROL_BYTES
+    return 2 * num_ranks * num_max_tokens_per_rank * row_bytes + BUFFER_CONTROL_BYTES

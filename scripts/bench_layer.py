@@ -13,7 +13,9 @@ rank), EP = the number of ranks (one GPU each, NCCL). Per variant: median millis
 - `route B`: Megatron's flex dispatcher on moe_comm (Megatron's own permutation), grouped experts (EP > 1 only);
 - `floor`: the compute-only floor: the same layer with dispatch and combine replaced by rows already in place
   (the router on this rank's tokens, then the grouped experts on the rows one route A dispatch produced, same
-  counts and probabilities; forward and backward of both): what the layer costs if communication were free.
+  counts and probabilities; forward and backward of both): what the layer costs if communication were free. The
+  experts' probabilities are constants there, so the floor leaves out their gradient's small reduction: it is a
+  little low, and the ratios against it a little pessimistic.
 
 Writes a markdown table, a JSON record (with `moe_comm.testing.bench.run_metadata`) and a PNG bar chart.
 

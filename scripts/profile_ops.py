@@ -148,8 +148,8 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
     impl, dev = buf._impl, x.device
     buf.dispatch(x, handle=handle)
     buf.combine(recv_x, handle)
-    (dplan,) = [p for k, p in handle.layout.plans.items() if k[0] == "dispatch"]
-    (cplan,) = [p for k, p in handle.layout.plans.items() if k[0] == "combine"]
+    (dplan,) = [p for k, p in impl._plans[handle].items() if k[0] == "dispatch"]
+    (cplan,) = [p for k, p in impl._plans[handle].items() if k[0] == "combine"]
     stream = torch.cuda.current_stream(dev).cuda_stream
     pieces = {
         "cached dispatch: checks (Buffer._validate_dispatch)": lambda: buf._validate_dispatch(

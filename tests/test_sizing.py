@@ -378,12 +378,12 @@ def test_query_nvlink_link_gbs_real():
 def test_buffer_size_hint_hand_computed():
     # DeepSeek-V3 shape, EP8, 4096 tokens, top-8, bf16: a region row is the data 7168 * 2 = 14336, the metadata
     # align16(8 + 8 * (4 + 4 + 8) = 136) = 144 (source index; per slot expert id, rank, weight) and a 16-byte tag:
-    # 14496; 8 * 4096 * 14496 = 475004928; + 1 MiB = 476053504.
-    assert get_buffer_size_hint(8, 4096, 7168, num_topk=8) == 476053504
+    # 14496; two rows per (rank, token): 2 * 8 * 4096 * 14496 = 950009856; + 1 MiB = 951058432.
+    assert get_buffer_size_hint(8, 4096, 7168, num_topk=8) == 951058432
     # FP8: 7168 + 56 * 4 = 7392 < 14336, so the bf16 row still decides the size.
-    assert get_buffer_size_hint(8, 4096, 7168, num_topk=8, use_fp8_dispatch=True) == 476053504
+    assert get_buffer_size_hint(8, 4096, 7168, num_topk=8, use_fp8_dispatch=True) == 951058432
     # 1-byte elements: the fp8 row (128 + 4 -> align16 = 144) beats 128; meta align16(8) = 16; tag 16; row 176.
-    assert get_buffer_size_hint(2, 10, 128, use_fp8_dispatch=True, elem_size=1) == 2 * 10 * 176 + (1 << 20)
+    assert get_buffer_size_hint(2, 10, 128, use_fp8_dispatch=True, elem_size=1) == 2 * 2 * 10 * 176 + (1 << 20)
     # No tokens: only the control region.
     assert get_buffer_size_hint(4, 0, 4096, num_topk=8) == BUFFER_CONTROL_BYTES
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import socket
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,6 +43,7 @@ from .common import Backend
 from .cuda_kernels import current_stream, load_kernels
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
 PHASES = ("barrier before dispatch", "dispatch notify", "dispatch", "barrier before combine", "combine")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 
@@ -83,7 +85,6 @@ class CudaLayout:
         `[R, SLOT_STRIDE]` int64 (copy of the control slots this dispatch received, for the receivers of cached
         dispatches), expert_rank `[N, K]` int32 (tokens before this one that chose the slot's expert), expand_row
         `[M, K]` int32 (expand only: output row of each (received row, slot)).
-    plans: launch structs of cached dispatches and combines along this handle, built at their first call.
     """
 
     workspace: torch.Tensor
@@ -92,7 +93,6 @@ class CudaLayout:
     recv_slots: int
     expert_rank: int
     expand_row: int
-    plans: dict = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -170,7 +170,10 @@ class CudaBackend(Backend):
         self._mapped_host, self._mapped_dev = host.value, dev.value
         self._error = lay.ErrorRecord.from_address(self._mapped_host)
         self.broken: Optional[str] = None
-        self._shapes: dict[tuple, _Shape] = {}
+        self._shapes: dict[tuple, _Shape] = {}  # a fresh dispatch's launch structs per call signature
+        # Launch structs of cached dispatches and combines per handle (they hold this buffer's pointers, so they live
+        # here, not in the handle: another buffer on the same group builds its own), built at their first call.
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Every peer's buffer is zeroed before anyone signals into it.
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
@@ -209,6 +212,12 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------------------------
     # Launch structs
     # ------------------------------------------------------------------------------------------------
+    def _handle_plans(self, handle: EPHandle) -> dict:
+        plans = self._plans.get(handle)
+        if plans is None:
+            plans = self._plans[handle] = {}
+        return plans
+
     def _check_num_sms(self, num_sms: int) -> None:
         # Senders and receivers of one kernel must all be resident at once: one block per SM at most.
         if not 2 <= num_sms <= self.num_device_sms:
@@ -291,6 +300,8 @@ class CudaBackend(Backend):
         key = ("fresh", signature, N, c.num_sms, c.dequantize)
         shape = self._shapes.get(key)
         if shape is None:
+            if len(self._shapes) >= MAX_SHAPES:  # token counts that vary without end: keep the cache bounded
+                self._shapes.clear()
             shape = self._dispatch_shape(c, N, K, 0 if weights is None else weights.element_size(), signature)
             self._shapes[key] = shape
         data, scales = self._wire(c)
@@ -358,8 +369,9 @@ class CudaBackend(Backend):
         """The dispatch kernel along the handle's layout, barrier fused in (no layout work, no host sync)."""
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
-        key = ("dispatch", c.x.dtype if c.x is not None else None, c.wire_format, c.num_sms)
-        plan = layout.plans.get(key)
+        plans = self._handle_plans(handle)
+        key = ("dispatch", c.x.dtype if c.x is not None else None, c.wire_format, c.hidden, c.num_sms)
+        plan = plans.get(key)
         if plan is None:
             plan = self._dispatch_shape(c, handle.num_tokens, handle.num_topk, 0)
             M = handle.recv_src_idx.shape[0]
@@ -370,7 +382,7 @@ class CudaBackend(Backend):
                                                     int(handle.do_expand), 0)
             plan.extra["refs"] = tuple(ctypes.byref(s) for s in (plan.params, plan.extra["inputs"],
                                                                  plan.extra["outputs"]))
-            layout.plans[key] = plan
+            plans[key] = plan
         data, scales = (c.x, None) if c.wire_format is None else self._wire(c)
         stream = current_stream(self._device_index)
         out_x, out_scales = self._outputs_x(c, handle.num_recv_rows, scales)
@@ -421,13 +433,13 @@ class CudaBackend(Backend):
         """Rows back to their sources while the reducers add them, in slot rounds for expand combines that need
         them (each round one kernel, barrier fused in)."""
         handle: EPHandle = c.handle
-        layout: CudaLayout = handle.layout
         weights = c.topk_weights
+        plans = self._handle_plans(handle)
         key = ("combine", c.x.dtype, c.x.shape[1], None if weights is None else weights.dtype, c.num_sms)
-        plan = layout.plans.get(key)
+        plan = plans.get(key)
         if plan is None:
             plan = self._combine_plan(c)
-            layout.plans[key] = plan
+            plans[key] = plan
         N, K, dev = handle.num_tokens, handle.num_topk, self.device
         combined = torch.empty(N, c.x.shape[1], dtype=c.x.dtype, device=dev)
         combined_w = None if weights is None else torch.empty(N, K, dtype=weights.dtype, device=dev)

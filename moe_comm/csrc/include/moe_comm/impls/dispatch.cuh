@@ -171,6 +171,7 @@ __device__ __forceinline__ void recv_row_meta(const EpParams& p, const RecvOutpu
     const int K = p.num_topk;
     const int64_t wb = p.weight_bytes;
     if (!ok) {
+        if (out.src_idx && lane == 0) out.src_idx[m] = -1;
         for (int j = lane; j < K; j += kWarpSize) {
             if (out.topk_idx) out.topk_idx[m * K + j] = -1;
             if (out.expand_row) out.expand_row[m * K + j] = -1;
@@ -372,14 +373,14 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
             }
         }
     }
-    // Routing outputs past the rows received (worst-case sized outputs of a call without a CPU sync) say "no row".
+    // Routing outputs past the rows received (worst-case sized outputs of a call without a CPU sync) say "no row";
+    // consecutive threads write consecutive values (coalesced).
     if (out.src_idx) {
         const int64_t first = rank_start[R - 1] + rows_from[R - 1];
         const int64_t num_threads = static_cast<int64_t>(num_recv_blocks) * blockDim.x;
-        for (int64_t i = recv_block * blockDim.x + threadIdx.x; first + i < out.num_rows; i += num_threads) {
-            out.src_idx[first + i] = -1;
-            for (int j = 0; j < K; ++j) out.topk_idx[(first + i) * K + j] = -1;
-        }
+        const int64_t start = recv_block * blockDim.x + threadIdx.x;
+        for (int64_t i = first + start; i < out.num_rows; i += num_threads) out.src_idx[i] = -1;
+        for (int64_t i = first * K + start; i < out.num_rows * K; i += num_threads) out.topk_idx[i] = -1;
     }
 }
 
