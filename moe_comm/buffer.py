@@ -9,6 +9,7 @@ Shape legend: N = this rank's tokens, K = top-k slots, H = hidden, R = ranks, L 
 from __future__ import annotations
 
 import datetime
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -25,6 +26,7 @@ from .handle import EPHandle
 BACKENDS = ("auto", "torch", "cuda")
 DATA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 MAX_EXPERT_ALIGNMENT = 1024
+MAX_TIMEOUT_SECS = 7 * 24 * 3600  # a week: beyond it a timeout is a hang (and timedelta/uint64 ns overflow)
 
 FP8Tuple = tuple[torch.Tensor, torch.Tensor]
 
@@ -144,8 +146,9 @@ class Buffer:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         for name, value in (("num_gpu_timeout_secs", num_gpu_timeout_secs),
                             ("num_cpu_timeout_secs", num_cpu_timeout_secs)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_SECS:
+                raise ValueError(f"{name}={value!r} must be a number of seconds in (0, {MAX_TIMEOUT_SECS}] "
+                                 f"(a finite timeout: a wait past it is an error, not a hang)")
         if cuda_tuning is not None and not isinstance(cuda_tuning, cuda_backend.CudaTuning):
             raise TypeError(f"cuda_tuning must be a moe_comm.backends.cuda.CudaTuning or None, "
                             f"got {type(cuda_tuning).__name__}")
@@ -164,6 +167,10 @@ class Buffer:
                                                      use_fp8_dispatch)
         self.device = self.group_device(group)
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
+        self._memory_bytes = _memory_bytes(self.device)
+        if self.device.type == "cuda" and backend != "torch":
+            self._check_allocatable("the symmetric buffer of this Buffer(num_max_tokens_per_rank=..., hidden=..., "
+                                    "num_topk=...)", self.num_bytes)
         self.backend = self._resolve_backend(backend, cuda_tuning)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
@@ -268,6 +275,12 @@ class Buffer:
                 f"{num_topk=}, element size {elem_size}, fp8={fp8}), the buffer has {self.num_bytes}; "
                 f"create the Buffer with larger maxima (Buffer.get_buffer_size_hint)")
         self._fitting.add(key)
+
+    def _check_allocatable(self, what: str, num_bytes: int) -> None:
+        """ValueError (before anything is allocated) when `what` needs more bytes than the device has at all."""
+        if num_bytes > self._memory_bytes:
+            raise ValueError(f"{what} would need {num_bytes} bytes, more than the {self._memory_bytes} bytes of "
+                             f"memory on {self.device}")
 
     @staticmethod
     def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -423,6 +436,15 @@ class Buffer:
                 num_max_tokens_per_rank = self.num_max_tokens_per_rank
             _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank)
             do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+            self._check_allocatable(f"per-expert counts of num_experts={num_experts}", 8 * (num_experts + 1))
+            if not do_cpu_sync:
+                L = num_experts // self.num_ranks
+                rows = self.num_ranks * num_max_tokens_per_rank
+                if do_expand:
+                    rows = rows * min(num_topk, L) + L * (expert_alignment - 1)
+                self._check_allocatable(
+                    f"the worst-case outputs of a dispatch without CPU sync ({rows} rows: {self.num_ranks} ranks x "
+                    f"num_max_tokens_per_rank={num_max_tokens_per_rank})", rows * (hidden * elem_size + 8 * num_topk))
         if num_tokens > num_max_tokens_per_rank:
             raise ValueError(f"num_tokens={num_tokens} (x rows) exceeds {num_max_tokens_per_rank=}")
         if expert_alignment > MAX_EXPERT_ALIGNMENT:
@@ -540,6 +562,13 @@ class Buffer:
         return (f"moe_comm.Buffer(backend={self.backend!r}, num_ranks={self.num_ranks}, device={self.device}, "
                 f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}, hidden={self.hidden}, "
                 f"num_topk={self.num_topk}, num_bytes={self.num_bytes})")
+
+
+def _memory_bytes(device: torch.device) -> int:
+    """All the memory of `device` (a GPU's, or the host's physical memory for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 __all__ = ["Buffer", "DispatchCall", "CombineCall"]

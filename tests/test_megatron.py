@@ -671,6 +671,10 @@ def test_config_errors_name_the_argument():
         MoECommConfig(backend="nccl")
     with pytest.raises(ValueError, match="num_sms=-1"):
         MoECommConfig(num_sms=-1)
+    with pytest.raises(ValueError, match=r"num_cpu_timeout_secs=inf must be a number of seconds in \(0, 604800\]"):
+        MoECommConfig(num_cpu_timeout_secs=float("inf"))
+    with pytest.raises(ValueError, match="do_cpu_sync=False needs do_expand=True"):
+        MoECommConfig(do_cpu_sync=False)
 
 
 def test_expert_alignment_follows_router_padding():

@@ -55,6 +55,11 @@ def argument_errors(buf, rank):
          lambda: d(torch.zeros(x.shape[0], 256, dtype=torch.bfloat16), idx, w, num_experts=4)),
         ("buffer too small fp64", ValueError, "element size 8", lambda: d(x.double(), idx, w, num_experts=4)),
         ("no num_experts", ValueError, "num_experts is required", lambda: d(x, idx, w)),
+        ("num_experts past memory", ValueError, "per-expert counts of num_experts=1099511627776 would need "
+         "8796093022216 bytes, more than the", lambda: d(x, idx, w, num_experts=2**40)),
+        ("no-sync worst case past memory", ValueError, "the worst-case outputs of a dispatch without CPU sync "
+         "(2000000000000 rows: 2 ranks x num_max_tokens_per_rank=1000000000000) would need 544000000000000 bytes",
+         lambda: d(x, idx, w, num_experts=4, num_max_tokens_per_rank=10**12, do_cpu_sync=False)),
         ("no topk_idx", ValueError, "topk_idx is required", lambda: d(x, num_experts=4)),
         ("topk_idx with handle", ValueError, "topk_idx must be None with handle", lambda: d(x, idx, handle=handle)),
         ("weights with handle", ValueError, "topk_weights must be None with handle",
@@ -134,6 +139,10 @@ def constructor_errors_rank(rank: int, world_size: int) -> int:
         (dict(backend="nccl2"), ValueError, "backend='nccl2' is not one of"),
         (dict(backend="cuda"), ValueError, "backend='cuda' needs an NCCL group on GPUs"),
         (dict(num_cpu_timeout_secs=0), ValueError, "num_cpu_timeout_secs=0"),
+        (dict(num_cpu_timeout_secs=float("inf")), ValueError, "num_cpu_timeout_secs=inf must be a number of seconds in "
+                                                              "(0, 604800]"),
+        (dict(num_cpu_timeout_secs=1e300), ValueError, "num_cpu_timeout_secs=1e+300 must be"),
+        (dict(num_gpu_timeout_secs=float("nan")), ValueError, "num_gpu_timeout_secs=nan must be"),
         (dict(num_max_tokens_per_rank=-1), ValueError, "num_max_tokens_per_rank=-1"),
         (dict(deterministic="yes"), TypeError, "deterministic must be a bool"),
         (dict(hidden=12), ValueError, "not a multiple of 16"),
@@ -153,7 +162,7 @@ def constructor_errors_rank(rank: int, world_size: int) -> int:
 
 
 def test_constructor_errors(pools):
-    assert pools(2).run(constructor_errors_rank) == [8, 8]
+    assert pools(2).run(constructor_errors_rank) == [11, 11]
 
 
 def value_errors_rank(rank: int, world_size: int) -> list[str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ... import quant
-from ...buffer import BACKENDS
+from ...buffer import BACKENDS, MAX_TIMEOUT_SECS
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,10 @@ class MoECommConfig:
         if self.num_max_tokens_per_rank is not None and (not isinstance(self.num_max_tokens_per_rank, int)
                                                          or self.num_max_tokens_per_rank < 1):
             raise ValueError(f"num_max_tokens_per_rank={self.num_max_tokens_per_rank!r} must be None or an int >= 1")
-        if not self.num_cpu_timeout_secs > 0:
-            raise ValueError(f"num_cpu_timeout_secs={self.num_cpu_timeout_secs!r} must be > 0")
+        if isinstance(self.num_cpu_timeout_secs, bool) or not isinstance(self.num_cpu_timeout_secs, (int, float)) \
+                or not 0 < self.num_cpu_timeout_secs <= MAX_TIMEOUT_SECS:
+            raise ValueError(f"num_cpu_timeout_secs={self.num_cpu_timeout_secs!r} must be a number of seconds in "
+                             f"(0, {MAX_TIMEOUT_SECS}]")
 
 
 __all__ = ["MoECommConfig"]
