@@ -168,10 +168,10 @@ class Buffer:
         self.device = self.group_device(group)
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
         self._memory_bytes = _memory_bytes(self.device)
-        if self.device.type == "cuda" and backend != "torch":
-            self._check_allocatable("the symmetric buffer of this Buffer(num_max_tokens_per_rank=..., hidden=..., "
-                                    "num_topk=...)", self.num_bytes)
         self.backend = self._resolve_backend(backend, cuda_tuning)
+        if self.backend == "cuda" and self.num_bytes > self._memory_bytes:
+            raise self._too_large("the symmetric buffer of this Buffer(num_max_tokens_per_rank=..., hidden=..., "
+                                  "num_topk=...)", self.num_bytes)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
         self._fitting: set[tuple] = set()  # call shapes that fit the buffer
@@ -276,11 +276,11 @@ class Buffer:
                 f"create the Buffer with larger maxima (Buffer.get_buffer_size_hint)")
         self._fitting.add(key)
 
-    def _check_allocatable(self, what: str, num_bytes: int) -> None:
-        """ValueError (before anything is allocated) when `what` needs more bytes than the device has at all."""
-        if num_bytes > self._memory_bytes:
-            raise ValueError(f"{what} would need {num_bytes} bytes, more than the {self._memory_bytes} bytes of "
-                             f"memory on {self.device}")
+    def _too_large(self, what: str, num_bytes: int) -> ValueError:
+        """The error for `what` needing more bytes than the device has at all (callers compare first: the message
+        is built only when it is raised)."""
+        return ValueError(f"{what} would need {num_bytes} bytes, more than the {self._memory_bytes} bytes of memory "
+                          f"on {self.device}")
 
     @staticmethod
     def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -436,15 +436,17 @@ class Buffer:
                 num_max_tokens_per_rank = self.num_max_tokens_per_rank
             _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank)
             do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
-            self._check_allocatable(f"per-expert counts of num_experts={num_experts}", 8 * (num_experts + 1))
+            if 8 * (num_experts + 1) > self._memory_bytes:
+                raise self._too_large(f"per-expert counts of num_experts={num_experts}", 8 * (num_experts + 1))
             if not do_cpu_sync:
                 L = num_experts // self.num_ranks
                 rows = self.num_ranks * num_max_tokens_per_rank
                 if do_expand:
                     rows = rows * min(num_topk, L) + L * (expert_alignment - 1)
-                self._check_allocatable(
-                    f"the worst-case outputs of a dispatch without CPU sync ({rows} rows: {self.num_ranks} ranks x "
-                    f"num_max_tokens_per_rank={num_max_tokens_per_rank})", rows * (hidden * elem_size + 8 * num_topk))
+                if rows * (hidden * elem_size + 8 * num_topk) > self._memory_bytes:
+                    raise self._too_large(f"the worst-case outputs of a dispatch without CPU sync ({rows} rows: "
+                                          f"{self.num_ranks} ranks x {num_max_tokens_per_rank=})",
+                                          rows * (hidden * elem_size + 8 * num_topk))
         if num_tokens > num_max_tokens_per_rank:
             raise ValueError(f"num_tokens={num_tokens} (x rows) exceeds {num_max_tokens_per_rank=}")
         if expert_alignment > MAX_EXPERT_ALIGNMENT:
