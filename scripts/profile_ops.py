@@ -157,12 +157,12 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
         "cached dispatch: output allocation": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
                                                                   device=dev),
         "cached dispatch: launcher": lambda: impl.kernels.dispatch(
-            *dplan.extra["refs"], handle.num_sms, 1, stream),
+            *dplan.refs, handle.num_sms, 1, stream),
         "cached dispatch: whole call": lambda: buf.dispatch(x, handle=handle),
         "combine: checks (Buffer._validate_combine)": lambda: buf._validate_combine(
             recv_x, handle, None, None, 0, None, False, False),
         "combine: launcher": lambda: impl.kernels.combine(
-            *cplan.extra["refs"], 1, handle.num_sms, stream),
+            *cplan.refs, 1, handle.num_sms, stream),
         "combine: whole call": lambda: buf.combine(recv_x, handle),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
     }

@@ -20,9 +20,9 @@ a CUDA graph. Every wait spins with a timeout (`num_gpu_timeout_secs`); a timed-
 ErrorRecord and lets the stream go on, and the host raises a TimeoutError naming rank, phase and peer at its next
 check (the next host sync of a call, or the start of the next call). After a timeout the buffer refuses work.
 
-Host path: the argument structs of a call are built once per shape and kept (a cached dispatch's and a combine's in
-their handle, a fresh dispatch's per call signature), so a call sets a few pointers, allocates its outputs and
-crosses into C once per launch; a fresh dispatch's private routing state lives in one workspace allocation.
+Host path: the argument structs of a call are built once per shape and kept on the backend (a cached dispatch's and
+a combine's per handle, a fresh dispatch's EpParams per call signature), so a call sets a few pointers, allocates
+its outputs and crosses into C once per launch; a fresh dispatch's routing state lives in two int64 allocations.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import socket
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -96,13 +96,22 @@ class CudaLayout:
 
 
 @dataclass(eq=False)
-class _Shape:
-    """A call shape's launch structs, built once (`EpParams` holds no per-call pointer)."""
+class _Plan:
+    """The launch structs of a cached dispatch or a combine along one handle, built at its first call; later calls
+    set the per-call pointers (inputs, outputs) and launch with `refs`.
+
+    params: the operation's EpParams (no per-call pointer). inputs, outputs: a cached dispatch's DispatchInputs and
+    RecvOutputs; args: a combine's CombineArgs. refs: byrefs of the structs in the launcher's argument order.
+    num_slots, num_rounds: an expand combine's slots per round and rounds (1 and 1 otherwise).
+    """
 
     params: lay.EpParams
-    row: lay.RowFormat
-    num_send_blocks: int
-    extra: dict = field(default_factory=dict)
+    inputs: Optional[lay.DispatchInputs] = None
+    outputs: Optional[lay.RecvOutputs] = None
+    args: Optional[lay.CombineArgs] = None
+    refs: tuple = ()
+    num_slots: int = 1
+    num_rounds: int = 1
 
 
 def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None) -> Optional[str]:
@@ -170,7 +179,7 @@ class CudaBackend(Backend):
         self._mapped_host, self._mapped_dev = host.value, dev.value
         self._error = lay.ErrorRecord.from_address(self._mapped_host)
         self.broken: Optional[str] = None
-        self._shapes: dict[tuple, _Shape] = {}  # a fresh dispatch's launch structs per call signature
+        self._shapes: dict[tuple, lay.EpParams] = {}  # a fresh dispatch's EpParams per call signature
         # Launch structs of cached dispatches and combines per handle (they hold this buffer's pointers, so they live
         # here, not in the handle: another buffer on the same group builds its own), built at their first call.
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -218,6 +227,12 @@ class CudaBackend(Backend):
             plans = self._plans[handle] = {}
         return plans
 
+    def _notify_args(self, counts: int, num_experts: int, recv_slots: int, summary: int) -> lay.NotifyArgs:
+        """The notify's arguments over a layout's counts `[R + E + 1]` (rows per rank, per expert, flags)."""
+        R = self.num_ranks
+        return lay.NotifyArgs(counts, counts + 8 * R, counts + 8 * (R + num_experts), self.pending_flags.data_ptr(),
+                              recv_slots, summary, _PHASE["dispatch notify"], 0)
+
     def _check_num_sms(self, num_sms: int) -> None:
         # Senders and receivers of one kernel must all be resident at once: one block per SM at most.
         if not 2 <= num_sms <= self.num_device_sms:
@@ -252,7 +267,7 @@ class CudaBackend(Backend):
             num_send_blocks=num_send, phase=_PHASE[phase], barrier_phase=_PHASE[barrier],
             signature=(ctypes.c_int64 * lay.SIGNATURE_LEN)(*signature))
 
-    def _dispatch_shape(self, c, num_tokens: int, num_topk: int, weight_bytes: int, signature=()) -> _Shape:
+    def _dispatch_params(self, c, num_tokens: int, num_topk: int, weight_bytes: int, signature=()) -> lay.EpParams:
         """EpParams of a dispatch with these sizes (cached by the caller)."""
         self._check_num_sms(c.num_sms)
         data_bytes = c.hidden * (c.x.element_size() if c.wire_format is None else 1)
@@ -260,10 +275,8 @@ class CudaBackend(Backend):
         row = lay.dispatch_row(data_bytes, scale_bytes, num_topk, weight_bytes)
         num_send = num_send_blocks("dispatch", c.num_sms, self.num_ranks, c.do_expand,
                                    self.tuning.dispatch_send_fraction)
-        params = self._params(num_tokens, c.num_max_tokens_per_rank, c.num_experts, num_topk, row, data_bytes,
-                              scale_bytes, weight_bytes, c.expert_alignment, num_send, "dispatch",
-                              signature=signature)
-        return _Shape(params, row, num_send)
+        return self._params(num_tokens, c.num_max_tokens_per_rank, c.num_experts, num_topk, row, data_bytes,
+                            scale_bytes, weight_bytes, c.expert_alignment, num_send, "dispatch", signature=signature)
 
     # ------------------------------------------------------------------------------------------------
     # Dispatch
@@ -275,6 +288,8 @@ class CudaBackend(Backend):
 
     def _wire(self, c):
         """`(data as uint8 rows or the rows themselves, scales or None)` as they travel."""
+        if c.wire_format is None:
+            return c.x, None
         wire = self._wire_tensors(c)
         return (wire["x"], None) if c.wire_format is None else (wire["q"], wire["scales"])
 
@@ -298,12 +313,12 @@ class CudaBackend(Backend):
         weights = c.topk_weights
         signature = tuple(c.signature().values())
         key = ("fresh", signature, N, c.num_sms, c.dequantize)
-        shape = self._shapes.get(key)
-        if shape is None:
+        params = self._shapes.get(key)
+        if params is None:
             if len(self._shapes) >= MAX_SHAPES:  # token counts that vary without end: keep the cache bounded
                 self._shapes.clear()
-            shape = self._dispatch_shape(c, N, K, 0 if weights is None else weights.element_size(), signature)
-            self._shapes[key] = shape
+            params = self._dispatch_params(c, N, K, 0 if weights is None else weights.element_size(), signature)
+            self._shapes[key] = params
         data, scales = self._wire(c)
         stream = current_stream(self._device_index)
         sync = c.do_cpu_sync or verify_agreement
@@ -321,11 +336,10 @@ class CudaBackend(Backend):
         # Layout, then (its last block) the barrier and the counts into every peer's control slot and theirs into
         # ours, read on the host when the call syncs.
         summary = self._mapped_dev + lay.SUMMARY_OFFSET if sync else 0
-        notify = lay.NotifyArgs(counts, counts + 8 * R, counts + 8 * (R + E), self.pending_flags.data_ptr(),
-                                recv_slots, summary, _PHASE["dispatch notify"], 0)
+        notify = self._notify_args(counts, E, recv_slots, summary)
         layout_args = lay.LayoutArgs(c.topk_idx.data_ptr(), clean_idx.data_ptr(), send_pos, expert_rank, counts,
                                      counts + 8 * R, counts + 8 * (R + E))
-        self._check(self.kernels.layout(ctypes.byref(shape.params), ctypes.byref(layout_args), ctypes.byref(notify),
+        self._check(self.kernels.layout(ctypes.byref(params), ctypes.byref(layout_args), ctypes.byref(notify),
                                         stream), "dispatch layout and notify")
         if c.do_cpu_sync:
             M, rows_per_expert = self._read_summary(c, L)
@@ -352,7 +366,7 @@ class CudaBackend(Backend):
                                   out_idx.data_ptr(), _ptr(out_w), out_src.data_ptr(),
                                   expand_row if c.do_expand else 0, psum.data_ptr(), psum.data_ptr() + 8 * R, M, P,
                                   int(c.do_expand), 0)
-        self._check(self.kernels.dispatch(ctypes.byref(shape.params), ctypes.byref(inputs), ctypes.byref(outputs),
+        self._check(self.kernels.dispatch(ctypes.byref(params), ctypes.byref(inputs), ctypes.byref(outputs),
                                           c.num_sms, 0, stream), "dispatch")
         handle = EPHandle(
             group=self.group, num_experts=E, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
@@ -373,38 +387,31 @@ class CudaBackend(Backend):
         key = ("dispatch", c.x.dtype if c.x is not None else None, c.wire_format, c.hidden, c.num_sms)
         plan = plans.get(key)
         if plan is None:
-            plan = self._dispatch_shape(c, handle.num_tokens, handle.num_topk, 0)
             M = handle.recv_src_idx.shape[0]
-            plan.extra["inputs"] = lay.DispatchInputs(0, 0, handle.topk_idx.data_ptr(), 0, layout.send_pos,
-                                                      layout.expert_rank)
-            plan.extra["outputs"] = lay.RecvOutputs(layout.recv_slots + 8 * lay.SIGNATURE_LEN, 0, 0, 0, 0, 0,
-                                                    layout.expand_row, 0, 0, M, handle.num_recv_rows,
-                                                    int(handle.do_expand), 0)
-            plan.extra["refs"] = tuple(ctypes.byref(s) for s in (plan.params, plan.extra["inputs"],
-                                                                 plan.extra["outputs"]))
+            plan = _Plan(self._dispatch_params(c, handle.num_tokens, handle.num_topk, 0),
+                         inputs=lay.DispatchInputs(0, 0, handle.topk_idx.data_ptr(), 0, layout.send_pos,
+                                                   layout.expert_rank),
+                         outputs=lay.RecvOutputs(layout.recv_slots + 8 * lay.SIGNATURE_LEN, 0, 0, 0, 0, 0,
+                                                 layout.expand_row, 0, 0, M, handle.num_recv_rows,
+                                                 int(handle.do_expand), 0))
+            plan.refs = (ctypes.byref(plan.params), ctypes.byref(plan.inputs), ctypes.byref(plan.outputs))
             plans[key] = plan
-        data, scales = (c.x, None) if c.wire_format is None else self._wire(c)
+        data, scales = self._wire(c)
         stream = current_stream(self._device_index)
         out_x, out_scales = self._outputs_x(c, handle.num_recv_rows, scales)
-        inputs, outputs = plan.extra["inputs"], plan.extra["outputs"]
-        inputs.x, inputs.scales = data.data_ptr(), _ptr(scales)
-        outputs.x, outputs.scales = out_x.data_ptr(), _ptr(out_scales)
-        params_ref, inputs_ref, outputs_ref = plan.extra["refs"]
+        plan.inputs.x, plan.inputs.scales = data.data_ptr(), _ptr(scales)
+        plan.outputs.x, plan.outputs.scales = out_x.data_ptr(), _ptr(out_scales)
         with_barrier = 1
         if verify_agreement:
             # The notify kernel carries the signature (its barrier replaces the dispatch's own).
-            counts = layout.counts
-            plan.params.signature[:] = list(c.signature().values()) + [0] * (lay.SIGNATURE_LEN - len(c.signature()))
-            notify = lay.NotifyArgs(counts, counts + 8 * self.num_ranks,
-                                    counts + 8 * (self.num_ranks + handle.num_experts),
-                                    self.pending_flags.data_ptr(), 0, self._mapped_dev + lay.SUMMARY_OFFSET,
-                                    _PHASE["dispatch notify"], 0)
-            self._check(self.kernels.dispatch_notify(params_ref, ctypes.byref(notify), stream), "dispatch notify")
+            values = list(c.signature().values())
+            plan.params.signature[:] = values + [0] * (lay.SIGNATURE_LEN - len(values))
+            notify = self._notify_args(layout.counts, handle.num_experts, 0, self._mapped_dev + lay.SUMMARY_OFFSET)
+            self._check(self.kernels.dispatch_notify(plan.refs[0], ctypes.byref(notify), stream), "dispatch notify")
             self._read_summary(c, handle.num_experts // self.num_ranks)
             with_barrier = 0
-        self._check(self.kernels.dispatch(params_ref, inputs_ref, outputs_ref, c.num_sms, with_barrier, stream),
-                    "dispatch")
-        recv_x = out_x if out_scales is None else self._finish_x(c, out_x, out_scales)
+        self._check(self.kernels.dispatch(*plan.refs, c.num_sms, with_barrier, stream), "dispatch")
+        recv_x = self._finish_x(c, out_x, out_scales)
         return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), [], []
 
     def _read_summary(self, c, num_local_experts: int) -> tuple[int, list[int]]:
@@ -443,28 +450,27 @@ class CudaBackend(Backend):
         N, K, dev = handle.num_tokens, handle.num_topk, self.device
         combined = torch.empty(N, c.x.shape[1], dtype=c.x.dtype, device=dev)
         combined_w = None if weights is None else torch.empty(N, K, dtype=weights.dtype, device=dev)
-        num_rounds, num_slots = plan.extra["num_rounds"], plan.extra["num_slots"]
+        num_rounds, num_slots = plan.num_rounds, plan.num_slots
         acc = None
         if num_rounds > 1:
             acc = torch.empty(N, c.x.shape[1], dtype=torch.float64 if c.x.dtype == torch.float64 else torch.float32,
                               device=dev)
-        args: lay.CombineArgs = plan.extra["args"]
+        args = plan.args
         args.x, args.weights, args.acc, args.out, args.out_weights = (
             c.x.data_ptr(), _ptr(weights), _ptr(acc), combined.data_ptr(), _ptr(combined_w))
         bias = c.bias
         args.bias0 = bias[0].data_ptr() if bias else 0
         args.bias1 = bias[1].data_ptr() if len(bias) > 1 else 0
-        params_ref, args_ref = plan.extra["refs"]
         stream = current_stream(self._device_index)
         dtype = DTYPE_CODES[c.x.dtype]
         for r in range(num_rounds):
             if num_rounds > 1:  # one round: set once in the plan
                 args.slot_begin, args.slot_end = r * num_slots, min(K, (r + 1) * num_slots)
                 args.first_round, args.last_round = int(r == 0), int(r == num_rounds - 1)
-            self._check(self.kernels.combine(params_ref, args_ref, dtype, c.num_sms, stream), "combine")
+            self._check(self.kernels.combine(*plan.refs, dtype, c.num_sms, stream), "combine")
         return (combined, combined_w), [], []
 
-    def _combine_plan(self, c) -> _Shape:
+    def _combine_plan(self, c) -> _Plan:
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
         R, K, cap = self.num_ranks, handle.num_topk, handle.num_max_tokens_per_rank
@@ -487,10 +493,8 @@ class CudaBackend(Backend):
             send_pos=layout.send_pos, clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
             num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots, slot_begin=0,
             slot_end=min(K, num_slots), first_round=1, last_round=int(num_slots >= K or not handle.do_expand))
-        plan = _Shape(params, row, num_send)
-        plan.extra.update(args=args, refs=(ctypes.byref(params), ctypes.byref(args)), num_slots=num_slots,
-                          num_rounds=-(-K // num_slots) if handle.do_expand else 1)
-        return plan
+        return _Plan(params, args=args, refs=(ctypes.byref(params), ctypes.byref(args)), num_slots=num_slots,
+                     num_rounds=-(-K // num_slots) if handle.do_expand else 1)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
