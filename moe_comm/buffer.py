@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import env, quant, sizing
 from .backends import cuda as cuda_backend
+from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
 from .backends.torch_ref import TorchRefBackend
 from .event import EventOverlap
 from .handle import EPHandle
@@ -57,16 +58,16 @@ class DispatchCall:
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
 
-    def signature(self) -> dict[str, int]:
-        """The values every rank must agree on (they size the exchanges)."""
-        return {"num_experts": self.num_experts, "num_topk": self.num_topk, "hidden": self.hidden,
-                "row dtype": _DTYPE_CODES[self.x.dtype] if self.x is not None else 0,
-                "fp8 format": 0 if self.wire_format is None else 1 + quant.FP8_FORMATS.index(self.wire_format),
-                "dequantize": int(self.dequantize), "topk_weights given": int(self.topk_weights is not None),
-                "topk_weights dtype": _DTYPE_CODES[self.topk_weights.dtype] if self.topk_weights is not None else 0,
-                "num_max_tokens_per_rank": self.num_max_tokens_per_rank, "do_expand": int(self.do_expand),
-                "expert_alignment": self.expert_alignment, "do_cpu_sync": int(self.do_cpu_sync),
-                "cached (handle given)": int(self.handle is not None)}
+    def signature(self) -> list[int]:
+        """The values every rank must agree on (they size the exchanges): `SIGNATURE_FIELDS["dispatch"]`, padded."""
+        w = self.topk_weights
+        return padded_signature([
+            OPERATIONS.index("dispatch" if self.handle is None else "cached dispatch"),
+            0 if self.handle is None else self.handle.epoch, self.num_experts, self.num_topk, self.hidden,
+            DTYPE_CODES[self.x.dtype] if self.x is not None else 0,
+            0 if self.wire_format is None else 1 + quant.FP8_FORMATS.index(self.wire_format), int(self.dequantize),
+            int(w is not None), DTYPE_CODES[w.dtype] if w is not None else 0, self.num_max_tokens_per_rank,
+            int(self.do_expand), self.expert_alignment, int(self.do_cpu_sync)])
 
 
 @dataclass(frozen=True)
@@ -82,15 +83,11 @@ class CombineCall:
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
 
-    def signature(self) -> dict[str, int]:
-        """The values every rank must agree on (they size the exchange)."""
-        return {"hidden": self.x.shape[1], "row dtype": _DTYPE_CODES[self.x.dtype],
-                "num_recv_rows == handle rows": int(self.x.shape[0] == self.handle.num_recv_rows),
-                "topk_weights given": int(self.topk_weights is not None),
-                "topk_weights dtype": _DTYPE_CODES[self.topk_weights.dtype] if self.topk_weights is not None else 0}
-
-
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+    def signature(self) -> list[int]:
+        """The values every rank must agree on (they size the exchange): `SIGNATURE_FIELDS["combine"]`, padded."""
+        w = self.topk_weights
+        return padded_signature([OPERATIONS.index("combine"), self.handle.epoch, self.x.shape[1],
+                                 DTYPE_CODES[self.x.dtype], int(w is not None), DTYPE_CODES[w.dtype] if w is not None else 0])
 
 
 def _check_bool(**values) -> None:
@@ -351,8 +348,8 @@ class Buffer:
         check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")
         if call.handle is None and check_inputs:
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
-        # Ranks must agree on the sizes: checked whenever the call syncs with the host anyway.
-        return self._impl.dispatch(call, verify_agreement=(call.handle is None and call.do_cpu_sync) or check_inputs)
+        # MOE_COMM_CHECK_INPUTS=1: the ranks' agreement is also checked on the host before any data moves.
+        return self._impl.dispatch(call, verify_agreement=check_inputs)
 
     def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                            expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize, dequantize,
@@ -370,10 +367,12 @@ class Buffer:
 
         # The rows: a tensor, or a pre-quantized FP8 tuple.
         fp8_q = fp8_scales = None
-        if isinstance(x, (tuple, list)):
+        if isinstance(x, list):
+            raise TypeError(f"x must be a torch.Tensor or an FP8 (q, scales) tuple, got a list of length {len(x)}")
+        if isinstance(x, tuple):
             if quantize is not None:
                 raise ValueError(f"quantize={quantize!r} given with an already quantized x tuple")
-            fp8_q, fp8_scales, wire_format = quant.check_fp8_tuple(tuple(x), "x")
+            fp8_q, fp8_scales, wire_format = quant.check_fp8_tuple(x, "x")
             for name, t in (("x[0]", fp8_q), ("x[1]", fp8_scales)):
                 if t.device != self.device:
                     raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
@@ -404,7 +403,7 @@ class Buffer:
                 raise ValueError("topk_weights must be None with handle (the weights come from the handle)")
             if do_cpu_sync:
                 raise ValueError("do_cpu_sync=True is not allowed with handle: a cached dispatch never syncs")
-            handle.check_reuse(self.group, num_experts, num_tokens, do_expand, expert_alignment,
+            handle.check_reuse(self.group, self.backend, num_experts, num_tokens, do_expand, expert_alignment,
                                num_max_tokens_per_rank)
             num_experts, num_topk = handle.num_experts, handle.num_topk
             num_max_tokens_per_rank = handle.num_max_tokens_per_rank
@@ -503,8 +502,7 @@ class Buffer:
         self._check_event(previous_event)
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be a moe_comm.EPHandle, got {type(handle).__name__}")
-        if handle.group is not self.group:
-            raise ValueError("handle was made by a buffer on another process group")
+        handle.check_owner(self.group, self.backend)
         self._check_tensor("x", x, DATA_DTYPES, 2)
         num_rows, hidden = x.shape
         self._check_rows("x", x)
@@ -541,16 +539,21 @@ class Buffer:
     # Lifetime
     # ------------------------------------------------------------------------------------------------
     def barrier(self) -> None:
-        """Wait for every rank of the group; raise errors that dispatches without a CPU sync deferred."""
+        """Wait for every rank of the group; raise errors that calls without a CPU sync deferred (invalid routing,
+        ranks that disagreed in a call the CUDA kernels checked)."""
         self._check_alive()
+        self._impl.after_host_sync()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         work = dist.barrier(group=self.group, async_op=True)
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
         except RuntimeError as exc:
-            raise TimeoutError(f"moe_comm: rank {self.rank} barrier did not complete within "
-                               f"num_cpu_timeout_secs={self.num_cpu_timeout_secs:g}: {exc}") from exc
+            why = (f"rank {self.rank} barrier did not complete within "
+                   f"num_cpu_timeout_secs={self.num_cpu_timeout_secs:g}: {exc}")
+            self._impl.mark_broken(why)
+            raise TimeoutError(f"moe_comm: {why}") from exc
+        self._impl.after_host_sync(synchronized=True)
         self._impl.check_pending_errors()
 
     def destroy(self) -> None:

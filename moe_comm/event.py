@@ -10,7 +10,9 @@ A synchronous call returns a completed event (nothing to wait for).
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Sequence
+import re
+import time
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -25,16 +27,18 @@ class EventOverlap:
         finalizers: callables run once, in order, after the works complete (CPU path).
         extra_tensors: tensors kept alive until the event has been waited on.
         timeout_secs: how long a CPU wait may block before raising (`num_cpu_timeout_secs` of the buffer).
+        on_fault: called with the error's text when a wait fails (the backend then refuses later calls).
     """
 
     def __init__(self, event: "torch.cuda.Event | None" = None, works: Sequence = (),
                  finalizers: Sequence[Callable[[], None]] = (), extra_tensors: Sequence[torch.Tensor] = (),
-                 timeout_secs: float = 300.0) -> None:
+                 timeout_secs: float = 300.0, on_fault: Optional[Callable[[str], None]] = None) -> None:
         self.event = event
         self._works = list(works)
         self._finalizers = list(finalizers)
         self._extra_tensors = tuple(extra_tensors)
         self._timeout_secs = timeout_secs
+        self._on_fault = on_fault
 
     @property
     def done(self) -> bool:
@@ -50,14 +54,16 @@ class EventOverlap:
         timeout = datetime.timedelta(seconds=self._timeout_secs)
         while self._works:
             work, description = self._works.pop(0)
+            start = time.monotonic()
             try:
                 work.wait(timeout=timeout)
             except RuntimeError as exc:
                 self._works.clear()
                 self._finalizers.clear()
-                raise TimeoutError(f"moe_comm: {description} did not complete within "
-                                   f"num_cpu_timeout_secs={self._timeout_secs:g} (the peer did not arrive "
-                                   f"or failed): {exc}") from exc
+                error = wait_error(description, self._timeout_secs, time.monotonic() - start, exc)
+                if self._on_fault is not None:
+                    self._on_fault(str(error))
+                raise error from exc
         # Outputs may already be autograd outputs (async autograd): filling them is not a differentiable op.
         with torch.no_grad():
             while self._finalizers:
@@ -71,3 +77,23 @@ class EventOverlap:
         # Leaving a `with event:` block is where the consumer needs the result.
         if exc_type is None:
             self.current_stream_wait()
+
+
+# What gloo says when the peer's end of the connection went away (its process exited or was killed).
+_CLOSED = ("closed by peer", "reset by peer", "broken pipe", "connection refused", "end of file")
+
+
+def wait_error(description: str, timeout_secs: float, elapsed: float, exc: RuntimeError,
+               who: Optional[str] = None) -> Exception:
+    """The error for a failed exchange `description` ("rank R phase: receive from peer P"): ConnectionError when
+    the peer (`who`, else the one the description names) closed the connection, TimeoutError when it did not
+    arrive in time."""
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if any(words in detail.lower() for words in _CLOSED):
+        if who is None:
+            peer = re.search(r"peer (\d+)", description)
+            who = f"peer {peer.group(1)}" if peer else "a peer"
+        return ConnectionError(f"moe_comm: {description}: {who} closed the connection after {elapsed:.2f} s (its "
+                               f"process ended or failed): {detail}")
+    return TimeoutError(f"moe_comm: {description} did not complete within num_cpu_timeout_secs={timeout_secs:g} "
+                        f"(the peer did not arrive, or is stuck): {detail}")

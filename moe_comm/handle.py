@@ -20,6 +20,9 @@ class EPHandle:
 
     Configuration (checked on reuse):
         group: the process group of the buffer that made it.
+        backend: the backend that made it ("torch" or "cuda"); only that backend can read `layout`.
+        epoch: serial of the fresh dispatch that made it on its buffer (1, 2, ...): ranks that call in the same
+            order hold handles of the same epoch, so a combine or cached dispatch checks it across ranks.
         num_experts: global expert count; `num_experts // num_ranks` live on each rank.
         num_topk: slots per token (K).
         num_tokens: this rank's token count N at dispatch time (a cached dispatch must send as many).
@@ -51,6 +54,8 @@ class EPHandle:
     """
 
     group: dist.ProcessGroup
+    backend: str
+    epoch: int
     num_experts: int
     num_topk: int
     num_tokens: int
@@ -70,11 +75,18 @@ class EPHandle:
     num_recv_rows: int
     layout: object = field(repr=False, default=None)
 
-    def check_reuse(self, group: dist.ProcessGroup, num_experts: Optional[int], num_tokens: int,
-                    do_expand: bool, expert_alignment: int, num_max_tokens_per_rank: Optional[int]) -> None:
-        """Raise ValueError if a call's configuration differs from the one this handle was made with."""
+    def check_owner(self, group: dist.ProcessGroup, backend: str) -> None:
+        """Raise ValueError unless a buffer on `group` with `backend` can use this handle."""
         if group is not self.group:
             raise ValueError("handle was made by a buffer on another process group")
+        if backend != self.backend:
+            raise ValueError(f"handle was made by backend {self.backend!r}, this buffer runs {backend!r}: "
+                             f"a handle's layout is private to its backend")
+
+    def check_reuse(self, group: dist.ProcessGroup, backend: str, num_experts: Optional[int], num_tokens: int,
+                    do_expand: bool, expert_alignment: int, num_max_tokens_per_rank: Optional[int]) -> None:
+        """Raise ValueError if a call's buffer or configuration differs from the one this handle was made with."""
+        self.check_owner(group, backend)
         mismatches = []
         if num_experts is not None and num_experts != self.num_experts:
             mismatches.append(f"num_experts={num_experts} (handle: {self.num_experts})")

@@ -14,8 +14,14 @@ Buffer of every rank (identical layout on every rank; offsets in bytes from the 
         EXCHANGE_SEQ_OFFSET     int64 this rank's exchange counter
         KERNEL_DONE_OFFSET      int32 blocks of the running kernel that finished (the last one resets it and, in a
                                 kernel with the barrier fused in, advances the barrier counter)
+        ABORT_OFFSET            int64 this rank's abort word: 0 while operations run, else the ErrorRecord code
+                                that stopped them (every kernel then skips its work and every wait returns at once)
+        SIGNATURES_OFFSET       [2][MAX_RANKS][SIGNATURE_LEN] int64 call signatures, [seq % 2][s] written by rank s
+                                before its barrier flag (every operation's barrier: ranks compare them after it).
+                                Two sets: a rank may start the next operation while a peer's block still reads
+                                this one's
         SLOTS_OFFSET            [MAX_RANKS][SLOT_STRIDE] int64 control slots, slot s written by rank s:
-                                [signature (SIGNATURE_LEN)][rows sent to us][per-local-expert counts (L)][flags]
+                                [rows sent to us][per-local-expert counts (L)][flags]
     [CONTROL_BYTES, num_bytes)  receive region: block s (num_max_tokens_per_rank rows, or row groups) from rank s
 
 Region rows, `dispatch_row` / `combine_row`: [data | FP8 scales][pad to 16][meta][pad to 16][tag][pad to 16].
@@ -23,7 +29,8 @@ Dispatch meta: int64 source token index; per slot an int32 local expert id (-1: 
 token among its source's tokens of that expert, a weight (0, 4 or 8 bytes). Combine meta: the weights (per slot,
 or one per row in expand mode). Tag: `(TAG_MAGIC << 48) | barrier sequence number`, released after the row.
 
-Host-mapped memory of a CUDA buffer: the `ErrorRecord` at 0, the notify summary at SUMMARY_OFFSET.
+Host-mapped memory of a CUDA buffer: the `ErrorRecord` at 0, at MAPPED_SIGNATURES_OFFSET every rank's signature of
+the operation whose ranks disagreed (written with ERROR_DISAGREE), the notify summary at SUMMARY_OFFSET.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 
 # Limits
 MAX_RANKS = 32                      # a destination per warp lane
-SIGNATURE_LEN = 16                  # int64 values of a call's signature in a control slot (zero-padded)
+SIGNATURE_LEN = 16                  # int64 values of a call's signature (zero-padded), operation first
 MAX_ROUND_SLOTS = 32                # expand combine: slots per round, one reducer lane each
 RECV_TABLE_LIMIT = 48 * 1024 - 256  # bytes of count tables in a dispatch receiver block's shared memory
 
@@ -44,7 +51,9 @@ EXCHANGE_FLAGS_OFFSET = 4096
 BARRIER_SEQ_OFFSET = 8192
 EXCHANGE_SEQ_OFFSET = 8200
 KERNEL_DONE_OFFSET = 8208
-SLOTS_OFFSET = 16384
+ABORT_OFFSET = 8216
+SIGNATURES_OFFSET = 16384
+SLOTS_OFFSET = 24576
 # Fixed, so that ranks that disagree on sizes still read each other's signature where it was written.
 SLOT_STRIDE = (CONTROL_BYTES - SLOTS_OFFSET) // (8 * MAX_RANKS)
 
@@ -54,8 +63,10 @@ TAG_BYTES = 16                      # a region row ends in its tag (int64) and p
 TAG_MAGIC = 0x6D63                  # top 16 bits of a tag: left-over row data never matches by chance
 
 # Host-mapped memory
-SUMMARY_OFFSET = 64                 # after the ErrorRecord
+MAPPED_SIGNATURES_OFFSET = 64       # after the ErrorRecord: [MAX_RANKS][SIGNATURE_LEN] int64
+SUMMARY_OFFSET = MAPPED_SIGNATURES_OFFSET + 8 * MAX_RANKS * SIGNATURE_LEN
 ERROR_TIMEOUT = 1                   # ErrorRecord.code of a timed-out wait
+ERROR_DISAGREE = 2                  # ErrorRecord.code of an operation whose ranks' signatures differ
 
 
 def align16(n: int) -> int:
@@ -91,9 +102,9 @@ def combine_row(data_bytes: int, weights_per_row: int, weight_bytes: int) -> Row
 
 
 def summary_len(num_ranks: int, num_local_experts: int) -> int:
-    """int64 values of the notify summary: per source [signature, rows, flags], pending flags per source, rows in
-    all, rows per local expert."""
-    return num_ranks * (SIGNATURE_LEN + 2) + num_ranks + 1 + num_local_experts
+    """int64 values of the notify summary: per source [rows, flags], pending flags per source, rows in all, rows per
+    local expert."""
+    return num_ranks * 2 + num_ranks + 1 + num_local_experts
 
 
 def recv_table_bytes(num_ranks: int, num_local_experts: int) -> int:
@@ -108,7 +119,7 @@ def recv_table_bytes(num_ranks: int, num_local_experts: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 STRUCTS = {
     "ErrorRecord": [  # host-mapped: what a timed-out wait leaves for the host
-        ("int64_t", "code", "0: no error, ERROR_TIMEOUT: a wait timed out"),
+        ("int64_t", "code", "0: no error, ERROR_TIMEOUT: a wait timed out, ERROR_DISAGREE: signatures differ"),
         ("int64_t", "rank", ""),
         ("int64_t", "phase", "index into the host's phase names"),
         ("int64_t", "peer", ""),
@@ -143,7 +154,7 @@ STRUCTS = {
         ("int32_t", "barrier_phase", "of the barrier before it"),
         ("int32_t", "with_barrier", "the kernel runs the barrier itself (set by the launcher)"),
         ("int32_t", "padding", ""),
-        ("int64_t[kSignatureLen]", "signature", "the call's sizes, compared on the host when it syncs"),
+        ("int64_t[kSignatureLen]", "signature", "the call's signature, compared across ranks at its barrier"),
     ],
     "LayoutArgs": [  # layout kernel: send positions and counts of this rank's routing
         ("const int64_t*", "topk_idx", "[N, K]"),
@@ -217,9 +228,11 @@ CONSTANTS = {  # name in C -> (value, C type)
     "kControlBytes": (CONTROL_BYTES, "int64_t"), "kBarrierFlagsOffset": (BARRIER_FLAGS_OFFSET, "int64_t"),
     "kExchangeFlagsOffset": (EXCHANGE_FLAGS_OFFSET, "int64_t"), "kBarrierSeqOffset": (BARRIER_SEQ_OFFSET, "int64_t"),
     "kExchangeSeqOffset": (EXCHANGE_SEQ_OFFSET, "int64_t"),
-    "kKernelDoneOffset": (KERNEL_DONE_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
+    "kKernelDoneOffset": (KERNEL_DONE_OFFSET, "int64_t"), "kAbortOffset": (ABORT_OFFSET, "int64_t"),
+    "kSignaturesOffset": (SIGNATURES_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
+    "kMappedSignaturesOffset": (MAPPED_SIGNATURES_OFFSET, "int64_t"),
     "kSlotStride": (SLOT_STRIDE, "int64_t"), "kTagMagic": (TAG_MAGIC, "int64_t"),
-    "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"),
+    "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"), "kErrorDisagree": (ERROR_DISAGREE, "int64_t"),
 }
 
 _CTYPES = {"int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}

@@ -224,7 +224,7 @@ def missing_peer_rank(rank: int, world_size: int) -> str:
     with pytest.raises(TimeoutError) as info:
         buf.dispatch(x, idx, w, num_experts=8)
     assert time.monotonic() - start < 6
-    with pytest.raises(RuntimeError, match="unusable after an earlier error"):
+    with pytest.raises(RuntimeError, match="broken since an earlier error"):
         buf.dispatch(x, idx, w, num_experts=8)
     return str(info.value)
 
@@ -356,3 +356,19 @@ def test_cuda_bad_routing_raises_everywhere(nccl_pool):
         assert "entries outside [-1, 8) on rank(s) [0]" in now and "duplicate experts in a row on rank(s) [0]" in now
         assert "earlier dispatch without CPU sync" in deferred
         assert "out-of-range entries on rank(s) [0], duplicate experts in a row on rank(s) [0]" in deferred
+
+
+def disagreement_rank(rank: int, world_size: int) -> list[str]:
+    from moe_comm.testing.disagreement import run_probes
+    return run_probes(rank, world_size, lambda: moe_comm.Buffer(
+        None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, use_fp8_dispatch=True, backend="cuda",
+        num_gpu_timeout_secs=20))
+
+
+@pytest.mark.skipif(WORLD_SIZE != 2, reason="the probes are written for 2 ranks (2 GPUs)")
+def test_disagreement_found_on_the_device(nccl_pool):
+    """Every probe of moe_comm.testing.disagreement on the CUDA backend: the kernels compare the ranks' signatures at
+    each operation's barrier, move nothing, and every rank raises the same ValueError at its next synchronizing
+    call; the buffer works afterwards."""
+    messages = nccl_pool.run(disagreement_rank)
+    assert messages[0] == messages[1]

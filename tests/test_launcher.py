@@ -75,8 +75,43 @@ def missing_peer_rank(rank: int, world_size: int, phase: str) -> str:
 
 
 @pytest.mark.parametrize("phase,fragment", [("dispatch", "rank 0 dispatch argument agreement: receive from peer 1"),
-                                            ("combine", "rank 0 combine exchange: receive from peer 1")])
+                                            ("combine", "rank 0 combine argument agreement: receive from peer 1")])
 def test_missing_peer_times_out(phase, fragment):
     message, skipped = parallel_launch(2, missing_peer_rank, phase, timeout_s=120)
     assert skipped == "skipped"
     assert fragment in message and "num_cpu_timeout_secs=2" in message, message
+
+
+def dead_peer_rank(rank: int, world_size: int) -> object:
+    """Rank 1's connections close (as when its process ends): rank 0 gets a ConnectionError naming the peer at once,
+    not a timeout, and every later call one clear error saying the group is broken and why."""
+    import torch.distributed as dist
+
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=30)
+    x, idx, w = rank_inputs(CASE, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
+    if rank == 1:
+        dist.destroy_process_group()
+        return "closed"
+    time.sleep(1)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError) as info:
+        buf.dispatch(x, idx, w, num_experts=4)
+    elapsed = time.monotonic() - start
+    later = []
+    for call in (lambda: buf.combine(recv_x, handle), lambda: buf.dispatch(x, idx, w, num_experts=4), buf.barrier):
+        with pytest.raises(RuntimeError, match="process group is broken since an earlier error") as broken:
+            call()
+        later.append(str(broken.value))
+    return str(info.value), elapsed, later
+
+
+def test_dead_peer_is_named_and_breaks_the_group():
+    (message, elapsed, later), closed = parallel_launch(2, dead_peer_rank, timeout_s=120)
+    assert closed == "closed"
+    # Posting the exchange fails when the connection is already closed, its wait when it closes meanwhile.
+    assert message.startswith("moe_comm: rank 0 dispatch argument agreement: ") and \
+        "peer 1 closed the connection" in message, message
+    assert elapsed < 10, elapsed  # not num_cpu_timeout_secs=30
+    assert all(message.removeprefix("moe_comm: ") in text for text in later), later

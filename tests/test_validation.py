@@ -3,6 +3,7 @@ rank alike; the buffer keeps working afterwards. Bad topk_idx values are caught 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -35,6 +36,8 @@ def argument_errors(buf, rank):
     d = buf.dispatch
     return [
         ("x dtype", TypeError, "x.dtype=torch.int32", lambda: d(x.int(), idx, w, num_experts=4)),
+        ("x list", TypeError, "x must be a torch.Tensor or an FP8 (q, scales) tuple, got a list of length 6"
+         if rank == 0 else "got a list of length 4", lambda: d(x.tolist(), idx, w, num_experts=4)),
         ("x 1-D", ValueError, "x must be 2-D", lambda: d(x[0], idx, w, num_experts=4)),
         ("x non-contiguous", ValueError, "contiguous", lambda: d(x[:, ::2], idx, w, num_experts=4)),
         ("x row bytes", ValueError, "12 x 2 = 24 bytes", lambda: d(x[:, :12].contiguous(), idx, w, num_experts=4)),
@@ -105,6 +108,10 @@ def argument_errors(buf, rank):
         ("three biases", ValueError, "at most two tensors",
          lambda: buf.combine(y, handle, bias=(x, x, x))),
         ("combine handle", TypeError, "handle must be a moe_comm.EPHandle", lambda: buf.combine(y, None)),
+        ("handle of another backend", ValueError, "handle was made by backend 'cuda', this buffer runs 'torch'",
+         lambda: buf.combine(y, dataclasses.replace(handle, backend="cuda"))),
+        ("cached handle of another backend", ValueError, "handle was made by backend 'cuda'",
+         lambda: d(x, handle=dataclasses.replace(handle, backend="cuda"))),
     ]
 
 
@@ -314,3 +321,16 @@ def test_backend_choice_is_the_same_on_every_rank(pools):
     assert verdicts[0] == "rank 1: the kernels cannot be built or loaded (nvcc not found; searched $CUDA_HOME/bin/nvcc)"
     verdicts = pools(2).run(backend_choice_rank, {"peer": 0, "kernels": 0})
     assert verdicts[0] == verdicts[1] == "rank 0: GPU 0 has no peer access to GPU(s) [1]", verdicts
+
+
+def disagreement_probes_rank(rank: int, world_size: int) -> list[str]:
+    from moe_comm.testing.disagreement import run_probes
+    return run_probes(rank, world_size, lambda: new_buffer(num_cpu_timeout_secs=20))
+
+
+def test_disagreement_is_an_error_on_every_rank_on_every_path(pools):
+    """Ranks that disagree on what sizes an exchange (combine, dispatch without CPU sync, cached against fresh,
+    different operations) get the same ValueError naming the field and each rank's value, and the buffer works
+    afterwards (before: gloo aborted one process and the other returned wrong data)."""
+    messages = pools(2).run(disagreement_probes_rank)
+    assert messages[0] == messages[1]

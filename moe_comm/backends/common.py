@@ -14,9 +14,25 @@ import torch.distributed as dist
 from .. import quant
 from ..event import EventOverlap
 from ..handle import EPHandle
+from ..layout import SIGNATURE_LEN
 
 # What a synchronous call returns: nothing to wait for (stateless once complete, so one object serves all).
 DONE = EventOverlap()
+
+# What ranks can be running; a call's signature starts with its index (ranks on different operations disagree).
+OPERATIONS = ("dispatch", "cached dispatch", "combine")
+# The words of a call's signature per operation (`DispatchCall.signature`, `CombineCall.signature`), the operation
+# first and the handle's epoch second (0 for a fresh dispatch); codes of the fields that name a choice.
+_DISPATCH_FIELDS = ("operation", "handle epoch", "num_experts", "num_topk", "hidden", "row dtype", "fp8 format",
+                    "dequantize", "topk_weights given", "topk_weights dtype", "num_max_tokens_per_rank", "do_expand",
+                    "expert_alignment", "do_cpu_sync")
+SIGNATURE_FIELDS = {"dispatch": _DISPATCH_FIELDS, "cached dispatch": _DISPATCH_FIELDS,
+                    "combine": ("operation", "handle epoch", "hidden", "row dtype", "topk_weights given",
+                                "topk_weights dtype")}
+DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_DTYPE_NAMES = ("none", "bfloat16", "float32", "float64")
+_CHOICES = {"operation": OPERATIONS, "row dtype": _DTYPE_NAMES, "topk_weights dtype": _DTYPE_NAMES,
+            "fp8 format": ("none", *quant.FP8_FORMATS)}
 
 # Error flag bits of a rank's routing (the reference computes them in torch, the kernels in the layout kernel).
 FLAG_OUT_OF_RANGE = 1
@@ -33,6 +49,9 @@ class Backend:
     """
 
     name = "base"
+    # Check that all ranks agree on every call's signature on the host (where calls are host-synchronous anyway);
+    # otherwise only when the Buffer asks (a synchronizing call, MOE_COMM_CHECK_INPUTS=1) or on the device.
+    checks_every_call = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float) -> None:
         self.group = group
@@ -42,6 +61,11 @@ class Backend:
         self.timeout_secs = num_cpu_timeout_secs
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._comm_stream_busy = False  # an async call ran on the comm stream since the last synchronous one
+        # Fresh dispatches that the ranks agreed on: the epoch of the next handle is one more. Ranks that call alike
+        # hold handles of the same epoch, so a combine or cached dispatch checks the handle across ranks.
+        self.epoch = 0
+        # Why the group can no longer be used (a wait that failed: peers gone or out of step), else None.
+        self.broken: Optional[str] = None
         # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
         self.pending_flags = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
 
@@ -49,8 +73,9 @@ class Backend:
     # Entry points (Buffer calls these with validated calls)
     # ------------------------------------------------------------------------------------------------
     def dispatch(self, c, verify_agreement: bool) -> tuple:
-        """Run a validated `DispatchCall` (see `moe_comm.buffer`); first check that all ranks called it with the
-        same sizes when `verify_agreement`."""
+        """Run a validated `DispatchCall` (see `moe_comm.buffer`); with `verify_agreement` (MOE_COMM_CHECK_INPUTS)
+        first check on the host that all ranks called it with the same sizes (each backend also checks on its
+        own, see `checks_every_call` and the CUDA backend's barrier)."""
         self.after_host_sync()
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None] \
             if c.async_with_compute_stream else ()
@@ -61,7 +86,7 @@ class Backend:
 
     def dispatch_steps(self, c, verify_agreement: bool):
         """The dispatch itself, inside the stream scope of `run`: `(outputs, works, finalizers)`; with
-        `verify_agreement` it first checks that all ranks called it with the same sizes."""
+        `verify_agreement` it first checks on the host that all ranks called it with the same sizes."""
         raise NotImplementedError
 
     def combine_steps(self, c):
@@ -69,14 +94,14 @@ class Backend:
         raise NotImplementedError
 
     def combine(self, c, verify_agreement: bool) -> tuple:
-        """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement`, first check on the
-        comm stream, after `previous_event`, that all ranks called it with the same sizes."""
+        """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement` (or `checks_every_call`),
+        first check on the host, after `previous_event`, that all ranks called it with the same sizes."""
         self.after_host_sync()
         inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None] if c.async_with_compute_stream else ()
 
         def steps():
-            if verify_agreement:
-                self.check_agreement("combine", c.signature())
+            if verify_agreement or self.checks_every_call:
+                self.check_agreement(c.signature())
             return self.combine_steps(c)
 
         outputs, event = self.run(steps, c.previous_event, c.async_with_compute_stream, inputs)
@@ -89,14 +114,23 @@ class Backend:
     def close(self) -> None:
         """Release what the backend holds."""
 
-    def after_host_sync(self) -> None:
-        """Called after every host read of device values and at the start of every call (a transport that
-        reports device-side errors raises them here)."""
+    def after_host_sync(self, synchronized: bool = False) -> None:
+        """Called at the start of every call and after host reads of device values (`synchronized`: at a point
+        where every earlier operation of this rank is complete and every rank reaches the same point). Refuses
+        work once a wait has failed; a transport that records errors on the device raises them here too."""
+        if self.broken is not None:
+            raise RuntimeError(f"moe_comm: this buffer's process group is broken since an earlier error ({self.broken})"
+                               f"; its peers are gone or out of step: create a new process group and Buffer")
+
+    def mark_broken(self, why: str) -> None:
+        """Remember the first failed wait: every later call raises with it (`after_host_sync`)."""
+        if self.broken is None:
+            self.broken = why
 
     def _wait(self, works: list[tuple[object, str]]) -> None:
         """Block until `works` are done (CPU), or make the current stream wait for them (CUDA)."""
         if self.comm_stream is None:
-            EventOverlap(works=works, timeout_secs=self.timeout_secs).current_stream_wait()
+            EventOverlap(works=works, timeout_secs=self.timeout_secs, on_fault=self.mark_broken).current_stream_wait()
             return
         for work, _ in works:
             work.wait()
@@ -115,7 +149,8 @@ class Backend:
             previous_event.current_stream_wait()
         if self.comm_stream is None:
             outputs, works, finalizers = body()
-            event = EventOverlap(works=works, finalizers=finalizers, timeout_secs=self.timeout_secs)
+            event = EventOverlap(works=works, finalizers=finalizers, timeout_secs=self.timeout_secs,
+                                 on_fault=self.mark_broken)
             if not async_with_compute_stream:
                 event.current_stream_wait()
             return outputs, event
@@ -198,22 +233,22 @@ class Backend:
         work = dist.all_reduce(flags_per_rank, group=self.group, async_op=True)
         self._wait([(work, f"rank {self.rank} input check all-reduce")])
         flags = flags_per_rank.tolist()
-        self.after_host_sync()
+        self.after_host_sync(synchronized=True)
         self.raise_for_flags(flags, topk_idx, num_experts, "")
 
-    def check_agreement(self, what: str, values: dict[str, int]) -> None:
-        """Raise ValueError on every rank if the ranks called `what` with different `values`.
+    def check_agreement(self, signature: list[int]) -> None:
+        """Raise ValueError on every rank if the ranks called different operations or one with different values.
 
-        Exchange sizes follow these values, so ranks that disagree would otherwise crash or corrupt rows.
-        Costs one small exchange and a host sync: done on synchronizing calls and with MOE_COMM_CHECK_INPUTS=1.
+        Exchange sizes follow these values, so ranks that disagree would otherwise crash or corrupt rows. Every
+        signature has `SIGNATURE_LEN` words, so this exchange itself always matches. Costs one small exchange and a
+        host sync.
         """
-        mine = torch.tensor(list(values.values()), dtype=torch.int64, device=self.device)
-        rows = self.gather_values(mine, f"{what} argument agreement").tolist()
-        self.after_host_sync()
-        differing = [f"{name}: {[row[i] for row in rows]}" for i, name in enumerate(values)
-                     if len({row[i] for row in rows}) > 1]
-        if differing:
-            raise ValueError(f"ranks called {what} with different arguments (per rank): " + "; ".join(differing))
+        mine = torch.tensor(signature, dtype=torch.int64, device=self.device)
+        rows = self.gather_values(mine, f"{OPERATIONS[signature[0]]} argument agreement").tolist()
+        self.after_host_sync(synchronized=True)
+        problem = disagreement(rows)
+        if problem:
+            raise ValueError(problem)
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
         """Every rank's `mine` (1-D int64, same length everywhere) as `[R, n]`, stream-ordered; a peer that does
@@ -236,6 +271,29 @@ class Backend:
         else:
             q, scales = c.fp8_q, c.fp8_scales
         return {"q": q.view(torch.uint8), "scales": scales}
+
+
+def padded_signature(values: list[int]) -> list[int]:
+    """A call's signature as the `SIGNATURE_LEN` words that travel (zero-padded)."""
+    return values + [0] * (SIGNATURE_LEN - len(values))
+
+
+def disagreement(rows: Sequence[Sequence[int]]) -> Optional[str]:
+    """What differs between every rank's signature (`rows`, one per rank), or None when all agree. The message
+    names each field with every rank's value."""
+
+    def show(name: str, value: int):
+        choices = _CHOICES.get(name)
+        return choices[value] if choices is not None and 0 <= value < len(choices) else value
+
+    if len({row[0] for row in rows}) > 1:
+        return f"ranks called different operations (per rank): {[show('operation', row[0]) for row in rows]}"
+    what = OPERATIONS[rows[0][0]]
+    differing = [f"{name}: {[show(name, row[i]) for row in rows]}" for i, name in enumerate(SIGNATURE_FIELDS[what])
+                 if len({row[i] for row in rows}) > 1]
+    if not differing:
+        return None
+    return f"ranks called {what} with different arguments (per rank): " + "; ".join(differing)
 
 
 def _flatten_tensors(outputs) -> list[torch.Tensor]:

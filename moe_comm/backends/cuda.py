@@ -39,11 +39,13 @@ import torch.distributed as dist
 from .. import layout as lay
 from .. import quant
 from ..handle import EPHandle
-from .common import Backend
+from .common import DTYPE_CODES, Backend, disagreement
 from .cuda_kernels import current_stream, load_kernels
 
-DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
+# Barrier sequence numbers skipped after ranks disagreed: more than the kernels any rank can run between the
+# disagreement and its next synchronizing call (row tags keep 48 bits: 65536 disagreements).
+REALIGN_JUMP = 1 << 32
 PHASES = ("barrier before dispatch", "dispatch notify", "dispatch", "barrier before combine", "combine")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 
@@ -178,7 +180,6 @@ class CudaBackend(Backend):
                     "host-mapped memory")
         self._mapped_host, self._mapped_dev = host.value, dev.value
         self._error = lay.ErrorRecord.from_address(self._mapped_host)
-        self.broken: Optional[str] = None
         self._shapes: dict[tuple, lay.EpParams] = {}  # a fresh dispatch's EpParams per call signature
         # Launch structs of cached dispatches and combines per handle (they hold this buffer's pointers, so they live
         # here, not in the handle: another buffer on the same group builds its own), built at their first call.
@@ -199,18 +200,41 @@ class CudaBackend(Backend):
         if result:
             self.kernels.check(result, what, self.rank)
 
-    def after_host_sync(self) -> None:
-        """Raise (once, then refuse work) if a kernel wait timed out."""
+    def after_host_sync(self, synchronized: bool = False) -> None:
+        """Raise what the kernels recorded. A timed-out wait: once, then the buffer refuses work. Ranks that
+        disagreed at an operation's barrier (they all saw it and moved nothing since): at a synchronizing point,
+        which every rank reaches alike, every rank raises the same ValueError after `_realign` (the buffer works
+        again)."""
         if self._mapped_host is None:
             raise RuntimeError("moe_comm: this buffer was destroyed")
-        if self.broken is not None:
-            raise RuntimeError(f"moe_comm: this buffer is unusable after an earlier error: {self.broken}")
-        if self._error.code:
-            e = self._error
+        super().after_host_sync(synchronized)
+        e = self._error
+        if e.code == lay.ERROR_TIMEOUT:
             name = PHASES[e.phase] if 0 <= e.phase < len(PHASES) else f"phase {e.phase}"
-            self.broken = (f"rank {e.rank} timed out in {name} waiting for peer {e.peer} (flag {e.observed}, "
-                           f"expected {e.expected}) after num_gpu_timeout_secs={self.timeout_ns / 1e9:g}")
-            raise TimeoutError(f"moe_comm: {self.broken}")
+            why = (f"rank {e.rank} timed out in {name} waiting for peer {e.peer} (flag {e.observed}, "
+                   f"expected {e.expected}) after num_gpu_timeout_secs={self.timeout_ns / 1e9:g}")
+            self.mark_broken(why)
+            raise TimeoutError(f"moe_comm: {why}")
+        if e.code == lay.ERROR_DISAGREE and synchronized:
+            R, S = self.num_ranks, lay.SIGNATURE_LEN
+            words = (ctypes.c_int64 * (R * S)).from_address(self._mapped_host + lay.MAPPED_SIGNATURES_OFFSET)[:]
+            problem = disagreement([words[r * S:(r + 1) * S] for r in range(R)])
+            self._realign()
+            raise ValueError(f"{problem} (found by the kernels; nothing moved from that call on until this "
+                             f"synchronizing call)")
+
+    def _realign(self) -> None:
+        """After a disagreement: the ranks may have run different numbers of kernels since (each moving nothing), so
+        every rank restarts its barrier and exchange counters and its handle epoch from the values recorded where
+        they disagreed (the same on every rank) plus REALIGN_JUMP: later waits expect only flags written from now on.
+        No communication: ranks reach their synchronizing calls at different points when they disagree."""
+        e = self._error
+        counters = self.buffer[lay.BARRIER_SEQ_OFFSET:lay.EXCHANGE_SEQ_OFFSET + 8].view(torch.int64)
+        counters.copy_(torch.tensor([e.observed + REALIGN_JUMP, e.expected + REALIGN_JUMP], dtype=torch.int64))
+        self.buffer[lay.ABORT_OFFSET:lay.ABORT_OFFSET + 8].zero_()
+        self.epoch = e.observed + REALIGN_JUMP
+        torch.cuda.current_stream(self.device).synchronize()
+        e.code = 0
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
         everyone = mine.new_empty(self.num_ranks, mine.numel())
@@ -249,9 +273,9 @@ class CudaBackend(Backend):
         if needed > self.region_bytes:
             raise ValueError(f"rows of {row.stride} bytes x {R} ranks x {cap} tokens x {rows_per_token} = {needed} "
                              f"bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
-        if lay.SIGNATURE_LEN + L + 2 > lay.SLOT_STRIDE:
+        if L + 2 > lay.SLOT_STRIDE:
             raise ValueError(f"num_experts={num_experts} over {R} ranks is {L} local experts; the CUDA backend takes "
-                             f"at most {lay.SLOT_STRIDE - lay.SIGNATURE_LEN - 2} per rank (use backend='torch')")
+                             f"at most {lay.SLOT_STRIDE - 2} per rank (use backend='torch')")
         table_bytes = lay.recv_table_bytes(R, L)
         if table_bytes > lay.RECV_TABLE_LIMIT:
             raise ValueError(f"num_experts={num_experts} over {R} ranks needs {table_bytes} bytes of shared memory "
@@ -282,9 +306,11 @@ class CudaBackend(Backend):
     # Dispatch
     # ------------------------------------------------------------------------------------------------
     def dispatch_steps(self, c, verify_agreement: bool):
+        if verify_agreement:
+            self.check_agreement(c.signature())
         if c.handle is not None:
-            return self._cached_dispatch(c, verify_agreement)
-        return self._fresh_dispatch(c, verify_agreement)
+            return self._cached_dispatch(c)
+        return self._fresh_dispatch(c)
 
     def _wire(self, c):
         """`(data as uint8 rows or the rows themselves, scales or None)` as they travel."""
@@ -305,14 +331,14 @@ class CudaBackend(Backend):
             return out_x
         return quant.dequantize(out_x, out_scales) if c.dequantize else (out_x, out_scales)
 
-    def _fresh_dispatch(self, c, verify_agreement: bool):
-        """Layout, notify (counts and the sizes' agreement through the control slots), then one kernel that sends
-        and receives at the same time."""
+    def _fresh_dispatch(self, c):
+        """Layout, notify (the barrier with the call's signature, then the counts through the control slots), then
+        one kernel that sends and receives at the same time."""
         R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
         L, cap, dev = E // R, c.num_max_tokens_per_rank, self.device
         weights = c.topk_weights
-        signature = tuple(c.signature().values())
-        key = ("fresh", signature, N, c.num_sms, c.dequantize)
+        signature = c.signature()
+        key = (*signature, N, c.num_sms)
         params = self._shapes.get(key)
         if params is None:
             if len(self._shapes) >= MAX_SHAPES:  # token counts that vary without end: keep the cache bounded
@@ -321,7 +347,6 @@ class CudaBackend(Backend):
             self._shapes[key] = params
         data, scales = self._wire(c)
         stream = current_stream(self._device_index)
-        sync = c.do_cpu_sync or verify_agreement
 
         # The routing state in one int64 allocation (allocations cost host time): the handle's clean topk_idx
         # [N, K] first (a view), then the private send_pos, counts, recv_slots, expert_rank and expand_row.
@@ -335,7 +360,7 @@ class CudaBackend(Backend):
         clean_idx = workspace[:N * K].view(N, K)
         # Layout, then (its last block) the barrier and the counts into every peer's control slot and theirs into
         # ours, read on the host when the call syncs.
-        summary = self._mapped_dev + lay.SUMMARY_OFFSET if sync else 0
+        summary = self._mapped_dev + lay.SUMMARY_OFFSET if c.do_cpu_sync else 0
         notify = self._notify_args(counts, E, recv_slots, summary)
         layout_args = lay.LayoutArgs(c.topk_idx.data_ptr(), clean_idx.data_ptr(), send_pos, expert_rank, counts,
                                      counts + 8 * R, counts + 8 * (R + E))
@@ -346,8 +371,6 @@ class CudaBackend(Backend):
             aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in rows_per_expert]
             P = sum(aligned_list) if c.do_expand else M
         else:
-            if verify_agreement:
-                self._read_summary(c, L)
             aligned_list = None
             M = M_worst
             P = M_worst * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M_worst
@@ -362,14 +385,16 @@ class CudaBackend(Backend):
             out_w = torch.empty((P,) if c.do_expand else (M, K), dtype=weights.dtype, device=dev)
         inputs = lay.DispatchInputs(data.data_ptr(), _ptr(scales), clean_idx.data_ptr(), _ptr(weights), send_pos,
                                     expert_rank)
-        outputs = lay.RecvOutputs(recv_slots + 8 * lay.SIGNATURE_LEN, out_x.data_ptr(), _ptr(out_scales),
+        outputs = lay.RecvOutputs(recv_slots, out_x.data_ptr(), _ptr(out_scales),
                                   out_idx.data_ptr(), _ptr(out_w), out_src.data_ptr(),
                                   expand_row if c.do_expand else 0, psum.data_ptr(), psum.data_ptr() + 8 * R, M, P,
                                   int(c.do_expand), 0)
         self._check(self.kernels.dispatch(ctypes.byref(params), ctypes.byref(inputs), ctypes.byref(outputs),
                                           c.num_sms, 0, stream), "dispatch")
+        self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
         handle = EPHandle(
-            group=self.group, num_experts=E, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
+            group=self.group, backend=self.name, epoch=self.epoch,
+            num_experts=E, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
             do_expand=c.do_expand, expert_alignment=c.expert_alignment, num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync,
             topk_idx=clean_idx, recv_src_idx=out_src, recv_topk_idx=out_idx, recv_topk_weights=out_w,
             psum_num_recv_tokens_per_rank=psum[:R], psum_num_recv_tokens_per_expert=psum[R:],
@@ -379,7 +404,7 @@ class CudaBackend(Backend):
         recv_x = self._finish_x(c, out_x, out_scales)
         return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
 
-    def _cached_dispatch(self, c, verify_agreement: bool):
+    def _cached_dispatch(self, c):
         """The dispatch kernel along the handle's layout, barrier fused in (no layout work, no host sync)."""
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
@@ -388,10 +413,11 @@ class CudaBackend(Backend):
         plan = plans.get(key)
         if plan is None:
             M = handle.recv_src_idx.shape[0]
-            plan = _Plan(self._dispatch_params(c, handle.num_tokens, handle.num_topk, 0),
+            plan = _Plan(self._dispatch_params(c, handle.num_tokens, handle.num_topk, 0,
+                                               c.signature()),
                          inputs=lay.DispatchInputs(0, 0, handle.topk_idx.data_ptr(), 0, layout.send_pos,
                                                    layout.expert_rank),
-                         outputs=lay.RecvOutputs(layout.recv_slots + 8 * lay.SIGNATURE_LEN, 0, 0, 0, 0, 0,
+                         outputs=lay.RecvOutputs(layout.recv_slots, 0, 0, 0, 0, 0,
                                                  layout.expand_row, 0, 0, M, handle.num_recv_rows,
                                                  int(handle.do_expand), 0))
             plan.refs = (ctypes.byref(plan.params), ctypes.byref(plan.inputs), ctypes.byref(plan.outputs))
@@ -401,37 +427,22 @@ class CudaBackend(Backend):
         out_x, out_scales = self._outputs_x(c, handle.num_recv_rows, scales)
         plan.inputs.x, plan.inputs.scales = data.data_ptr(), _ptr(scales)
         plan.outputs.x, plan.outputs.scales = out_x.data_ptr(), _ptr(out_scales)
-        with_barrier = 1
-        if verify_agreement:
-            # The notify kernel carries the signature (its barrier replaces the dispatch's own).
-            values = list(c.signature().values())
-            plan.params.signature[:] = values + [0] * (lay.SIGNATURE_LEN - len(values))
-            notify = self._notify_args(layout.counts, handle.num_experts, 0, self._mapped_dev + lay.SUMMARY_OFFSET)
-            self._check(self.kernels.dispatch_notify(plan.refs[0], ctypes.byref(notify), stream), "dispatch notify")
-            self._read_summary(c, handle.num_experts // self.num_ranks)
-            with_barrier = 0
-        self._check(self.kernels.dispatch(*plan.refs, c.num_sms, with_barrier, stream), "dispatch")
+        self._check(self.kernels.dispatch(*plan.refs, c.num_sms, 1, stream), "dispatch")
         recv_x = self._finish_x(c, out_x, out_scales)
         return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), [], []
 
     def _read_summary(self, c, num_local_experts: int) -> tuple[int, list[int]]:
-        """Wait for the notify kernel, check every rank's signature and error flags in its host-mapped summary, and
-        return (rows this rank receives, rows per local expert)."""
-        R, S, L = self.num_ranks, lay.SIGNATURE_LEN, num_local_experts
+        """Wait for the notify, raise what the kernels recorded (a disagreement, a timeout) and every rank's error
+        flags from its host-mapped summary, and return (rows this rank receives, rows per local expert)."""
+        R, L = self.num_ranks, num_local_experts
         torch.cuda.current_stream(self.device).synchronize()
-        self.after_host_sync()
+        self.after_host_sync(synchronized=True)
         values = (ctypes.c_int64 * lay.summary_len(R, L)).from_address(self._mapped_host + lay.SUMMARY_OFFSET)[:]
-        per_source, pending = [values[s * (S + 2):(s + 1) * (S + 2)] for s in range(R)], values[R * (S + 2):][:R]
-        names = list(c.signature())
-        differing = [f"{name}: {[row[i] for row in per_source]}" for i, name in enumerate(names)
-                     if len({row[i] for row in per_source}) > 1]
-        if differing:
-            raise ValueError("ranks called dispatch with different arguments (per rank): " + "; ".join(differing))
-        if c.handle is None:
-            if any(pending):
-                self.check_pending_errors()
-            self.raise_for_flags([row[S + 1] for row in per_source], c.topk_idx, c.num_experts, "")
-        return values[R * (S + 2) + R], values[R * (S + 2) + R + 1:]
+        flags, pending = values[1:2 * R:2], values[2 * R:3 * R]
+        if any(pending):
+            self.check_pending_errors()
+        self.raise_for_flags(flags, c.topk_idx, c.num_experts, "")
+        return values[3 * R], values[3 * R + 1:]
 
     # ------------------------------------------------------------------------------------------------
     # Combine
@@ -487,7 +498,7 @@ class CudaBackend(Backend):
                                  f"({self.region_bytes} bytes for {R} ranks x {cap} tokens)")
         num_send = num_send_blocks("combine", c.num_sms, R, handle.do_expand, self.tuning.combine_send_fraction)
         params = self._params(handle.num_tokens, cap, handle.num_experts, K, row, data_bytes, 0, wb, 1, num_send,
-                              "combine", rows_per_token=num_slots)
+                              "combine", rows_per_token=num_slots, signature=c.signature())
         args = lay.CombineArgs(
             psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.expand_row,
             send_pos=layout.send_pos, clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],

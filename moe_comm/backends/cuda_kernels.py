@@ -33,7 +33,6 @@ SIGNATURES = {
     "moe_comm_alloc_mapped": (_int, [_i64, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)]),
     "moe_comm_free_mapped": (_int, [_ptr]),
     "moe_comm_layout": (_int, [_EP, ctypes.POINTER(layout.LayoutArgs), ctypes.POINTER(layout.NotifyArgs), _ptr]),
-    "moe_comm_dispatch_notify": (_int, [_EP, ctypes.POINTER(layout.NotifyArgs), _ptr]),
     "moe_comm_dispatch": (_int, [_EP, ctypes.POINTER(layout.DispatchInputs), ctypes.POINTER(layout.RecvOutputs),
                                  _int, _int, _ptr]),
     "moe_comm_combine": (_int, [_EP, ctypes.POINTER(layout.CombineArgs), _int, _int, _ptr]),

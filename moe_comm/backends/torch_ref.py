@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import quant
+from ..event import wait_error
 from ..handle import EPHandle
 from .common import Backend
 
@@ -163,7 +164,14 @@ class TorchRefBackend(Backend):
                 block = send[send_offsets[peer]:send_offsets[peer] + send_splits[peer]]
                 ops.append(dist.P2POp(dist.isend, block, global_peer, self.group))
                 descriptions.append(f"rank {me} {phase}: send to peer {peer}")
-        works = dist.batch_isend_irecv(ops) if ops else []
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as exc:  # gloo: a peer's connection closed before the exchange was posted
+            peers = [p for p in range(self.num_ranks) if p != me]
+            who = f"peer {peers[0]}" if len(peers) == 1 else f"one of peers {peers}"
+            error = wait_error(f"rank {me} {phase}: posting the exchange", self.timeout_secs, 0.0, exc, who)
+            self.mark_broken(str(error))
+            raise error from exc
         return recv, list(zip(works, descriptions))
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
@@ -175,9 +183,19 @@ class TorchRefBackend(Backend):
     # ------------------------------------------------------------------------------------------------
     # Dispatch
     # ------------------------------------------------------------------------------------------------
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float) -> None:
+        super().__init__(group, device, num_cpu_timeout_secs)
+        # On the CPU every exchange blocks the host anyway: one more (a signature per rank) makes every call path
+        # refuse ranks that disagree. On GPUs the calls without a CPU sync stay sync-free (checked only when the
+        # Buffer asks); the CUDA backend checks those on the device.
+        self.checks_every_call = device.type == "cpu"
+
     def dispatch_steps(self, c, verify_agreement: bool):
-        if verify_agreement:
-            self.check_agreement("dispatch", c.signature())
+        # A dispatch with a CPU sync syncs anyway: the check costs no extra sync there.
+        if verify_agreement or self.checks_every_call or (c.handle is None and c.do_cpu_sync):
+            self.check_agreement(c.signature())
+        if c.handle is None:
+            self.epoch += 1
         return self._cached_dispatch_body(c) if c.handle is not None else self._dispatch_body(c)
 
     def _data_fields(self, c, hidden: int) -> list[tuple[str, torch.dtype, int]]:
@@ -218,7 +236,7 @@ class TorchRefBackend(Backend):
         if c.do_cpu_sync:
             host = torch.cat([counts_recv[:, L + 1], self.pending_flags, recv_rows_per_rank, recv_pairs_per_rank,
                               own_pairs_per_rank, num_tokens_per_rank, aligned_per_expert]).tolist()
-            self.after_host_sync()
+            self.after_host_sync(synchronized=True)
             flags_per_rank, pending = host[:R], host[R:2 * R]
             if any(pending):
                 self.check_pending_errors()
@@ -295,7 +313,8 @@ class TorchRefBackend(Backend):
                           slot_return_pos_NK=slot_return_pos_NK)
 
         handle = EPHandle(
-            group=self.group, num_experts=c.num_experts, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
+            group=self.group, backend=self.name, epoch=self.epoch,
+            num_experts=c.num_experts, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
             do_expand=c.do_expand, expert_alignment=c.expert_alignment, num_sms=c.num_sms,
             do_cpu_sync=c.do_cpu_sync, topk_idx=topk_idx, recv_src_idx=recv_src_M, recv_topk_idx=recv_idx_MK,
             recv_topk_weights=out_w, psum_num_recv_tokens_per_rank=psum_per_rank,

@@ -1,5 +1,6 @@
-// Synchronization between ranks over peer memory: system-scope release/acquire flags, the one timeout helper every
-// spin-wait goes through, and the barrier every operation starts with. No torch headers: plain nvcc builds this.
+// Synchronization between ranks over peer memory: system-scope release/acquire flags, the abort word, the one
+// timeout helper every spin-wait goes through, and the barrier every operation starts with (carrying the call's
+// signature, so that ranks that disagree stop before any row moves). No torch headers: plain nvcc builds this.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,26 +28,43 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return t;
 }
 
-// Spin until *flag >= expected (or == expected with `exact`). On timeout, record who waited for whom, print it,
+// The abort word of a rank's buffer (kAbortOffset): 0 while operations run, else the ErrorRecord code that stopped
+// them. Set by a timed-out wait or by ranks that disagree; every kernel skips its work while it is set and every
+// wait returns at once, until the host clears it (a disagreement) or refuses the buffer (a timeout).
+__device__ __forceinline__ int64_t* abort_word(uint8_t* base) {
+    return reinterpret_cast<int64_t*>(base + kAbortOffset);
+}
+__device__ __forceinline__ bool aborted(uint8_t* base) {
+    return *reinterpret_cast<volatile int64_t*>(abort_word(base)) != 0;
+}
+__device__ __forceinline__ void set_abort(uint8_t* base, int64_t code) {
+    atomicCAS(reinterpret_cast<unsigned long long*>(abort_word(base)), 0ull, static_cast<unsigned long long>(code));
+}
+
+// Spin until *flag >= expected (or == expected with `exact`); false at once when this rank's abort word is set. On
+// timeout, record who waited for whom, print it, set the abort word (every other wait of this rank ends at once)
 // and return false (the host raises; NOTES: no __trap, so the process keeps a usable context and a traceback).
-__device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected, bool exact, uint64_t timeout_ns,
-                                          ErrorRecord* error, int rank, int phase, int peer) {
+__device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected, bool exact, const EpParams& p,
+                                          int phase, int peer) {
     const uint64_t start = global_timer_ns();
     int64_t observed = ld_acquire_sys(flag);
     while (exact ? observed != expected : observed < expected) {
-        if (global_timer_ns() - start > timeout_ns) {
+        if (aborted(p.local_base)) return false;
+        if (global_timer_ns() - start > p.timeout_ns) {
             // Only the first failing waiter fills the record and prints.
+            ErrorRecord* error = p.error;
             if (atomicCAS(reinterpret_cast<unsigned long long*>(&error->code), 0ull,
                           static_cast<unsigned long long>(kErrorTimeout)) == 0ull) {
-                error->rank = rank;
+                error->rank = p.rank;
                 error->phase = phase;
                 error->peer = peer;
                 error->observed = observed;
                 error->expected = expected;
                 __threadfence_system();
                 printf("moe_comm: rank %d timed out in phase %d waiting for peer %d (flag %lld, expected %lld)\n",
-                       rank, phase, peer, static_cast<long long>(observed), static_cast<long long>(expected));
+                       p.rank, phase, peer, static_cast<long long>(observed), static_cast<long long>(expected));
             }
+            set_abort(p.local_base, kErrorTimeout);
             return false;
         }
         observed = ld_acquire_sys(flag);
@@ -54,43 +72,122 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
     return true;
 }
 
-__device__ __forceinline__ bool wait_flag_at_least(const int64_t* flag, int64_t expected, uint64_t timeout_ns,
-                                                   ErrorRecord* error, int rank, int phase, int peer) {
-    return wait_flag(flag, expected, false, timeout_ns, error, rank, phase, peer);
+__device__ __forceinline__ bool wait_flag_at_least(const int64_t* flag, int64_t expected, const EpParams& p, int phase,
+                                                   int peer) {
+    return wait_flag(flag, expected, false, p, phase, peer);
 }
 
-__device__ __forceinline__ bool wait_flag_equal(const int64_t* flag, int64_t expected, uint64_t timeout_ns,
-                                                ErrorRecord* error, int rank, int phase, int peer) {
-    return wait_flag(flag, expected, true, timeout_ns, error, rank, phase, peer);
+__device__ __forceinline__ bool wait_flag_equal(const int64_t* flag, int64_t expected, const EpParams& p, int phase,
+                                                int peer) {
+    return wait_flag(flag, expected, true, p, phase, peer);
 }
 
-// Tell every rank that this rank reached this point of a phase, then wait until every rank told us the same:
-// thread d of the block signals and waits for rank d (every thread of the block must call this). The phase's flags
-// are an int64 array [num_ranks] at `flags_offset` of every buffer (written by peers); its sequence counter, at
-// `seq_offset` of our buffer, lives on the device so that CUDA graph replays advance it. On return every rank has
-// arrived, or a wait timed out (recorded in `error`; after a timeout anywhere later waits return at once and the
-// host raises at its next check). Release at system scope: whatever this stream wrote before is visible to a
-// peer that has seen the flag.
-__device__ __forceinline__ void signal_wait_block(uint8_t* const* peer_bases, uint8_t* local_base, ErrorRecord* error,
-                                                  int64_t flags_offset, int64_t seq_offset, uint64_t timeout_ns,
-                                                  int rank, int num_ranks, int phase) {
+// Call signature of `rank` for the operation with barrier sequence number `seq` in the buffer at `base`
+// (kSignaturesOffset; two sets by parity: a peer may arrive at the next operation while one of our blocks still
+// compares this one's, never two ahead, as it cannot pass that barrier before this kernel has ended).
+__device__ __forceinline__ int64_t* call_signature(uint8_t* base, int rank, int64_t seq) {
+    return reinterpret_cast<int64_t*>(base + kSignaturesOffset) + ((seq & 1) * kMaxRanks + rank) * kSignatureLen;
+}
+
+// Thread `peer` of a barrier: this rank's call signature into `peer`'s buffer, then the flag (a release at system
+// scope: a peer that has seen the flag sees the signature, this thread's stores before it).
+__device__ __forceinline__ void barrier_arrive(const EpParams& p, int peer, int64_t flags_offset, int64_t seq) {
+    longlong2* signature = reinterpret_cast<longlong2*>(call_signature(p.peer_bases[peer], p.rank, seq));
+#pragma unroll
+    for (int i = 0; i < kSignatureLen / 2; ++i)
+        signature[i] = make_longlong2(p.signature[2 * i], p.signature[2 * i + 1]);
+    st_release_sys(reinterpret_cast<int64_t*>(p.peer_bases[peer] + flags_offset) + p.rank, seq);
+}
+
+// Thread `peer` of a barrier: wait for `peer`'s flag, then compare its call signature with ours. 1: arrived and
+// agrees; 0: the wait ended without it (timeout or abort); -1: it arrived with another signature.
+__device__ __forceinline__ int barrier_wait(const EpParams& p, int peer, int64_t flags_offset, int64_t seq,
+                                            int phase) {
+    if (!wait_flag_at_least(reinterpret_cast<const int64_t*>(p.local_base + flags_offset) + peer, seq, p, phase,
+                            peer))
+        return 0;
+    // NOTES: all loads issued before any compare (one round trip, not kSignatureLen); through L2 (`__ldcg`), as a
+    // peer wrote them.
+    const longlong2* theirs = reinterpret_cast<const longlong2*>(call_signature(p.local_base, peer, seq));
+    longlong2 words[kSignatureLen / 2];
+#pragma unroll
+    for (int i = 0; i < kSignatureLen / 2; ++i) words[i] = __ldcg(theirs + i);
+    bool same = true;
+#pragma unroll
+    for (int i = 0; i < kSignatureLen / 2; ++i)
+        same &= words[i].x == p.signature[2 * i] && words[i].y == p.signature[2 * i + 1];
+    return same ? 1 : -1;
+}
+
+// End of a block's barrier waits at sequence number `seq`, `verdict` from barrier_wait (1 for threads that waited
+// for nobody): true when every rank arrived with this call's signature. Ranks that disagree all see it (every rank
+// compares every rank's signature, at the same `seq`); the first block that sees it leaves every rank's signature in
+// host-mapped memory for the host's error message, with `seq` and the exchange counter (the host restarts both
+// counters past them, the same on every rank), and sets the abort word, so this operation and those after it move
+// nothing until the host, at its next synchronizing call, raises and clears it. Every thread must call it.
+__device__ __forceinline__ bool barrier_agreed(const EpParams& p, int verdict, int phase, int64_t seq) {
+    __shared__ int any_missing, any_differ, record;
+    if (threadIdx.x == 0) any_missing = any_differ = record = 0;
+    __syncthreads();
+    if (verdict == 0) any_missing = 1;
+    if (verdict < 0) any_differ = 1;
+    __syncthreads();
+    if (any_differ && !any_missing) {
+        if (threadIdx.x == 0) {
+            set_abort(p.local_base, kErrorDisagree);
+            record = atomicCAS(reinterpret_cast<unsigned long long*>(&p.error->code), 0ull,
+                               static_cast<unsigned long long>(kErrorDisagree)) == 0ull;
+        }
+        __syncthreads();
+        if (record) {
+            int64_t* mapped = reinterpret_cast<int64_t*>(reinterpret_cast<uint8_t*>(p.error) +
+                                                         kMappedSignaturesOffset);
+            for (int i = threadIdx.x; i < p.num_ranks * kSignatureLen; i += blockDim.x)
+                mapped[i] = call_signature(p.local_base, i / kSignatureLen, seq)[i % kSignatureLen];
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                p.error->rank = p.rank;
+                p.error->phase = phase;
+                p.error->observed = seq;
+                p.error->expected = *reinterpret_cast<volatile int64_t*>(p.local_base + kExchangeSeqOffset);
+                __threadfence_system();
+            }
+        }
+    }
+    __syncthreads();
+    return !any_missing && !any_differ;
+}
+
+// The barrier of a notify block: tell every rank that this rank reached this point of a phase (with the call's
+// signature when `with_signature`), then wait until every rank told us the same: thread d of the block signals and
+// waits for rank d (every thread of the block must call this). The phase's flags are an int64 array [num_ranks] at
+// `flags_offset` of every buffer (written by peers); its sequence counter, at `seq_offset` of our buffer, lives on
+// the device so that CUDA graph replays advance it. True when every rank arrived (and agreed).
+__device__ __forceinline__ bool signal_wait_block(const EpParams& p, int64_t flags_offset, int64_t seq_offset,
+                                                  int phase, bool with_signature) {
     __shared__ int64_t seq;
     __syncthreads();  // a previous call's waiters are done with `seq`
     if (threadIdx.x == 0) {
-        int64_t* counter = reinterpret_cast<int64_t*>(local_base + seq_offset);
+        int64_t* counter = reinterpret_cast<int64_t*>(p.local_base + seq_offset);
         seq = *counter + 1;
         *counter = seq;
     }
     __syncthreads();
     const int peer = threadIdx.x;
-    if (peer < num_ranks) {
-        __threadfence_system();
-        st_release_sys(reinterpret_cast<int64_t*>(peer_bases[peer] + flags_offset) + rank, seq);
-        if (*reinterpret_cast<volatile int64_t*>(&error->code) == 0)
-            wait_flag_at_least(reinterpret_cast<const int64_t*>(local_base + flags_offset) + peer, seq, timeout_ns,
-                               error, rank, phase, peer);
+    int verdict = 1;
+    if (peer < p.num_ranks) {
+        if (with_signature) {
+            __threadfence_system();  // whatever this stream wrote before, from any thread, goes before the flag
+            barrier_arrive(p, peer, flags_offset, seq);
+            verdict = barrier_wait(p, peer, flags_offset, seq, phase);
+        } else {
+            __threadfence_system();
+            st_release_sys(reinterpret_cast<int64_t*>(p.peer_bases[peer] + flags_offset) + p.rank, seq);
+            verdict = wait_flag_at_least(reinterpret_cast<const int64_t*>(p.local_base + flags_offset) + peer, seq,
+                                         p, phase, peer);
+        }
     }
-    __syncthreads();
+    return barrier_agreed(p, verdict, phase, seq);
 }
 
 }  // namespace moe_comm

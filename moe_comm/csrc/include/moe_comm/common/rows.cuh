@@ -10,7 +10,7 @@
 
 namespace moe_comm {
 
-// Control slot `slot` of the buffer at `base`: [signature (kSignatureLen)][rows][per-local-expert counts][flags].
+// Control slot `slot` of the buffer at `base`: [rows][per-local-expert counts][flags].
 __device__ __forceinline__ int64_t* control_slot(uint8_t* base, int slot) {
     return reinterpret_cast<int64_t*>(base + kSlotsOffset) + static_cast<int64_t>(slot) * kSlotStride;
 }
@@ -29,27 +29,29 @@ __device__ __forceinline__ int64_t row_tag(const EpParams& p) {
     return (kTagMagic << 48) | (op_seq(p) & 0xffffffffffffll);
 }
 
+// True in every thread of the block when this rank's abort word is set (read once per block: the block acts alike).
+__device__ __forceinline__ bool block_aborted(const EpParams& p) {
+    __shared__ int skip;
+    __syncthreads();
+    if (threadIdx.x == 0) skip = aborted(p.local_base);
+    __syncthreads();
+    return skip;
+}
+
 // The barrier fused into an operation's kernel (p.with_barrier): block 0 tells every rank that this rank reached the
-// operation (its earlier operations on the stream are complete, so its region is free); a sender block waits until
-// every rank did the same before it writes into peers' regions. False when the wait timed out (the block then sends
-// nothing; the host raises the recorded timeout). Every thread of the block must call it.
+// operation (its earlier operations on the stream are complete, so its region is free) and with which signature; a
+// sender block waits until every rank did the same before it writes into peers' regions. False when a wait ended
+// without every rank or a rank called with another signature (the block then sends nothing; the host raises what
+// was recorded). Every thread of the block must call it.
 // NOTES: no block reads the host-mapped ErrorRecord here: reads over PCIe from every sender block serialize
 // (~1 us per block: 130 us for a 132-block dispatch on one H200).
 __device__ __forceinline__ bool barrier_arrive_and_wait(const EpParams& p, bool is_sender) {
     const int64_t seq = op_seq(p);
     const int peer = threadIdx.x;
-    if (blockIdx.x == 0 && peer < p.num_ranks)
-        st_release_sys(reinterpret_cast<int64_t*>(p.peer_bases[peer] + kBarrierFlagsOffset) + p.rank, seq);
+    if (blockIdx.x == 0 && peer < p.num_ranks) barrier_arrive(p, peer, kBarrierFlagsOffset, seq);
     if (!is_sender) return true;
-    __shared__ int ok;
-    if (threadIdx.x == 0) ok = 1;
-    __syncthreads();
-    if (peer < p.num_ranks &&
-        !wait_flag_at_least(reinterpret_cast<const int64_t*>(p.local_base + kBarrierFlagsOffset) + peer, seq,
-                            p.timeout_ns, p.error, p.rank, p.barrier_phase, peer))
-        ok = 0;
-    __syncthreads();
-    return ok;
+    const int verdict = peer < p.num_ranks ? barrier_wait(p, peer, kBarrierFlagsOffset, seq, p.barrier_phase) : 1;
+    return barrier_agreed(p, verdict, p.barrier_phase, seq);
 }
 
 // End of every block of a kernel that keeps kernel_done: the last block to finish resets the count and, with the

@@ -11,7 +11,6 @@ constexpr int kWarpSize = 32;
 constexpr int kMaxWarpsPerBlock = 16;        // dispatch_impl / combine_impl blocks: 512 threads
 constexpr int kThreadsPerBlock = kMaxWarpsPerBlock * kWarpSize;
 constexpr int kLayoutThreads = 1024;
-constexpr int kNotifyThreads = 512;          // dispatch notify: one thread per rank signals, all copy
 constexpr int kMaxLayoutTopk = 16;           // slots a layout thread keeps in registers (more are re-read)
 constexpr int kMaxDevices = 64;              // devices one process may launch dispatches on
 

@@ -135,7 +135,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
         const int num_rows = __popc(present);
         if (row != nullptr) rows[__popc(present & ((1u << lane) - 1))] = row;
         if (region_row != nullptr && !*reinterpret_cast<volatile int*>(&timed_out) &&
-            !wait_flag_equal(row_tag_ptr(region_row, p), tag, p.timeout_ns, p.error, p.rank, p.phase, peer))
+            !wait_flag_equal(row_tag_ptr(region_row, p), tag, p, p.phase, peer))
             timed_out = 1;
         __syncwarp();
         for (int64_t v0 = 0; v0 < num_vecs; v0 += kReduceUnroll * kWarpSize) {
@@ -221,11 +221,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_impl(EpParams p, Com
     const int warps_per_block = blockDim.x / kWarpSize;
     BLOCK_TIME_START(g_combine_block_times);
     const bool is_sender = static_cast<int>(blockIdx.x) < p.num_send_blocks;
-    const bool go = !p.with_barrier || barrier_arrive_and_wait(p, is_sender);
+    // After a timeout or a disagreement this rank moves nothing until the host has dealt with it.
+    const bool skip = block_aborted(p);
+    const bool go = !skip && (!p.with_barrier || barrier_arrive_and_wait(p, is_sender));
     if (is_sender) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
         if (go) combine_send_rows(p, a, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
-    } else {
+    } else if (!skip) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x - p.num_send_blocks) * warps_per_block + warp_in_block;
         const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
         combine_reduce_rows<T>(p, a, warp, num_warps, lane, rows[warp_in_block]);

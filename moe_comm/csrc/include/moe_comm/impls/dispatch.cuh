@@ -309,8 +309,7 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
         auto issue = [&]() {
             if (load_c == 0) {
                 load_ok = !*reinterpret_cast<volatile int*>(&timed_out) &&
-                          wait_flag_equal(row_tag_ptr(row_ptr(load_k), p), tag, p.timeout_ns, p.error, p.rank,
-                                          p.phase, source_of(load_k));
+                          wait_flag_equal(row_tag_ptr(row_ptr(load_k), p), tag, p, p.phase, source_of(load_k));
                 if (!load_ok) timed_out = 1;
                 fence_proxy_async();  // the acquire above before the bulk load's reads
             }
@@ -395,12 +394,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dispatch_impl(EpParams p, Di
     const int lane = threadIdx.x % kWarpSize;
     const int warps_per_block = blockDim.x / kWarpSize;
     const bool is_sender = static_cast<int>(blockIdx.x) < p.num_send_blocks;
-    const bool go = !p.with_barrier || barrier_arrive_and_wait(p, is_sender);
+    // After a timeout or a disagreement this rank moves nothing until the host has dealt with it.
+    const bool skip = block_aborted(p);
+    const bool go = !skip && (!p.with_barrier || barrier_arrive_and_wait(p, is_sender));
     if (is_sender) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / kWarpSize;
         if (go)
             dispatch_send_rows(p, in, out, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
-    } else {
+    } else if (!skip) {
         dispatch_recv_rows(p, out, recv_plan(p, warps_per_block), lane, dyn_smem);
     }
     BLOCK_TIME_END(g_dispatch_block_times);

@@ -1,0 +1,74 @@
+"""Ranks that disagree: probes for every call path (shared by the CPU tier and the GPU tier).
+
+Each probe makes the ranks call one operation with a different value of one thing that sizes the exchange (or
+different operations altogether). Every rank must raise the same ValueError naming the field and every rank's
+value, and the buffer must work afterwards. The reference backend on the CPU raises at the call itself; the CUDA
+backend detects it on the device and raises at the next synchronizing call (here `Buffer.barrier()`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+
+from .checks import check_case
+from .routing import Case, rank_inputs
+
+CASE = Case(seed=43, num_ranks=2, num_experts=4, num_topk=2, hidden=128, num_tokens=(6, 4),
+            num_max_tokens_per_rank=8)
+
+
+def probes(buf, rank: int) -> list[tuple[str, str, Callable[[], object]]]:
+    """(label, message fragment, call) for every way two ranks can disagree; rank 0 is the odd one out."""
+    x, idx, w = rank_inputs(CASE, rank, buf.device)
+    E = CASE.num_experts
+    odd = rank == 0
+    rx, _, rw, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+    rx2, _, _, handle2, _ = buf.dispatch(x, idx, w, num_experts=E)
+    narrow = rx[:, :64].contiguous()
+    d = buf.dispatch
+    return [
+        ("combine hidden", "ranks called combine with different arguments (per rank): hidden: [64, 128]",
+         lambda: buf.combine(narrow if odd else rx, handle)),
+        ("combine weights", "topk_weights given: [1, 0]",
+         lambda: buf.combine(rx, handle, topk_weights=rw if odd else None)),
+        ("combine handle epoch", f"handle epoch: [{handle2.epoch}, {handle.epoch}]",
+         lambda: buf.combine(rx2 if odd else rx, handle2 if odd else handle)),
+        ("no-sync num_experts", "num_experts: [8, 4]",
+         lambda: d(x, idx, w, num_experts=2 * E if odd else E, do_cpu_sync=False)),
+        ("no-sync weights", "topk_weights given: [0, 1]",
+         lambda: d(x, idx, None if odd else w, num_experts=E, do_cpu_sync=False)),
+        ("no-sync expand", "do_expand: [1, 0]", lambda: d(x, idx, w, num_experts=E, do_cpu_sync=False, do_expand=odd)),
+        ("no-sync alignment", "expert_alignment: [4, 1]",
+         lambda: d(x, idx, w, num_experts=E, do_cpu_sync=False, do_expand=True, expert_alignment=4 if odd else 1)),
+        ("no-sync fp8 format", "fp8 format: ['mxfp8', 'fp8_block128']",
+         lambda: d(x, idx, w, num_experts=E, do_cpu_sync=False, quantize="mxfp8" if odd else "fp8_block128")),
+        ("sync vs no-sync", "do_cpu_sync: [0, 1]", lambda: d(x, idx, w, num_experts=E, do_cpu_sync=not odd)),
+        ("cached vs fresh", "ranks called different operations (per rank): ['cached dispatch', 'dispatch']",
+         lambda: d(x, handle=handle) if odd else d(x, idx, w, num_experts=E, do_cpu_sync=False)),
+        ("cached hidden", "ranks called cached dispatch with different arguments (per rank): hidden: [64, 128]",
+         lambda: d(x[:, :64].contiguous() if odd else x, handle=handle)),
+        ("dispatch vs combine", "ranks called different operations (per rank): ['combine', 'dispatch']",
+         lambda: buf.combine(rx, handle) if odd else d(x, idx, w, num_experts=E, do_cpu_sync=False)),
+    ]
+
+
+def run_probes(rank: int, world_size: int, backend_buffer: Callable[[], object]) -> list[str]:
+    """Run every probe on a fresh buffer from `backend_buffer()`; returns the messages (equal on every rank)."""
+    buf = backend_buffer()
+    messages = []
+    for label, fragment, call in probes(buf, rank):
+        with pytest.raises(ValueError) as info:
+            try:
+                call()
+            finally:
+                # Where the CUDA backend raises what its kernels found, if the call did not (a rank whose call
+                # synchronized raised there; it still meets the others here).
+                buf.barrier()
+        message = str(info.value)
+        assert fragment in message, f"{label}: {message!r} lacks {fragment!r}"
+        messages.append(message)
+        check_case(buf, CASE, rank)  # still usable
+    buf.destroy()
+    return messages
