@@ -6,12 +6,13 @@ For each token count and op (dispatch with and without CPU sync, cached dispatch
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 At the smallest size also the host time of the pieces of a cached dispatch and a combine (checks, allocation, the
-launcher crossing) and a cProfile of every op (top functions by own time). Rank 0 prints.
+launcher crossing), the host time every op spends inside each launcher and in `torch.empty`, and a cProfile of
+every op (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
 MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `stages=N`
 MOE_COMM_RECV_STAGES, `send=F` / `csend=F` the share of sending blocks of the dispatch / combine, `sms=N` the SM
 count, `times=1` a build that records when each block ends), one bitwise check, then the kernel times of a cached
-dispatch (BF16 and FP8) and a combine at the largest token count.
+dispatch (BF16 and FP8), a combine and a fresh dispatch's layout kernel at the largest token count.
 
 The per-SM copy floor the kernels are measured against is benchmarks/microbench/copy_bench.cu.
 
@@ -92,7 +93,8 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     E, K, hidden, num_tokens = 256, 8, 7168, max(args["tokens"])
     case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
                 num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=num_tokens, drop_prob=0.0)
-    lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | cached dispatch fp8 | combine)"]
+    lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | cached dispatch fp8 | combine | layout of a "
+             f"fresh dispatch)"]
     for variant in args["variants"]:
         settings = dict(item.split("=") for item in variant.split(","))
         tuning = CudaTuning(
@@ -116,9 +118,10 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
             ops = {"cached dispatch": lambda: buf.dispatch(x, handle=handle),
                    "cached dispatch fp8": lambda: buf.dispatch(x_fp8, handle=handle_fp8),
                    "combine": lambda: buf.combine(recv_x, handle)}
-            # The operation's own kernel (the barrier's time is the ranks' skew, not the kernel's).
-            times = [sum(us for name, us in kernel_times(fn, args["iters"]).items() if "signal_wait" not in name)
-                     for fn in ops.values()]
+            times = [sum(kernel_times(fn, args["iters"]).values()) for fn in ops.values()]
+            fresh = kernel_times(lambda: buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms, do_cpu_sync=False),
+                                 args["iters"])
+            times.append(sum(us for name, us in fresh.items() if "layout" in name))
             lines.append(f"    {variant:30s} " + " | ".join(f"{us:8.1f}" for us in times) +
                          f"   (SMs {handle.num_sms})")
             if settings.get("times"):
@@ -172,6 +175,39 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
     return lines
 
 
+def host_pieces(impl, fn, iters: int) -> dict[str, float]:
+    """Host us per call of `fn` spent inside each kernel launcher (the ctypes crossing and the launch, which
+    cProfile books to the caller) and in `torch.empty`, and the whole call."""
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, f):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
+
+    launchers = {name: getattr(impl.kernels, name) for name in ("layout", "dispatch", "combine")}
+    empty = torch.empty
+    for name, f in launchers.items():
+        setattr(impl.kernels, name, timed(f"{name} launcher", f))
+    torch.empty = timed("torch.empty", empty)
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        spent["whole call"] = time.perf_counter() - t0
+    finally:
+        for name, f in launchers.items():
+            setattr(impl.kernels, name, f)
+        torch.empty = empty
+    torch.cuda.synchronize()
+    return {name: seconds * 1e6 / iters for name, seconds in spent.items()}
+
+
 def cprofile(fn, iters: int, title: str, top: int = 14) -> str:
     for _ in range(3):
         fn()
@@ -211,6 +247,10 @@ def profile_rank(rank: int, world_size: int, args: dict) -> str:
                 lines.append(f"    {us:9.1f} us  {100 * us / stream:5.1f}%  {kernel}")
         if num_tokens == min(args["tokens"]):
             lines += host_breakdown(buf, x, handle, recv_x, 200)
+            for name, fn in ops.items():
+                pieces = host_pieces(buf._impl, fn, iters)
+                lines.append(f"\nhost us per call inside, {name} at {num_tokens} tokens: " +
+                             ", ".join(f"{piece} {us:.1f}" for piece, us in pieces.items()))
             for name, fn in ops.items():
                 lines.append(cprofile(fn, iters, f"{name} at {num_tokens} tokens"))
     buf.destroy()
