@@ -107,6 +107,9 @@ def _check_int(minimum: int, **values) -> None:
 class Buffer:
     """Expert-parallel dispatch and combine over one process group.
 
+    Making one is collective: every rank of the group makes its buffer at the same point (a rank that cannot, for
+    lack of memory say, makes every rank raise the same error).
+
     Arguments:
         group: the expert-parallel process group (None: the default group). gloo runs on CPU tensors,
             NCCL on the current CUDA device.
@@ -166,18 +169,39 @@ class Buffer:
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
         self._memory_bytes = _memory_bytes(self.device)
         self.backend = self._resolve_backend(backend, cuda_tuning)
-        if self.backend == "cuda" and self.num_bytes > self._memory_bytes:
-            raise self._too_large("the symmetric buffer of this Buffer(num_max_tokens_per_rank=..., hidden=..., "
-                                  "num_topk=...)", self.num_bytes)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
         self._fitting: set[tuple] = set()  # call shapes that fit the buffer
-        if self.backend == "cuda":
-            self._impl = cuda_backend.CudaBackend(group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
-                                                  self.num_gpu_timeout_secs, cuda_tuning)
-        else:
-            self._impl = TorchRefBackend(group, self.device, self.num_cpu_timeout_secs)
+        self._impl = self._make_backend(cuda_tuning)
         self._destroyed = False
+
+    def _make_backend(self, cuda_tuning):
+        """This rank's backend, made once every rank has allocated its memory.
+
+        A rank whose memory check or allocation failed alone would leave its peers waiting in the next collective
+        (the CUDA backend's rendezvous, or the first call) until a timeout; instead every rank learns every rank's
+        outcome and raises the same error, naming each rank that failed and what it could not get.
+        """
+        impl, failure = None, None
+        try:
+            if self.backend == "cuda":
+                if self.num_bytes > self._memory_bytes:
+                    raise self._too_large("the symmetric buffer of this Buffer(num_max_tokens_per_rank=..., "
+                                          "hidden=..., num_topk=...)", self.num_bytes)
+                impl = cuda_backend.CudaBackend(self.group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
+                                                self.num_gpu_timeout_secs, cuda_tuning)
+            else:
+                impl = TorchRefBackend(self.group, self.device, self.num_cpu_timeout_secs)
+        except Exception as exc:  # of any kind: the peers must hear of it either way
+            failure = exc
+        error = _error_on_every_rank(self.group, failure, f"moe_comm.Buffer(backend={self.backend!r})")
+        if error is not None:
+            if impl is not None:
+                impl.close()  # now, not when the caller lets go of the exception (whose frames hold `impl`)
+            raise error from failure
+        if self.backend == "cuda":
+            impl.connect()
+        return impl
 
     # ------------------------------------------------------------------------------------------------
     # Set-up helpers
@@ -557,7 +581,11 @@ class Buffer:
         self._impl.check_pending_errors()
 
     def destroy(self) -> None:
-        """Release the buffer once its communication has finished; later calls raise."""
+        """Release the buffer once its communication has finished; later calls raise.
+
+        A buffer dropped without `destroy()` is released as well once nothing refers to it (the CUDA backend's
+        finalizer frees its memory); `destroy()` frees the memory now, whatever still refers to the buffer.
+        """
         if self._impl is not None:
             self._impl.close()
         self._impl = None
@@ -567,6 +595,26 @@ class Buffer:
         return (f"moe_comm.Buffer(backend={self.backend!r}, num_ranks={self.num_ranks}, device={self.device}, "
                 f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}, hidden={self.hidden}, "
                 f"num_topk={self.num_topk}, num_bytes={self.num_bytes})")
+
+
+# Failures that keep their type when every failed rank raised the same one of them (callers catch these by type).
+_AGREED_ERRORS = {error.__name__: error for error in (ValueError, MemoryError, torch.OutOfMemoryError)}
+
+
+def _error_on_every_rank(group: dist.ProcessGroup, failure: Optional[Exception], what: str) -> Optional[Exception]:
+    """Collective: None if no rank of `group` had a `failure`, else the same error on every rank, naming each rank
+    that failed and its message. Its type is that of the failures if all are the same one of `_AGREED_ERRORS`,
+    else RuntimeError."""
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    failed = [r for r, outcome in enumerate(everyone) if outcome is not None]
+    if not failed:
+        return None
+    kinds = {everyone[r][0] for r in failed}
+    error_type = _AGREED_ERRORS.get(kinds.pop(), RuntimeError) if len(kinds) == 1 else RuntimeError
+    return error_type(f"{what} failed on rank(s) {failed}: " +
+                      "; ".join(f"rank {r}: {everyone[r][0]}: {everyone[r][1]}" for r in failed))
 
 
 def _memory_bytes(device: torch.device) -> int:

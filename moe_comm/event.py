@@ -68,7 +68,9 @@ class EventOverlap:
         with torch.no_grad():
             while self._finalizers:
                 self._finalizers.pop(0)()
+        # A completed event keeps nothing alive (callers hold on to it, e.g. as `_` of an unpacked result).
         self._extra_tensors = ()
+        self._on_fault = None
 
     def __enter__(self) -> "EventOverlap":
         return self

@@ -1,21 +1,29 @@
 """GPU tier: both backends (reference over NCCL, CUDA over NVLink) with one GPU per rank; skips without CUDA.
 With one GPU the tier runs on one rank (every row goes to the rank itself) and skips what needs a peer.
 
-Same random cases and bitwise oracle as the CPU tier, plus what only CUDA has: the comm stream and events,
-no host synchronization at all without a CPU sync (checked with CUDA's sync debug mode), CUDA graph replay,
-and GPU-side timeouts."""
+Same random cases and bitwise oracle as the CPU tier, plus what only CUDA has: the comm stream and events (async
+calls let compute run while they communicate, measured with CUDA events), no host synchronization at all without a
+CPU sync (checked with CUDA's sync debug mode), CUDA graph replay, GPU-side timeouts, and device memory given back
+by buffers destroyed or dropped. Every rank function destroys the buffers it made (`Buffers`): no buffer carries
+state from one test into another."""
 
 from __future__ import annotations
 
+import math
+from typing import Callable, Optional
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import moe_comm
 from moe_comm import autograd as moe_autograd
 from moe_comm import env
+from moe_comm.event import EventOverlap
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import assert_same, check_case
 from moe_comm.testing.gradcheck import run_gradcheck
+from moe_comm.testing.memory import churn_buffers
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
@@ -37,28 +45,51 @@ def nccl_pool():
 
 
 BACKENDS = ["torch", "cuda"]
-_BUFFERS: dict = {}
+# Room for every case of a test on the CUDA backend: up to 4104 tokens of hidden 7168 in float64 (4 x 7168 bf16
+# elements), top-9, FP8 (0.9 GB per rank at EP2).
+LARGE_CUDA_BUFFER = dict(num_max_tokens_per_rank=4104, hidden=4 * 7168, num_topk=9, use_fp8_dispatch=True)
 
 
-def make_buffer(case: Case, backend: str = "torch", **kwargs) -> moe_comm.Buffer:
-    """A buffer large enough for `case`. Without extra arguments, CUDA cases share one large buffer (a symmetric
-    memory rendezvous per case would dominate the run)."""
-    if backend == "cuda" and not kwargs:
-        if "cuda" not in _BUFFERS:
-            _BUFFERS["cuda"] = moe_comm.Buffer(None, num_max_tokens_per_rank=4104, hidden=4 * 7168, num_topk=9,
-                                               use_fp8_dispatch=True, backend="cuda")
-        return _BUFFERS["cuda"]
-    hidden = case.hidden * case.torch_dtype.itemsize // 2
-    return moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=max(hidden, 8),
-                           num_topk=case.num_topk, use_fp8_dispatch=case.hidden % 128 == 0, backend=backend, **kwargs)
+class Buffers:
+    """The buffers one rank function makes, all destroyed when it ends.
+
+    `get(case, backend, **kwargs)`: without extra arguments the CUDA backend's cases share one large buffer (a
+    symmetric-memory rendezvous per case would dominate the run); any other buffer is sized for its case.
+    `make(**buffer_kwargs)`: a buffer made with exactly these arguments.
+    """
+
+    def __init__(self) -> None:
+        self._made: list[moe_comm.Buffer] = []
+        self._large: Optional[moe_comm.Buffer] = None
+
+    def make(self, **buffer_kwargs) -> moe_comm.Buffer:
+        self._made.append(moe_comm.Buffer(None, **buffer_kwargs))
+        return self._made[-1]
+
+    def get(self, case: Case, backend: str = "torch", **kwargs) -> moe_comm.Buffer:
+        if backend == "cuda" and not kwargs:
+            if self._large is None:
+                self._large = self.make(backend="cuda", **LARGE_CUDA_BUFFER)
+            return self._large
+        hidden = case.hidden * case.torch_dtype.itemsize // 2
+        return self.make(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=max(hidden, 8),
+                         num_topk=case.num_topk, use_fp8_dispatch=case.hidden % 128 == 0, backend=backend, **kwargs)
+
+    def __enter__(self) -> "Buffers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for buf in self._made:
+            buf.destroy()
 
 
 def random_cases_rank(rank: int, world_size: int, cases: list[Case], backend: str) -> int:
-    for i, case in enumerate(cases):
-        try:
-            check_case(make_buffer(case, backend), case, rank)
-        except AssertionError as exc:
-            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
+    with Buffers() as buffers:
+        for i, case in enumerate(cases):
+            try:
+                check_case(buffers.get(case, backend), case, rank)
+            except AssertionError as exc:
+                raise AssertionError(f"case {i}: {case}\n{exc}") from exc
     return len(cases)
 
 
@@ -70,22 +101,23 @@ def test_random_cases(nccl_pool, seed, backend):
 
 def no_host_sync_rank(rank: int, world_size: int, case: Case, backend: str) -> bool:
     """Dispatch without CPU sync, combine and cached dispatch must never synchronize with the host."""
-    buf = make_buffer(case, backend)
-    x, idx, w = rank_inputs(case, rank, buf.device)
-    bias = torch.randn_like(x)
-    kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-    buf.dispatch(x, idx, w, do_cpu_sync=False, **kwargs)  # warm-up: NCCL communicators, allocator
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, do_cpu_sync=False, **kwargs)
-        combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=bias)
-        buf.dispatch(combined, handle=handle, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-        q_recv, _, _, _, _ = buf.dispatch(x, idx, w, do_cpu_sync=False, quantize="mxfp8", **kwargs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return True
+    with Buffers() as buffers:
+        buf = buffers.get(case, backend)
+        x, idx, w = rank_inputs(case, rank, buf.device)
+        bias = torch.randn_like(x)
+        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        buf.dispatch(x, idx, w, do_cpu_sync=False, **kwargs)  # warm-up: NCCL communicators, allocator
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, do_cpu_sync=False, **kwargs)
+            combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=bias)
+            buf.dispatch(combined, handle=handle, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+            q_recv, _, _, _, _ = buf.dispatch(x, idx, w, do_cpu_sync=False, quantize="mxfp8", **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        return True
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,38 +128,108 @@ def test_no_host_sync(nccl_pool, do_expand, backend):
     assert nccl_pool.run(no_host_sync_rank, case, backend) == [True] * WORLD_SIZE
 
 
-def async_rank(rank: int, world_size: int, backend: str) -> bool:
-    """async_with_compute_stream: work on the compute stream overlaps; after the wait, results equal sync."""
-    case = Case(seed=72, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=1024,
-                num_tokens=per_rank(2048, 1500),
-                num_max_tokens_per_rank=2048)
-    buf = make_buffer(case, backend)
-    x, idx, w = rank_inputs(case, rank, buf.device)
-    ref_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=16)
-    ref_combined, _, _ = buf.combine(ref_x, handle)
-    recv_x, _, _, handle2, event = buf.dispatch(x, idx, w, num_experts=16, async_with_compute_stream=True)
-    busy = torch.randn(2048, 2048, device=buf.device) @ torch.randn(2048, 2048, device=buf.device)
-    event.current_stream_wait()
-    combined, _, event = buf.combine(recv_x, handle2, async_with_compute_stream=True, previous_event=event)
-    with event:
-        pass
-    assert_same("async recv_x", recv_x, ref_x.cpu())
-    assert_same("async combined", combined, ref_combined.cpu())
-    return bool(busy.isfinite().all())
+# The async overlap check: a gate (a sleep on the current stream) holds back both streams until the host has queued
+# everything (~100 ms at H200 clocks); the communication uses a few SMs so that compute has the others.
+GATE_CYCLES = 200_000_000
+NUM_COMM_SMS = 16
+
+
+def gated_ms(comm: Optional[Callable[[], EventOverlap]], num_comm: int,
+             compute: Optional[Callable[[], object]]) -> dict[str, float]:
+    """Queue `num_comm` async calls `comm()`, then `compute()` on the current stream, behind a gate; milliseconds from
+    the gate's end to "compute start" (the current stream reaching the compute), "comm end" (the last call's event
+    completing, seen from a side stream) and "total" (both done).
+
+    An async call orders the comm stream after the current stream, so neither stream starts before the gate ends:
+    this measures the device's overlap, not the host's launch speed. Ranks start their gates together (a barrier),
+    so a peer's late start does not count as communication time.
+    """
+    names = ("gate", "compute start", "comm end", "total")
+    events = {name: torch.cuda.Event(enable_timing=True) for name in names}
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(GATE_CYCLES)
+    events["gate"].record()
+    in_flight = [comm() for _ in range(num_comm)] if comm is not None else []
+    events["compute start"].record()
+    if compute is not None:
+        compute()
+    if in_flight:
+        side.wait_event(in_flight[-1].event)
+        events["comm end"].record(side)
+        in_flight[-1].current_stream_wait()
+    else:
+        events["comm end"].record()
+    events["total"].record()
+    # Still sleeping: the host queued everything in time (an async call that synchronized with the host would have
+    # waited for the gate to end).
+    assert not events["gate"].query(), "the gate ended while the host was still queuing work (host sync?)"
+    torch.cuda.synchronize()
+    return {name: events["gate"].elapsed_time(events[name]) for name in names[1:]}
+
+
+def overlap_rank(rank: int, world_size: int, backend: str) -> dict:
+    """async_with_compute_stream: the results equal the synchronous calls', and compute on the current stream runs
+    while a cached dispatch or a combine is in flight on the comm stream (CUDA events on both streams): the compute
+    starts long before the communication ends, and on the CUDA backend (which leaves the SMs it does not use to
+    compute) both together take clearly less than one after the other."""
+    case = Case(seed=72, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=7168,
+                num_tokens=per_rank(4096, 3000), num_max_tokens_per_rank=4096)
+    with Buffers() as buffers:
+        buf = buffers.get(case, backend)
+        x, idx, w = rank_inputs(case, rank, buf.device)
+        ref_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=16)
+        ref_combined, _, _ = buf.combine(ref_x, handle)
+        ref_cached = buf.dispatch(x, handle=handle)[0]
+        recv_x, _, _, new_handle, event = buf.dispatch(x, idx, w, num_experts=16, async_with_compute_stream=True)
+        combined, _, event = buf.combine(recv_x, new_handle, async_with_compute_stream=True, previous_event=event)
+        cached, _, _, _, cached_event = buf.dispatch(x, handle=handle, async_with_compute_stream=True)
+        with event, cached_event:
+            pass
+        assert_same("async recv_x", recv_x, ref_x.cpu())
+        assert_same("async combined", combined, ref_combined.cpu())
+        assert_same("async cached dispatch", cached, ref_cached.cpu())
+
+        a, b = (torch.randn(4096, 4096, dtype=torch.bfloat16, device=buf.device) for _ in range(2))
+        ops = {"cached dispatch": lambda: buf.dispatch(x, handle=handle, num_sms=NUM_COMM_SMS,
+                                                       async_with_compute_stream=True)[4],
+               "combine": lambda: buf.combine(ref_x, handle, num_sms=NUM_COMM_SMS, async_with_compute_stream=True)[2]}
+        a @ b  # warm-up: cuBLAS, the allocator
+        one_gemm = gated_ms(None, 0, lambda: a @ b)["total"]
+        timings = {}
+        for name, op in ops.items():
+            for warm in [op() for _ in range(16)]:  # launch structs, output blocks in the allocator
+                warm.current_stream_wait()
+            num_comm = min(16, math.ceil(1.0 / gated_ms(op, 1, None)["comm end"]))  # >= ~1 ms of communication
+            comm = gated_ms(op, num_comm, None)["comm end"]
+            num_gemms = max(1, round(comm / one_gemm))  # about as long as the communication
+            compute = gated_ms(None, 0, lambda: [a @ b for _ in range(num_gemms)])["total"]
+            both = gated_ms(op, num_comm, lambda: [a @ b for _ in range(num_gemms)])
+            timings[name] = dict(comm=comm, compute=compute, num_comm=num_comm, num_gemms=num_gemms, **both)
+            where = f"rank {rank}, {name} on {backend}, ms after the gate: {timings[name]}"
+            assert both["compute start"] < 0.5 * both["comm end"], f"compute waited for the communication: {where}"
+            if backend == "cuda":
+                # Serialized: comm + compute; overlapped: about the longer one (compute loses NUM_COMM_SMS SMs).
+                assert both["total"] < comm + compute - 0.3 * min(comm, compute), f"too little overlap: {where}"
+    return timings
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_async_comm_stream(nccl_pool, backend):
-    assert nccl_pool.run(async_rank, backend) == [True] * WORLD_SIZE
+def test_async_overlaps_compute(nccl_pool, backend):
+    for rank, timings in enumerate(nccl_pool.run(overlap_rank, backend)):
+        print(f"rank {rank} {backend}: {timings}")
 
 
 def gradcheck_rank(rank: int, world_size: int, backend: str) -> bool:
     base = dict(num_ranks=WORLD_SIZE, num_experts=2 * max(WORLD_SIZE, 2), num_topk=3, hidden=2, num_tokens=per_rank(3, 0),
                 num_max_tokens_per_rank=4,
                 dtype="float64", drop_prob=0.25, num_bias=1)
-    for case in (Case(seed=81, **base), Case(seed=82, do_expand=True, expert_alignment=3, do_cpu_sync=False, **base)):
-        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=8, num_topk=3, backend=backend)
-        assert run_gradcheck(buf, case, rank)
+    with Buffers() as buffers:
+        for case in (Case(seed=81, **base), Case(seed=82, do_expand=True, expert_alignment=3, do_cpu_sync=False,
+                                                 **base)):
+            buf = buffers.make(num_max_tokens_per_rank=4, hidden=8, num_topk=3, backend=backend)
+            assert run_gradcheck(buf, case, rank)
     return True
 
 
@@ -139,20 +241,21 @@ def test_gradcheck(nccl_pool, backend):
 def autograd_async_rank(rank: int, world_size: int, backend: str) -> list:
     case = Case(seed=83, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=64, num_tokens=per_rank(64, 32),
                 num_max_tokens_per_rank=64)
-    buf = make_buffer(case, backend)
-    out = []
-    for use_async in (False, True):
-        x, idx, w = rank_inputs(case, rank, buf.device)
-        x.requires_grad_()
-        recv_x, _, recv_w, handle, event = moe_autograd.dispatch(buf, x, idx, w, num_experts=8,
-                                                                 async_with_compute_stream=use_async)
-        event.current_stream_wait()
-        y = recv_x * (1 + recv_w.sum(1, keepdim=True)).to(recv_x.dtype)
-        combined, event = moe_autograd.combine(buf, y, handle, async_with_compute_stream=use_async)
-        event.current_stream_wait()
-        combined.float().square().sum().backward()
-        out.append(x.grad.float().cpu().tolist())
-    return out
+    with Buffers() as buffers:
+        buf = buffers.get(case, backend)
+        out = []
+        for use_async in (False, True):
+            x, idx, w = rank_inputs(case, rank, buf.device)
+            x.requires_grad_()
+            recv_x, _, recv_w, handle, event = moe_autograd.dispatch(buf, x, idx, w, num_experts=8,
+                                                                     async_with_compute_stream=use_async)
+            event.current_stream_wait()
+            y = recv_x * (1 + recv_w.sum(1, keepdim=True)).to(recv_x.dtype)
+            combined, event = moe_autograd.combine(buf, y, handle, async_with_compute_stream=use_async)
+            event.current_stream_wait()
+            combined.float().square().sum().backward()
+            out.append(x.grad.float().cpu().tolist())
+        return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -166,41 +269,43 @@ def graph_rank(rank: int, world_size: int, do_expand: bool) -> int:
     equals the same calls run eagerly (bitwise on every valid row)."""
     case = Case(seed=90, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=512, num_tokens=per_rank(256),
                 num_max_tokens_per_rank=256, do_expand=do_expand, expert_alignment=16, do_cpu_sync=False)
-    buf = make_buffer(case, "cuda")
-    kwargs = dict(num_experts=16, do_cpu_sync=False, do_expand=do_expand, expert_alignment=16)
-    static = [t.clone() for t in rank_inputs(case, rank, buf.device)]
+    with Buffers() as buffers:
+        buf = buffers.get(case, "cuda")
+        kwargs = dict(num_experts=16, do_cpu_sync=False, do_expand=do_expand, expert_alignment=16)
+        static = [t.clone() for t in rank_inputs(case, rank, buf.device)]
 
-    def step():
-        recv_x, _, recv_w, handle, _ = buf.dispatch(*static, **kwargs)
-        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w * 3)
-        again, _, _, _, _ = buf.dispatch(combined, handle=handle, do_expand=do_expand, expert_alignment=16)
-        return recv_x, combined, combined_w, again, handle
+        def step():
+            recv_x, _, recv_w, handle, _ = buf.dispatch(*static, **kwargs)
+            combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w * 3)
+            again, _, _, _, _ = buf.dispatch(combined, handle=handle, do_expand=do_expand, expert_alignment=16)
+            return recv_x, combined, combined_w, again, handle
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = step()
-    replays = 0
-    for trial in range(3):
-        new = Case(**{**case.__dict__, "seed": 91 + trial})
-        for target, value in zip(static, rank_inputs(new, rank, buf.device)):
-            target.copy_(value)
-        graph.replay()
-        eager = step()
-        torch.cuda.synchronize()
-        rows = int(eager[4].psum_num_recv_tokens_per_expert[-1] if do_expand
-                   else eager[4].psum_num_recv_tokens_per_rank[-1])
-        assert int(graph_out[4].psum_num_recv_tokens_per_rank[-1]) == int(eager[4].psum_num_recv_tokens_per_rank[-1])
-        assert_same("graph recv_x", graph_out[0][:rows], eager[0][:rows].cpu())
-        assert_same("graph combined", graph_out[1], eager[1].cpu())
-        assert_same("graph combined_topk_weights", graph_out[2], eager[2].cpu())
-        assert_same("graph cached dispatch", graph_out[3][:rows], eager[3][:rows].cpu())
-        replays += 1
-    return replays
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out = step()
+        replays = 0
+        for trial in range(3):
+            new = Case(**{**case.__dict__, "seed": 91 + trial})
+            for target, value in zip(static, rank_inputs(new, rank, buf.device)):
+                target.copy_(value)
+            graph.replay()
+            eager = step()
+            torch.cuda.synchronize()
+            rows = int(eager[4].psum_num_recv_tokens_per_expert[-1] if do_expand
+                       else eager[4].psum_num_recv_tokens_per_rank[-1])
+            num_rows = int(eager[4].psum_num_recv_tokens_per_rank[-1])
+            assert int(graph_out[4].psum_num_recv_tokens_per_rank[-1]) == num_rows
+            assert_same("graph recv_x", graph_out[0][:rows], eager[0][:rows].cpu())
+            assert_same("graph combined", graph_out[1], eager[1].cpu())
+            assert_same("graph combined_topk_weights", graph_out[2], eager[2].cpu())
+            assert_same("graph cached dispatch", graph_out[3][:rows], eager[3][:rows].cpu())
+            replays += 1
+        return replays
 
 
 @pytest.mark.parametrize("do_expand", [False, True])
@@ -213,20 +318,21 @@ def missing_peer_rank(rank: int, world_size: int) -> str:
     import time
     case = Case(seed=92, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(64),
                 num_max_tokens_per_rank=64)
-    buf = make_buffer(case, "cuda", num_gpu_timeout_secs=3)
-    x, idx, w = rank_inputs(case, rank, buf.device)
-    buf.dispatch(x, idx, w, num_experts=8)
-    torch.cuda.synchronize()
-    if rank == 1:
-        time.sleep(8)
-        return "skipped"
-    start = time.monotonic()
-    with pytest.raises(TimeoutError) as info:
+    with Buffers() as buffers:
+        buf = buffers.get(case, "cuda", num_gpu_timeout_secs=3)
+        x, idx, w = rank_inputs(case, rank, buf.device)
         buf.dispatch(x, idx, w, num_experts=8)
-    assert time.monotonic() - start < 6
-    with pytest.raises(RuntimeError, match="broken since an earlier error"):
-        buf.dispatch(x, idx, w, num_experts=8)
-    return str(info.value)
+        torch.cuda.synchronize()
+        if rank == 1:
+            time.sleep(8)
+            return "skipped"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            buf.dispatch(x, idx, w, num_experts=8)
+        assert time.monotonic() - start < 6
+        with pytest.raises(RuntimeError, match="broken since an earlier error"):
+            buf.dispatch(x, idx, w, num_experts=8)
+        return str(info.value)
 
 
 @needs_peer
@@ -239,13 +345,14 @@ def test_cuda_missing_peer_times_out():
 
 def rounds_rank(rank: int, world_size: int, cases: list[Case]) -> int:
     """Expand combines whose slots do not all fit the region at once (a buffer sized exactly for the case)."""
-    for i, case in enumerate(cases):
-        buf = make_buffer(case, "cuda", num_gpu_timeout_secs=100)
-        try:
-            check_case(buf, case, rank)
-        except AssertionError as exc:
-            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
-        buf.destroy()
+    with Buffers() as buffers:
+        for i, case in enumerate(cases):
+            buf = buffers.get(case, "cuda", num_gpu_timeout_secs=100)
+            try:
+                check_case(buf, case, rank)
+            except AssertionError as exc:
+                raise AssertionError(f"case {i}: {case}\n{exc}") from exc
+            buf.destroy()  # now: one exactly sized buffer at a time
     return len(cases)
 
 
@@ -277,27 +384,29 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
     outputs equal the reference backend's bit for bit (data, scales, routing, weights, source indices)."""
     from moe_comm import quant
 
-    checked = 0
-    for case in cases:
-        ref_buf, cuda_buf = make_buffer(case, "torch"), make_buffer(case, "cuda")
-        x, idx, w = rank_inputs(case, rank, cuda_buf.device)
-        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-        for fmt in quant.FP8_FORMATS:
-            for mode, args in (("tuple", dict(x=quant.quantize(x, fmt))), ("quantize", dict(x=x, quantize=fmt)),
-                               ("dequantize", dict(x=x, quantize=fmt, dequantize=True))):
-                ref = ref_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
-                got = cuda_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
-                where = f"{fmt} {mode} {case}"
-                ref_x, got_x = (ref[0], got[0]) if mode == "dequantize" else (ref[0][0], got[0][0])
-                assert_same(f"recv data, {where}", got_x, ref_x.cpu())
-                if mode != "dequantize":
-                    assert_same(f"recv scales, {where}", got[0][1], ref[0][1].cpu())
-                for i, name in ((1, "recv_topk_idx"), (2, "recv_topk_weights")):
-                    assert_same(f"{name}, {where}", got[i], None if ref[i] is None else ref[i].cpu())
-                assert_same(f"recv_src_idx, {where}", got[3].recv_src_idx, ref[3].recv_src_idx.cpu())
-                checked += 1
-        ref_buf.destroy()
-    return checked
+    with Buffers() as buffers:
+        checked = 0
+        for case in cases:
+            ref_buf, cuda_buf = buffers.get(case, "torch"), buffers.get(case, "cuda")
+            x, idx, w = rank_inputs(case, rank, cuda_buf.device)
+            kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand,
+                          expert_alignment=case.expert_alignment)
+            for fmt in quant.FP8_FORMATS:
+                for mode, args in (("tuple", dict(x=quant.quantize(x, fmt))), ("quantize", dict(x=x, quantize=fmt)),
+                                   ("dequantize", dict(x=x, quantize=fmt, dequantize=True))):
+                    ref = ref_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
+                    got = cuda_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
+                    where = f"{fmt} {mode} {case}"
+                    ref_x, got_x = (ref[0], got[0]) if mode == "dequantize" else (ref[0][0], got[0][0])
+                    assert_same(f"recv data, {where}", got_x, ref_x.cpu())
+                    if mode != "dequantize":
+                        assert_same(f"recv scales, {where}", got[0][1], ref[0][1].cpu())
+                    for i, name in ((1, "recv_topk_idx"), (2, "recv_topk_weights")):
+                        assert_same(f"{name}, {where}", got[i], None if ref[i] is None else ref[i].cpu())
+                    assert_same(f"recv_src_idx, {where}", got[3].recv_src_idx, ref[3].recv_src_idx.cpu())
+                    checked += 1
+            ref_buf.destroy()
+        return checked
 
 
 def test_cuda_fp8_matches_reference(nccl_pool):
@@ -313,12 +422,13 @@ def disagreement_rank(rank: int, world_size: int) -> str:
     notify kernel's summary), and the buffer keeps working afterwards."""
     case = Case(seed=231, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(32),
                 num_max_tokens_per_rank=40)
-    buf = make_buffer(case, "cuda")
-    x, idx, w = rank_inputs(case, rank, buf.device)
-    with pytest.raises(ValueError) as info:
-        buf.dispatch(x, idx, w, num_experts=8, num_max_tokens_per_rank=32 + rank)
-    check_case(buf, case, rank)
-    return str(info.value)
+    with Buffers() as buffers:
+        buf = buffers.get(case, "cuda")
+        x, idx, w = rank_inputs(case, rank, buf.device)
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(x, idx, w, num_experts=8, num_max_tokens_per_rank=32 + rank)
+        check_case(buf, case, rank)
+        return str(info.value)
 
 
 @needs_peer
@@ -333,22 +443,23 @@ def bad_routing_rank(rank: int, world_size: int) -> list[str]:
     the next synchronizing dispatch without), and the buffer keeps working afterwards."""
     case = Case(seed=221, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(32),
                 num_max_tokens_per_rank=32, drop_prob=0.0)
-    buf = make_buffer(case, "cuda")
-    x, idx, w = rank_inputs(case, rank, buf.device)
-    bad = idx.clone()
-    if rank == 0:
-        bad[3, 1] = 99
-        bad[5, 1] = bad[5, 0]
-    messages = []
-    with pytest.raises(ValueError) as info:
-        buf.dispatch(x, bad, w, num_experts=8)
-    messages.append(str(info.value))
-    buf.dispatch(x, bad, w, num_experts=8, do_cpu_sync=False)  # dropped slots, reported by the next sync
-    with pytest.raises(ValueError) as info:
-        buf.dispatch(x, idx, w, num_experts=8)
-    messages.append(str(info.value))
-    check_case(buf, case, rank)
-    return messages
+    with Buffers() as buffers:
+        buf = buffers.get(case, "cuda")
+        x, idx, w = rank_inputs(case, rank, buf.device)
+        bad = idx.clone()
+        if rank == 0:
+            bad[3, 1] = 99
+            bad[5, 1] = bad[5, 0]
+        messages = []
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(x, bad, w, num_experts=8)
+        messages.append(str(info.value))
+        buf.dispatch(x, bad, w, num_experts=8, do_cpu_sync=False)  # dropped slots, reported by the next sync
+        with pytest.raises(ValueError) as info:
+            buf.dispatch(x, idx, w, num_experts=8)
+        messages.append(str(info.value))
+        check_case(buf, case, rank)
+        return messages
 
 
 def test_cuda_bad_routing_raises_everywhere(nccl_pool):
@@ -372,3 +483,36 @@ def test_disagreement_found_on_the_device(nccl_pool):
     call; the buffer works afterwards."""
     messages = nccl_pool.run(disagreement_rank)
     assert messages[0] == messages[1]
+
+
+def cuda_churn_rank(rank: int, world_size: int, num_buffers: int) -> dict:
+    case = Case(seed=241, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=4096, num_tokens=per_rank(512, 300),
+                num_max_tokens_per_rank=512)
+    sizes = dict(num_max_tokens_per_rank=2048, hidden=4096, num_topk=2)
+    result = churn_buffers(lambda: moe_comm.Buffer(None, backend="cuda", **sizes), case, rank, num_buffers,
+                           num_warmups=4)
+    result["num_bytes"] = moe_comm.Buffer.get_buffer_size_hint(None, **sizes)
+    return result
+
+
+def test_cuda_buffers_give_back_memory(nccl_pool):
+    """200 CUDA buffers, every other one destroyed and the rest dropped without destroy() (their finalizers free the
+    host-mapped memory, the symmetric buffer goes with the backend): none stays alive, no finalizer raised, and
+    device and host memory stay flat.
+
+    Tolerances. Each buffer's symmetric memory is `num_bytes` (33 MiB at EP1, 66 MiB at EP2), so leaking it would grow
+    the device's memory by 200 x that, 6.5 GiB or more. Device "allocated" (tensors alive): 1 MiB, as every buffer
+    and every call's output is gone. "reserved" and "used" (the driver's count, which also sees memory no allocator
+    statistic does): one buffer plus 256 MiB, for blocks the caching allocator or a symmetric-memory pool keeps for
+    reuse and for what NCCL and the driver allocate on their own; a leak of more than a few buffers exceeds it. Host
+    RSS: 32 MiB, for malloc arenas and the driver's bookkeeping. The host-mapped block (37 KiB per buffer, 7 MiB for
+    200) is below what RSS can resolve here; that it is freed is checked directly: every backend is gone, so its
+    finalizer ran, and none raised.
+    """
+    for rank, r in enumerate(nccl_pool.run(cuda_churn_rank, 200)):
+        growth = {key: r["after"][key] - r["before"][key] for key in r["before"]}
+        limits = {"allocated": 2**20, "reserved": r["num_bytes"] + 2**28, "used": r["num_bytes"] + 2**28,
+                  "host rss": 2**25}
+        where = f"rank {rank}: growth {growth}, limits {limits}, {r}"
+        assert r["alive"] == 0 and not r["unraisable"], where
+        assert all(growth[key] <= limits[key] for key in limits), where

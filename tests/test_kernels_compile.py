@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import unittest.mock as mock
 from pathlib import Path
 
 import pytest
@@ -30,11 +31,9 @@ def test_kernel_library_compiles_for_sm90a(variant, nvcc):
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory, nvcc):
-    os.environ["MOE_COMM_JIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("jit"))
-    try:
+    # Restores the variable's previous value (or absence) afterwards.
+    with mock.patch.dict(os.environ, {"MOE_COMM_JIT_CACHE_DIR": str(tmp_path_factory.mktemp("jit"))}):
         yield cuda_kernels.Kernels()
-    finally:
-        del os.environ["MOE_COMM_JIT_CACHE_DIR"]
 
 
 def test_library_loads_with_typed_functions_and_matching_structs(kernels):

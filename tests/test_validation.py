@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import unittest.mock as mock
 
 import pytest
 import torch
@@ -235,8 +236,8 @@ def test_deferred_value_errors(pools):
 
 
 def check_inputs_env_rank(rank: int, world_size: int) -> str:
-    os.environ["MOE_COMM_CHECK_INPUTS"] = "1"
-    try:
+    # The pool's ranks outlive this test: the variable gets back its previous value (or absence), not "0".
+    with mock.patch.dict(os.environ, {"MOE_COMM_CHECK_INPUTS": "1"}):
         buf = new_buffer()
         x, idx, w = rank_inputs(GOOD, rank)
         if rank == 1:
@@ -244,8 +245,6 @@ def check_inputs_env_rank(rank: int, world_size: int) -> str:
             idx[0, 0] = 7
         with pytest.raises(ValueError, match=r"entries outside \[-1, 4\) on rank\(s\) \[1\]"):
             buf.dispatch(x, idx, w, num_experts=4, do_cpu_sync=False)
-    finally:
-        os.environ["MOE_COMM_CHECK_INPUTS"] = "0"
     x, idx, w = rank_inputs(GOOD, rank)
     buf.dispatch(x, idx, w, num_experts=4, do_cpu_sync=False)
     buf.barrier()
@@ -297,8 +296,6 @@ def test_ranks_must_agree_on_sizes(pools):
 def backend_choice_rank(rank: int, world_size: int, broken: dict) -> object:
     """`why_not_usable` on a CPU pool with torch.cuda faked per rank: what each rank can do differs, the verdict
     must not (every rank must take the same backend). The fakes are undone before returning (the pool is shared)."""
-    import unittest.mock as mock
-
     import torch.distributed as dist
 
     from moe_comm.backends import cuda as cuda_backend

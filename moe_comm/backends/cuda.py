@@ -147,8 +147,20 @@ def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None
     return "; ".join(problems) or None
 
 
+def _release(kernels, device: torch.device, rank: int, mapped_host: int) -> None:
+    """Free a CudaBackend's host-mapped memory once no kernel of ours can still use it: its `close()`, or its
+    finalizer. Raises like `close()`; from the garbage collector, Python reports the error as unraisable, goes on."""
+    # False in a forked child, where CUDA cannot be used and the memory belongs to the parent.
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+        kernels.check(kernels.free_mapped(mapped_host), "free host-mapped memory", rank)
+
+
 class CudaBackend(Backend):
     """`Buffer(backend="cuda")`: dispatch and combine kernels over NVLink peer memory.
+
+    Construction allocates this rank's memory only; `connect()` (collective) maps the peers'. `close()` frees it, as
+    does the finalizer of a backend dropped without `close()`.
 
     Arguments:
         group, device, num_cpu_timeout_secs: as `Backend`.
@@ -167,34 +179,53 @@ class CudaBackend(Backend):
         self.tuning = tuning or CudaTuning()
         self.kernels = load_kernels(self.tuning.kernel_flags)
         self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
-        self.buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
-        self.buffer.zero_()
-        self.symm = symm_mem.rendezvous(self.buffer, group.group_name)
         self.region_bytes = num_bytes - lay.CONTROL_BYTES
         self.num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._device_index = device.index
-        # Host-mapped memory: the ErrorRecord at 0, the dispatch notify's summary at SUMMARY_OFFSET.
-        host, dev = ctypes.c_void_p(), ctypes.c_void_p()
-        mapped_bytes = lay.SUMMARY_OFFSET + 8 * lay.summary_len(lay.MAX_RANKS, lay.SLOT_STRIDE)
-        self._check(self.kernels.alloc_mapped(mapped_bytes, ctypes.byref(host), ctypes.byref(dev)),
-                    "host-mapped memory")
-        self._mapped_host, self._mapped_dev = host.value, dev.value
-        self._error = lay.ErrorRecord.from_address(self._mapped_host)
         self._shapes: dict[tuple, lay.EpParams] = {}  # a fresh dispatch's EpParams per call signature
         # Launch structs of cached dispatches and combines per handle (they hold this buffer's pointers, so they live
         # here, not in the handle: another buffer on the same group builds its own), built at their first call.
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Every peer's buffer is zeroed before anyone signals into it.
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
+
+        # This rank's memory only: the peers' is mapped by `connect()`, once every rank has allocated its own.
+        try:
+            self.buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:
+            raise torch.OutOfMemoryError(f"the symmetric buffer ({num_bytes} bytes on {device}): {exc}") from exc
+        self.buffer.zero_()
+        self.symm = None
+        # Host-mapped memory: the ErrorRecord at 0, the signatures of ranks that disagreed at MAPPED_SIGNATURES_OFFSET,
+        # the dispatch notify's summary at SUMMARY_OFFSET.
+        host, dev = ctypes.c_void_p(), ctypes.c_void_p()
+        mapped_bytes = lay.SUMMARY_OFFSET + 8 * lay.summary_len(lay.MAX_RANKS, lay.SLOT_STRIDE)
+        if self.kernels.alloc_mapped(mapped_bytes, ctypes.byref(host), ctypes.byref(dev)):
+            self.buffer = None  # the traceback keeps this frame (and self) alive: let the symmetric buffer go now
+            raise RuntimeError(f"host-mapped memory: {self.kernels.last_error().decode()}")  # names the bytes
+        self._mapped_host, self._mapped_dev = host.value, dev.value
+        self._error = lay.ErrorRecord.from_address(self._mapped_host)
+        # Freed once, by `close()` or, for a backend dropped without it, when it is collected (the finalizer holds no
+        # reference to self, which would keep it alive). CPython runs the finalizer before it clears the backend's
+        # attributes, so the device is synchronized before the symmetric buffer goes with them. Not run at interpreter
+        # exit: the driver reclaims a process's memory, and CUDA may be shutting down by then.
+        self._finalizer = weakref.finalize(self, _release, self.kernels, device, self.rank, self._mapped_host)
+        self._finalizer.atexit = False
+
+    def connect(self) -> None:
+        """Collective: map every peer's symmetric buffer, then wait until every rank's is zeroed (nobody signals into
+        a buffer its owner has not cleared). `moe_comm.Buffer` calls it once every rank has allocated its memory."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.symm = symm_mem.rendezvous(self.buffer, self.group.group_name)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
 
     def close(self) -> None:
-        """Wait for our streams to finish with the symmetric buffer, then free the host-mapped memory."""
-        torch.cuda.synchronize(self.device)
-        if self._mapped_host is not None:
-            self._error = None
-            self._check(self.kernels.free_mapped(self._mapped_host), "free host-mapped memory")
-            self._mapped_host = None
+        """Wait for the device to finish with our memory, then free it (idempotent; the finalizer's release)."""
+        self._finalizer()
+        self._mapped_host = self._error = None
+        self.buffer = self.symm = None
+        self._shapes.clear()
+        self._plans.clear()
 
     def _check(self, result: int, what: str) -> None:
         if result:

@@ -27,9 +27,10 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
                options: MoECommConfig) -> Buffer:
     """The cached `moe_comm.Buffer` for `group`, created or grown to fit this call.
 
-    Every rank of `group` must call this at the same point (the first creation runs one all-reduce); ranks
-    agree on sizes because hidden, top-k and dtype are model constants. A later call with more tokens than
-    the buffer was made for raises, since only that rank would know (set `num_max_tokens_per_rank`).
+    Every rank of `group` must call this at the same point (making a buffer is collective, and the first creation
+    runs one all-reduce); ranks agree on sizes because hidden, top-k and dtype are model constants. A later call
+    with more tokens than the buffer was made for raises, since only that rank would know (set
+    `num_max_tokens_per_rank`).
 
     Growing (for a larger hidden size or top-k, or for FP8) destroys the old buffer and makes a larger one, so
     a backward still to run on the old buffer would raise. The MoE layers on one group share the buffer: give
