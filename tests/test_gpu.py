@@ -314,7 +314,9 @@ def test_cuda_graph_replay(nccl_pool, do_expand):
 
 
 def missing_peer_rank(rank: int, world_size: int) -> str:
-    """Rank 1 skips a dispatch: rank 0's GPU wait ends within num_gpu_timeout_secs, naming rank, phase, peer."""
+    """Rank 1 skips its calls: rank 0's first GPU wait ends within num_gpu_timeout_secs, the kernels queued behind
+    it end at once (the abort word; before, each waited its own timeout), and the next call raises the timeout naming
+    rank, phase and peer; every call after it says the group is broken."""
     import time
     case = Case(seed=92, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(64),
                 num_max_tokens_per_rank=64)
@@ -327,9 +329,12 @@ def missing_peer_rank(rank: int, world_size: int) -> str:
             time.sleep(8)
             return "skipped"
         start = time.monotonic()
+        for _ in range(4):
+            buf.dispatch(x, idx, w, num_experts=8, do_cpu_sync=False)
+        torch.cuda.synchronize()
+        assert time.monotonic() - start < 6  # four waits of their own would take 12 s
         with pytest.raises(TimeoutError) as info:
             buf.dispatch(x, idx, w, num_experts=8)
-        assert time.monotonic() - start < 6
         with pytest.raises(RuntimeError, match="broken since an earlier error"):
             buf.dispatch(x, idx, w, num_experts=8)
         return str(info.value)
