@@ -6,19 +6,24 @@ Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`, pee
 control region (flags, counters, one control slot per source rank) and a receive region (a block per source rank).
 
 A dispatch is two kernels: layout (send positions, counts), whose last block runs the notify (the barrier: nobody
-writes into a region its owner still reads; every rank's counts and call signature into every peer's control slot;
-with a CPU sync a summary in host-mapped memory that the host reads to size the outputs, without one the error
-flags into `pending_flags`) -> dispatch: sender blocks write each row once per destination rank straight into that
+writes into a region its owner still reads; every rank's counts into every peer's control slot; with a CPU sync a
+summary in host-mapped memory that the host reads to size the outputs, without one the error flags into
+`pending_flags`) -> dispatch: sender blocks write each row once per destination rank straight into that
 rank's block with its metadata (a non-expand dispatch writes the own rank's rows straight into the outputs),
 receiver blocks copy the rows that arrive into the output rows. A cached dispatch is the dispatch kernel alone,
 with the barrier fused in (block 0 signals, sender blocks wait for every rank before writing to peers).
 A combine is one kernel with the barrier fused in: senders return rows to their sources, reducers add each token's
 rows (their own from the combine input) in FP32/FP64 in DESIGN 2.2's order.
 
+Every operation's barrier carries the call's signature (`DispatchCall.signature`): ranks that disagree all see it
+before any row moves, record it in host-mapped memory and set the abort word (`moe_comm.layout`), so every later
+kernel moves nothing until the host raises a ValueError at its next synchronizing call (`after_host_sync`).
+
 Nothing reads device values on the host unless the call asked for a CPU sync, so no-sync steps can be captured in
 a CUDA graph. Every wait spins with a timeout (`num_gpu_timeout_secs`); a timed-out wait fills a host-mapped
-ErrorRecord and lets the stream go on, and the host raises a TimeoutError naming rank, phase and peer at its next
-check (the next host sync of a call, or the start of the next call). After a timeout the buffer refuses work.
+ErrorRecord, sets the abort word (every other wait of the rank ends at once) and lets the stream go on, and the host
+raises a TimeoutError naming rank, phase and peer at its next check (the next host sync of a call, or the start of
+the next call). After a timeout the buffer refuses work.
 
 Host path: the argument structs of a call are built once per shape and kept on the backend (a cached dispatch's and
 a combine's per handle, a fresh dispatch's EpParams per call signature), so a call sets a few pointers, allocates
@@ -389,8 +394,8 @@ class CudaBackend(Backend):
             offsets.append(offsets[-1] + 8 * size)
         _, send_pos, counts, recv_slots, expert_rank, expand_row = (base + o for o in offsets)
         clean_idx = workspace[:N * K].view(N, K)
-        # Layout, then (its last block) the barrier and the counts into every peer's control slot and theirs into
-        # ours, read on the host when the call syncs.
+        # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's control
+        # slot and theirs into ours, read on the host when the call syncs.
         summary = self._mapped_dev + lay.SUMMARY_OFFSET if c.do_cpu_sync else 0
         notify = self._notify_args(counts, E, recv_slots, summary)
         layout_args = lay.LayoutArgs(c.topk_idx.data_ptr(), clean_idx.data_ptr(), send_pos, expert_rank, counts,
