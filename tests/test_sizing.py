@@ -2,9 +2,11 @@
 computed values for every branch of the model, and the golden values DESIGN fixes.)"""
 
 import importlib.util
+import json
 import math
 import pathlib
 import random
+import re
 import statistics
 
 import pytest
@@ -701,3 +703,14 @@ def test_multinode_model_tables(multinode_model):
     assert "no multi-host run was possible" in text
     assert "| H200 | EP16 | dispatch FP8 |" in text and "| H100 | EP32 | combine, no partial sums |" in text
     assert "python scripts/multinode_model.py" in text and "commit 000000000000;" in text
+
+
+def test_multinode_model_committed_record_is_current(multinode_model):
+    # benchmarks/multinode-model.json holds what the model gives today for its config: regenerate it
+    # (`python scripts/multinode_model.py`) whenever the model changes.
+    record = json.loads((ROOT / "benchmarks" / "multinode-model.json").read_text())
+    tables = multinode_model.build_tables(record["config"])
+    for name, rows in tables.items():
+        assert record[name] == rows, name
+    assert record["meta"]["command"].endswith("scripts/multinode_model.py")
+    assert re.fullmatch(r"[0-9a-f]{40}", record["meta"]["commit"])
