@@ -1,5 +1,6 @@
-"""Analytical model of DeepEP V2 for expert-parallel dispatch/combine (DESIGN 2.4). (Over 400 lines: one model
-whose every intermediate number is exposed and documented, for tests and explanation.)
+"""Analytical model of DeepEP V2 for expert-parallel dispatch/combine (DESIGN 2.4), and a time model on the same
+expectations. (Over 400 lines: one model whose every intermediate number is exposed and documented, for tests and
+explanation.)
 
 Pure functions: no GPU, no torch, no imports from the rest of `moe_comm` but `moe_comm.layout` (the buffer's
 layout, itself pure), so the model can be used from a launcher script, a config validator or a notebook before
@@ -15,6 +16,8 @@ Pieces:
 - `Topology`: ranks, NVLink domain, scale-out groups and link rates; `nvlink_gbs_from_links`,
   `parse_nvidia_smi_nvlink`, `query_nvlink_link_gbs` fill the NVLink rate from `nvidia-smi nvlink -s`.
 - `estimate_num_sms` / `get_num_sms`: the SM count (and, for explanation, every intermediate number).
+- `estimate_time`: bytes per GPU on NVLink and RDMA, the time of each leg at the link rates and of a dispatch or
+  combine (`TimeEstimate`), from the same expectations; `get_bytes_per_row`.
 - `get_num_qps`: DeepEP V2's RDMA queue-pair rule.
 - `get_buffer_size_hint`: bytes of the symmetric buffer (layout documented on the function).
 """
@@ -56,6 +59,19 @@ NUM_SMS_HEADROOM = 1.25
 MAX_DIRECT_NUM_QPS = 9
 
 NVIDIA_SMI_TIMEOUT_S = 5.0
+
+# Time model (`estimate_time`). Share of the NIC's line rate that carries rows: DeepEP V2's README reports
+# 90 GB/s (EP 8x2) and 61 GB/s (EP 8x4) of "logical" RDMA bandwidth per GPU on 400 Gb/s CX7, counting the rows for
+# the sender's own host; (1 - 1/S) of those cross the NIC: 45 and 45.75 GB/s of a 50 GB/s line.
+RDMA_EFFICIENCY = 0.9
+# Fixed cost of one dispatch or combine inside a host (launch, count exchange, completion): moe_comm's cached dispatch
+# and combine took 33 and 37 us back to back at 128 tokens on 2x H200, of which about 4 us is their rows at NVLink
+# speed (benchmarks/dispatch-combine_h200x2_2026-11-30-run2.md).
+OP_LATENCY_US = 30.0
+# Added when rows cross the network; an assumption, not measured (no second host here): the NVLink leg waits for the
+# first chunk (16 BF16 rows of 7168, DeepEP V1's RDMA chunk, take 5.1 us at 45 GB/s), plus a few us of NIC latency and
+# completion signalling.
+RDMA_HOP_LATENCY_US = 10.0
 
 # Bytes of the control region (counters, flags, control slots) at the start of the buffer.
 BUFFER_CONTROL_BYTES = layout.CONTROL_BYTES
@@ -434,6 +450,249 @@ def get_num_sms(topology: Topology, num_experts: int, num_topk: int) -> int:
         traffic leaves the rank (or the device has fewer than 4).
     """
     return estimate_num_sms(topology, num_experts, num_topk).num_sms
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Time model: bytes per link class and the time of one dispatch or combine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Every number behind one modeled dispatch or combine time (see `estimate_time`).
+
+    Rows are per token of the sending rank; bytes are per GPU for the whole operation and per direction: with a
+    balanced gate and every rank sending `num_tokens`, each GPU receives on a link class what it sends on it
+    (derivation on `estimate_time`), so one number covers out and in. Times are in microseconds; 1 GB/s moves
+    1e3 bytes per microsecond. The fields are the model's inputs and expectations; the properties derive the rest.
+
+    Arguments:
+        op: `"dispatch"` or `"combine"`.
+        num_tokens: `N`, tokens each rank dispatches (combine: gets back).
+        bytes_per_row: `b`, payload bytes of one row (`get_bytes_per_row`).
+        nvlink_rows: rows one token puts on NVLink.
+        rdma_rows: rows one token puts on the network.
+        nvlink_gbs: rate of the NVLink leg (`topology.nvlink_gbs`, its efficiency already applied).
+        rdma_gbs: rate of the network leg, `topology.rdma_gbs * rdma_efficiency`.
+        bottleneck: the leg with the larger time per token (`"nvlink"` on a tie), `"none"` when no row leaves the rank.
+        latency_us: the fixed term: `op_latency_us`, plus `rdma_hop_latency_us` when rows cross the network.
+        sms: the SM model's estimate for the topology (`estimate_num_sms`): the mode, `Et = E(num_ranks)`
+            distinct ranks and, in hybrid mode, `Es = E(S)` distinct hosts a token reaches, and the SM count.
+    """
+
+    op: str
+    num_tokens: int
+    bytes_per_row: int
+    nvlink_rows: float
+    rdma_rows: float
+    nvlink_gbs: float
+    rdma_gbs: float
+    bottleneck: str
+    latency_us: float
+    sms: SmEstimate
+
+    @property
+    def mode(self) -> str:
+        """`"direct"` or `"hybrid"`, as the topology."""
+        return self.sms.mode
+
+    @property
+    def nvlink_bytes(self) -> float:
+        """`N * nvlink_rows * b`, sent (and received) over NVLink by each GPU."""
+        return self.num_tokens * self.nvlink_rows * self.bytes_per_row
+
+    @property
+    def rdma_bytes(self) -> float:
+        """`N * rdma_rows * b`, sent (and received) over the network by each GPU."""
+        return self.num_tokens * self.rdma_rows * self.bytes_per_row
+
+    @property
+    def nvlink_us(self) -> float:
+        """The NVLink leg: `nvlink_bytes / nvlink_gbs`."""
+        return self.nvlink_bytes / (self.nvlink_gbs * 1e3)
+
+    @property
+    def rdma_us(self) -> float:
+        """The network leg: `rdma_bytes / rdma_gbs`."""
+        return self.rdma_bytes / (self.rdma_gbs * 1e3)
+
+    @property
+    def total_us(self) -> float:
+        """The legs overlap, so the slower one counts: `max(nvlink_us, rdma_us) + latency_us`."""
+        return max(self.nvlink_us, self.rdma_us) + self.latency_us
+
+    @property
+    def recv_bytes(self) -> float:
+        """`N * Et * b`, rows each rank receives in a dispatch and sends back in a combine (its own rows included):
+        the numerator of DeepEP's NVLink GB/s (`recv_x` bytes)."""
+        return self.num_tokens * self.sms.expected_rank_groups * self.bytes_per_row
+
+    @property
+    def logical_rdma_bytes(self) -> float | None:
+        """`N * Es * b` in hybrid mode, one row per distinct destination host with the sender's own host included:
+        the numerator of DeepEP's RDMA GB/s (V1 `tests/test_internode.py`; V2's README calls it "logical
+        bandwidth"); `None` in direct mode."""
+        if self.sms.expected_scaleout_groups is None:
+            return None
+        return self.num_tokens * self.sms.expected_scaleout_groups * self.bytes_per_row
+
+    def _gbs(self, num_bytes: float) -> float:
+        # A zero time (no latency and no link bytes) gives 0 GB/s for nothing moved, else an unbounded rate.
+        if self.total_us > 0.0:
+            return num_bytes / (self.total_us * 1e3)
+        return 0.0 if num_bytes == 0.0 else math.inf
+
+    @property
+    def logical_rdma_gbs(self) -> float | None:
+        """DeepEP's RDMA GB/s: `logical_rdma_bytes / total_us` (`None` in direct mode)."""
+        return None if self.logical_rdma_bytes is None else self._gbs(self.logical_rdma_bytes)
+
+    @property
+    def wire_rdma_gbs(self) -> float:
+        """Bytes that cross this GPU's NIC per second: `rdma_bytes / total_us`."""
+        return self._gbs(self.rdma_bytes)
+
+    @property
+    def logical_nvlink_gbs(self) -> float:
+        """DeepEP's NVLink GB/s: `recv_bytes / total_us`."""
+        return self._gbs(self.recv_bytes)
+
+    def describe(self) -> str:
+        """One line for logs: op, bytes per leg, leg times, bottleneck and the total."""
+        return (
+            f"{self.mode} {self.op}: N={self.num_tokens} b={self.bytes_per_row} "
+            f"nvlink={self.nvlink_bytes / 1e6:.2f} MB ({self.nvlink_us:.1f} us) "
+            f"rdma={self.rdma_bytes / 1e6:.2f} MB ({self.rdma_us:.1f} us) "
+            f"bottleneck={self.bottleneck} + {self.latency_us:.1f} us -> {self.total_us:.1f} us"
+        )
+
+
+def get_bytes_per_row(hidden: int, use_fp8: bool = False, elem_size: int = 2) -> int:
+    """Payload bytes of one token's row on a link.
+
+    The metadata that travels with a row (source index, top-k ids and weights: about 100 bytes at top-8, under 1 %
+    of a 7168-wide row) is not counted, as DeepEP's bandwidth figures do not count it.
+
+    Arguments:
+        hidden: hidden size; a multiple of 128 with `use_fp8`.
+        use_fp8: FP8 rows: one byte per element and one 4-byte scale per 128 elements (fp8_block128 and mxfp8 alike,
+            DESIGN 2.3), i.e. DeepEP V1's `(1 + 4 / 128) / 2` of the BF16 row.
+        elem_size: bytes per element of an unquantized row (2 for BF16).
+
+    Returns:
+        `hidden * elem_size`, or `hidden + 4 * hidden / 128` with `use_fp8`.
+    """
+    _check_positive(hidden=hidden, elem_size=elem_size)
+    if not use_fp8:
+        return hidden * elem_size
+    if hidden % FP8_SCALE_BLOCK != 0:
+        raise ValueError(f"{hidden=} is not a multiple of {FP8_SCALE_BLOCK} as FP8 rows require")
+    return hidden + 4 * (hidden // FP8_SCALE_BLOCK)
+
+
+def estimate_time(
+    topology: Topology,
+    num_experts: int,
+    num_topk: int,
+    num_tokens: int,
+    hidden: int,
+    op: str = "dispatch",
+    *,
+    use_fp8: bool = False,
+    allow_multiple_reduction: bool = True,
+    rdma_efficiency: float = RDMA_EFFICIENCY,
+    op_latency_us: float = OP_LATENCY_US,
+    rdma_hop_latency_us: float = RDMA_HOP_LATENCY_US,
+) -> TimeEstimate:
+    """Modeled time of one dispatch or (non-expand) combine, with the bytes on each link class and every
+    intermediate number.
+
+    Dispatch. Assumptions (the SM model's balanced gate, plus what a time needs):
+    - every rank dispatches `N = num_tokens` tokens, each to `num_topk` distinct experts drawn uniformly, experts
+      laid out contiguously; so a token reaches `Et = E(num_ranks)` distinct ranks and, in hybrid mode,
+      `Es = E(S)` distinct hosts (`expected_num_groups`), every rank (host) equally likely;
+    - direct mode: a token's row goes straight to each rank it reaches: `Et * (nvl - 1) / num_ranks` rows per token
+      over NVLink, `Et * (num_ranks - nvl) / num_ranks` over RDMA (`nvl` = `topology.num_direct_nvl_ranks`);
+    - hybrid mode (`S` hosts of `U` ranks): a row crosses the network once per remote host it needs, to the rank of
+      the same local index there (its rail), which forwards it over NVLink to the ranks of its host that need it:
+      `Es * (1 - 1/S)` rows per token over RDMA, `Et * (1 - 1/U)` over NVLink (every copy but the relay's own);
+    - each GPU receives what it sends, per link class: in hybrid mode the `S - 1` same-index GPUs of the other
+      hosts each send a row with probability `Es / S`, `(S - 1) * Es / S` in all; rows for a rank cross NVLink
+      unless their source shares the rank's local index (probability `1/U`); direct mode likewise per peer;
+    - links: NVLink at `topology.nvlink_gbs` per direction, one NIC per GPU at `topology.rdma_gbs * rdma_efficiency`
+      (rail-optimized fabric, no congestion, no other traffic); NVLink and the NIC are separate, so the legs overlap
+      (chunks pipelined through them) and the slower one sets the time;
+    - the SMs (`estimate_num_sms`, sized to keep the bottleneck busy) and HBM never limit, the copy into the
+      receive buffer and the relay's own row included;
+    - a fixed `op_latency_us` per operation (launch, count exchange, completion), and `rdma_hop_latency_us` more when
+      rows cross the network (the NIC's latency and the pipeline's fill before the NVLink leg can start).
+    Not modeled: gate imbalance and group-limited routing, the count exchange's size, metadata bytes, congestion
+    and adaptive routing, NCCL's proxy and chunking, the host's issue time.
+
+    Combine: the dispatch's rows sent back, BF16 (never FP8, DESIGN 2.3), and summed at the source; the same
+    assumptions in reverse. Hybrid mode with `allow_multiple_reduction` (DESIGN 8.3): the rows of a token's expert
+    ranks on one host are summed at that host's relay (the rank of the source's local index), which sends one
+    partial row back over the network: the dispatch's rows on every link. Without it (what keeps the result bitwise
+    the direct path's, DESIGN 8.3): no partial sums, each remote expert rank's row crosses on its own,
+    `Et * (1 - 1/S)` rows per token over RDMA. Direct mode has no partial sums. The reductions (at the relay and the
+    final one at the source) are HBM work and not modeled.
+
+    Then `total_us = max(nvlink_bytes / nvlink_gbs, rdma_bytes / rdma_gbs) + latency_us`.
+
+    Arguments:
+        topology: the ranks and link rates.
+        num_experts: total experts, a multiple of `topology.num_ranks`.
+        num_topk: experts per token, `1 <= num_topk <= num_experts`.
+        num_tokens: tokens each rank dispatches (combine: gets back), `>= 0`.
+        hidden: hidden size (a multiple of 128 with `use_fp8`).
+        op: `"dispatch"` or `"combine"`.
+        use_fp8: dispatch FP8 rows with fp32 block scales (`get_bytes_per_row`), else BF16; dispatch only.
+        allow_multiple_reduction: whether relays send partial sums (combine in hybrid mode; else no effect).
+        rdma_efficiency: share of `topology.rdma_gbs` that carries rows, in `(0, 1]`.
+        op_latency_us: fixed cost of one operation, `>= 0`.
+        rdma_hop_latency_us: added when rows cross the network, `>= 0`.
+
+    Returns:
+        A `TimeEstimate`.
+    """
+    if op not in ("dispatch", "combine"):
+        raise ValueError(f"{op=} must be 'dispatch' or 'combine'")
+    if op == "combine" and use_fp8:
+        raise ValueError("use_fp8=True: combine is never FP8 (its sums need BF16 rows)")
+    bytes_per_row = get_bytes_per_row(hidden, use_fp8)
+    _check_non_negative(num_tokens=num_tokens)
+    # `not 0 < x <= 1` also rejects NaN.
+    if not 0.0 < rdma_efficiency <= 1.0:
+        raise ValueError(f"{rdma_efficiency=} must be in (0, 1]")
+    for name, value in (("op_latency_us", op_latency_us), ("rdma_hop_latency_us", rdma_hop_latency_us)):
+        if not value >= 0.0:
+            raise ValueError(f"{name}={value} must be a non-negative number")
+    # The SM model's per-copy traffic, times Et copies a token, gives the rows on each link (see above); it also
+    # validates num_experts and num_topk against the topology.
+    sms = estimate_num_sms(topology, num_experts, num_topk)
+    nvlink_rows = sms.nvlink * sms.expected_rank_groups
+    rdma_rows = sms.rdma * sms.expected_rank_groups
+    if op == "combine" and topology.is_hybrid and not allow_multiple_reduction:
+        # No partial sum at the relay: each remote expert rank's row crosses on its own.
+        rdma_rows = sms.expected_rank_groups * (1.0 - 1.0 / topology.num_scaleout_groups)
+
+    rdma_gbs = topology.rdma_gbs * rdma_efficiency
+    if rdma_rows / rdma_gbs > nvlink_rows / topology.nvlink_gbs:
+        bottleneck = "rdma"
+    else:
+        bottleneck = "nvlink" if nvlink_rows > 0.0 else "none"
+    return TimeEstimate(
+        op=op,
+        num_tokens=num_tokens,
+        bytes_per_row=bytes_per_row,
+        nvlink_rows=nvlink_rows,
+        rdma_rows=rdma_rows,
+        nvlink_gbs=topology.nvlink_gbs,
+        rdma_gbs=rdma_gbs,
+        bottleneck=bottleneck,
+        latency_us=op_latency_us + (rdma_hop_latency_us if rdma_rows > 0.0 else 0.0),
+        sms=sms,
+    )
 
 
 def get_num_qps(num_sms: int, hybrid: bool, num_allocated_qps: int) -> int:

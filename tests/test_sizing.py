@@ -1,8 +1,12 @@
 """Tests of the analytical model (`moe_comm/sizing.py`, DESIGN 2.4). CPU only, no torch. (Over 400 lines: hand-
 computed values for every branch of the model, and the golden values DESIGN fixes.)"""
 
+import importlib.util
+import json
 import math
+import pathlib
 import random
+import re
 import statistics
 
 import pytest
@@ -19,10 +23,13 @@ from moe_comm.sizing import (
     H200_NUM_SMS,
     H200_NVLINK_LINK_GBS,
     SmEstimate,
+    TimeEstimate,
     Topology,
     estimate_num_sms,
+    estimate_time,
     expected_num_groups,
     get_buffer_size_hint,
+    get_bytes_per_row,
     get_num_qps,
     get_num_sms,
     nvlink_gbs_from_links,
@@ -431,3 +438,279 @@ def test_buffer_size_hint_monotone(num_ranks, num_max_tokens_per_rank, hidden_bl
 def test_buffer_size_hint_validation(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         get_buffer_size_hint(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Time model
+# ---------------------------------------------------------------------------------------------------------------
+
+# Small hand-checkable rates: NVLink 100 GB/s (100e3 bytes/us), NIC 10 GB/s at efficiency 0.5 (5e3 bytes/us).
+SMALL_LINKS = dict(nvlink_gbs=100.0, rdma_gbs=10.0)
+SMALL_TIMING = dict(rdma_efficiency=0.5, op_latency_us=3.0, rdma_hop_latency_us=2.0)
+
+
+def test_bytes_per_row():
+    assert get_bytes_per_row(7168) == 14336
+    # FP8: one byte per element and a 4-byte scale per 128: 7168 + 56 * 4.
+    assert get_bytes_per_row(7168, use_fp8=True) == 7392
+    # DeepEP V1's FP8 factor on the BF16 row.
+    assert get_bytes_per_row(7168, use_fp8=True) == 14336 * (1 + 4 / 128) / 2
+    assert get_bytes_per_row(100, elem_size=4) == 400
+    with pytest.raises(ValueError, match="hidden=100 is not a multiple of 128"):
+        get_bytes_per_row(100, use_fp8=True)
+    with pytest.raises(ValueError, match="hidden=0"):
+        get_bytes_per_row(0)
+
+
+def test_time_hybrid_hand_computed():
+    # 2 hosts x 2 ranks, 4 experts (one per rank), top-2, hidden 128 bf16 (256-byte rows), 1200 tokens per rank.
+    # Et = 2 (every pick is another rank); Es = 2 * (1 - C(2, 2) / C(4, 2)) = 5/3.
+    # RDMA: Es * (1 - 1/2) = 5/6 rows a token -> 1000 rows = 256000 bytes at 5e3 bytes/us = 51.2 us.
+    # NVLink: Et * (1 - 1/2) = 1 row a token -> 307200 bytes at 100e3 bytes/us = 3.072 us.
+    # Total: max(51.2, 3.072) + 3 + 2 = 56.2 us.
+    topology = Topology(4, 2, 2, num_device_sms=H100_NUM_SMS, **SMALL_LINKS)
+    est = estimate_time(topology, 4, 2, 1200, 128, **SMALL_TIMING)
+    assert isinstance(est, TimeEstimate)
+    assert (est.op, est.mode, est.bytes_per_row) == ("dispatch", "hybrid", 256)
+    assert est.sms.expected_rank_groups == pytest.approx(2.0)
+    assert est.sms.expected_scaleout_groups == pytest.approx(5 / 3)
+    assert est.rdma_rows == pytest.approx(5 / 6)
+    assert est.nvlink_rows == pytest.approx(1.0)
+    assert est.rdma_bytes == pytest.approx(256000)
+    assert est.nvlink_bytes == pytest.approx(307200)
+    assert est.rdma_gbs == 5.0 and est.nvlink_gbs == 100.0
+    assert est.rdma_us == pytest.approx(51.2)
+    assert est.nvlink_us == pytest.approx(3.072)
+    assert est.bottleneck == "rdma"
+    assert est.latency_us == 5.0
+    assert est.total_us == pytest.approx(56.2)
+    # DeepEP's numerators: one row per distinct host, own included (1200 * 5/3 * 256), and every received row.
+    assert est.logical_rdma_bytes == pytest.approx(512000)
+    assert est.recv_bytes == pytest.approx(614400)
+    assert est.logical_rdma_gbs == pytest.approx(512000 / 56200)
+    assert est.wire_rdma_gbs == pytest.approx(256000 / 56200)
+    assert est.logical_nvlink_gbs == pytest.approx(614400 / 56200)
+    assert est.sms == estimate_num_sms(topology, 4, 2)
+    assert "-> 56.2 us" in est.describe()
+
+    # FP8 rows: 128 + 4 = 132 bytes: 132000 bytes over RDMA, 26.4 us, + 5.
+    fp8 = estimate_time(topology, 4, 2, 1200, 128, use_fp8=True, **SMALL_TIMING)
+    assert fp8.bytes_per_row == 132
+    assert fp8.total_us == pytest.approx(31.4)
+
+    # Combine with partial sums at the relay: the dispatch's rows, reversed.
+    combine = estimate_time(topology, 4, 2, 1200, 128, "combine", **SMALL_TIMING)
+    assert combine.op == "combine"
+    assert (combine.rdma_bytes, combine.nvlink_bytes, combine.total_us) == pytest.approx((256000, 307200, 56.2))
+    # Without: each remote rank's row crosses on its own, Et * (1 - 1/2) = 1 row a token: 307200 bytes, 61.44 us.
+    unreduced = estimate_time(topology, 4, 2, 1200, 128, "combine", allow_multiple_reduction=False, **SMALL_TIMING)
+    assert unreduced.rdma_rows == pytest.approx(1.0)
+    assert unreduced.total_us == pytest.approx(61.44 + 5)
+    # DeepEP's metric keeps its numerator (the dispatch's distinct hosts).
+    assert unreduced.logical_rdma_bytes == pytest.approx(512000)
+
+
+def test_time_direct_hand_computed():
+    # 4 ranks, one NVLink domain, Et = 2: Et * 3/4 = 1.5 rows a token over NVLink; 1000 tokens of 256 bytes:
+    # 384000 bytes, 3.84 us, + 3 us, and no network hop.
+    nvlink_only = Topology(4, 4, num_device_sms=H100_NUM_SMS, **SMALL_LINKS)
+    est = estimate_time(nvlink_only, 4, 2, 1000, 128, **SMALL_TIMING)
+    assert est.mode == "direct" and est.bottleneck == "nvlink"
+    assert est.sms.expected_scaleout_groups is None and est.logical_rdma_bytes is None
+    assert est.logical_rdma_gbs is None
+    assert est.rdma_rows == 0.0 and est.rdma_us == 0.0 and est.wire_rdma_gbs == 0.0
+    assert est.nvlink_bytes == pytest.approx(384000)
+    assert est.total_us == pytest.approx(3.84 + 3)
+
+    # 4 ranks, NVLink pairs, no hybrid forwarding: 1 NVLink peer and 2 RDMA peers, each reached with p = Et/4 = 1/2.
+    # NVLink 0.5 rows a token (128000 bytes, 1.28 us); RDMA 1 row (256000 bytes at 5e3 bytes/us, 51.2 us); + 3 + 2.
+    pairs = Topology(4, 2, num_device_sms=H100_NUM_SMS, **SMALL_LINKS)
+    est = estimate_time(pairs, 4, 2, 1000, 128, **SMALL_TIMING)
+    assert (est.nvlink_rows, est.rdma_rows) == pytest.approx((0.5, 1.0))
+    assert (est.nvlink_us, est.rdma_us) == pytest.approx((1.28, 51.2))
+    assert est.bottleneck == "rdma"
+    assert est.total_us == pytest.approx(56.2)
+    # Direct mode has no partial sums: combine moves the same rows either way.
+    for allow in (True, False):
+        combine = estimate_time(pairs, 4, 2, 1000, 128, "combine", allow_multiple_reduction=allow, **SMALL_TIMING)
+        assert combine.total_us == pytest.approx(56.2)
+
+
+def test_time_single_rank_is_latency_only():
+    est = estimate_time(Topology(1, 1), NUM_EXPERTS, NUM_TOPK, 4096, 7168)
+    assert est.bottleneck == "none"
+    assert est.nvlink_bytes == 0.0 and est.rdma_bytes == 0.0
+    assert est.total_us == sizing.OP_LATENCY_US
+    # Its own rows are received, without a link.
+    assert est.recv_bytes == 4096 * 14336
+    zero = estimate_time(Topology(1, 1), NUM_EXPERTS, NUM_TOPK, 0, 7168, op_latency_us=0.0)
+    assert zero.total_us == 0.0 and zero.logical_nvlink_gbs == 0.0
+
+
+def test_time_golden_hybrid_2x8_h100():
+    # DeepEP V1's internode setting on H100 links: 4096 tokens, hidden 7168, top-8 of 256, FP8 dispatch.
+    # A host is missed with probability C(128, 8) / C(256, 8), computed here as a product, independently of
+    # expected_num_groups: Es = 2 * (1 - miss), RDMA rows Es / 2; 7392-byte rows at 0.9 * 50 GB/s, + 30 + 10 us.
+    topology = Topology.from_links(16, 8, 2, link_gbs=H100_NVLINK_LINK_GBS, num_device_sms=H100_NUM_SMS)
+    est = estimate_time(topology, NUM_EXPERTS, NUM_TOPK, 4096, 7168, use_fp8=True)
+    miss = math.prod((128 - i) / (256 - i) for i in range(8))
+    rdma_bytes = 4096 * (1 - miss) * 7392
+    assert est.rdma_bytes == pytest.approx(rdma_bytes)
+    assert est.rdma_us == pytest.approx(rdma_bytes / 45e3)
+    assert est.bottleneck == "rdma"
+    assert est.total_us == pytest.approx(rdma_bytes / 45e3 + 40)
+    # DeepEP's RDMA GB/s counts both hosts' rows, twice the wire's.
+    assert est.logical_rdma_gbs == pytest.approx(2 * est.wire_rdma_gbs)
+    assert est.sms.num_sms == 12  # the golden SM count, beside the time
+
+
+@given(_topologies(), st.integers(0, 8192), st.sampled_from([128, 1024, 7168]))
+@settings(max_examples=200, deadline=None)
+def test_time_properties(case, num_tokens, hidden):
+    topology, num_experts, num_topk = case
+    est = estimate_time(topology, num_experts, num_topk, num_tokens, hidden)
+    sms = estimate_num_sms(topology, num_experts, num_topk)
+    et = sms.expected_rank_groups
+    assert est.sms == sms
+    assert est.rdma_bytes == pytest.approx(num_tokens * est.rdma_rows * 2 * hidden)
+    assert est.nvlink_bytes == pytest.approx(num_tokens * est.nvlink_rows * 2 * hidden)
+    assert est.total_us == pytest.approx(max(est.nvlink_us, est.rdma_us) + est.latency_us)
+    num_ranks = topology.num_ranks
+    if topology.is_hybrid:
+        # Over the network: the expected distinct remote hosts a token hits, times the row bytes.
+        num_groups = topology.num_scaleout_groups
+        es = expected_num_groups(num_experts, num_topk, num_groups)
+        assert est.rdma_bytes == pytest.approx(num_tokens * (es - es / num_groups) * 2 * hidden)
+        assert est.logical_rdma_bytes == pytest.approx(num_tokens * es * 2 * hidden)
+        # Over NVLink: every copy but the relay's own.
+        assert est.nvlink_rows == pytest.approx(et * (1 - num_groups / num_ranks))
+    else:
+        # A row per rank reached: NVLink peers but itself, the rest over RDMA.
+        nvl = min(topology.num_nvl_ranks, num_ranks)
+        assert est.nvlink_rows == pytest.approx(et * (nvl - 1) / num_ranks)
+        assert est.rdma_rows == pytest.approx(et * (num_ranks - nvl) / num_ranks)
+        if nvl == num_ranks:
+            # One NVLink domain: the time is the NVLink leg and the fixed cost.
+            assert est.rdma_bytes == 0.0
+            assert est.total_us == pytest.approx(est.nvlink_us + sizing.OP_LATENCY_US)
+
+    # More tokens never take less time, and take more once any row leaves the rank.
+    more = estimate_time(topology, num_experts, num_topk, num_tokens + 64, hidden)
+    if est.bottleneck == "none":
+        assert more.total_us == est.total_us
+    else:
+        assert more.total_us > est.total_us
+    # FP8 rows are smaller; partial sums never add network rows; with them, combine is the BF16 dispatch reversed.
+    assert estimate_time(topology, num_experts, num_topk, num_tokens, hidden, use_fp8=True).total_us <= (
+        est.total_us
+    )
+    reduced = estimate_time(topology, num_experts, num_topk, num_tokens, hidden, "combine")
+    unreduced = estimate_time(topology, num_experts, num_topk, num_tokens, hidden, "combine",
+                              allow_multiple_reduction=False)
+    assert reduced.total_us == pytest.approx(est.total_us)
+    assert reduced.rdma_bytes <= unreduced.rdma_bytes + 1e-6
+    assert reduced.total_us <= unreduced.total_us + 1e-9
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_tokens=-1), "num_tokens=-1"),
+        (dict(rdma_efficiency=0.0), "rdma_efficiency=0.0 must be in"),
+        (dict(rdma_efficiency=1.5), "rdma_efficiency=1.5"),
+        (dict(rdma_efficiency=float("nan")), "rdma_efficiency=nan"),
+        (dict(op_latency_us=-1.0), "op_latency_us=-1.0"),
+        (dict(rdma_hop_latency_us=float("nan")), "rdma_hop_latency_us=nan"),
+        (dict(hidden=7100, use_fp8=True), "hidden=7100 is not a multiple of 128"),
+        (dict(num_experts=100), "num_experts=100 is not a multiple of num_groups=16"),
+        (dict(num_topk=0), "num_topk=0"),
+        (dict(op="all_to_all"), "op='all_to_all' must be 'dispatch' or 'combine'"),
+        (dict(op="combine", use_fp8=True), "combine is never FP8"),
+    ],
+)
+def test_time_validation(kwargs, match):
+    args = dict(topology=Topology(16, 8, 2), num_experts=NUM_EXPERTS, num_topk=NUM_TOPK, num_tokens=128, hidden=7168)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        estimate_time(**args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scripts/multinode_model.py: its tables are the model's numbers
+# ---------------------------------------------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEEPEP_V1_CONFIG = dict(tokens=4096, hidden=7168, num_experts=NUM_EXPERTS, num_topk=NUM_TOPK)
+
+
+@pytest.fixture(scope="module")
+def multinode_model():
+    spec = importlib.util.spec_from_file_location("multinode_model", ROOT / "scripts" / "multinode_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_multinode_model_tables(multinode_model):
+    tables = multinode_model.build_tables(DEEPEP_V1_CONFIG)
+    model = tables["model"]
+    # Every GPU x scale x op, but "no partial sums" only where there is a relay to sum at (hybrid).
+    expected = {(gpu, ep, op) for gpu in ("H100", "H200") for ep in ("EP8", "EP16", "EP32")
+                for op in ("dispatch BF16", "dispatch FP8", "combine", "combine, no partial sums")
+                if not (ep == "EP8" and op == "combine, no partial sums")}
+    assert {(r["gpu"], r["ep"], r["op"]) for r in model} == expected
+    num_hosts = {"EP8": 1, "EP16": 2, "EP32": 4}
+    for r in model:
+        topology = Topology.from_links(8 * num_hosts[r["ep"]], 8, num_hosts[r["ep"]], link_gbs=H100_NVLINK_LINK_GBS)
+        args = (topology, NUM_EXPERTS, NUM_TOPK, 4096, 7168)
+        if r["op"].startswith("dispatch"):
+            est = estimate_time(*args, use_fp8=r["op"] == "dispatch FP8")
+        else:
+            est = estimate_time(*args, "combine", allow_multiple_reduction=r["op"] == "combine")
+        assert (r["rdma_bytes"], r["nvlink_bytes"], r["total_us"]) == (est.rdma_bytes, est.nvlink_bytes, est.total_us)
+        assert (r["rdma_us"], r["nvlink_us"], r["latency_us"]) == (est.rdma_us, est.nvlink_us, est.latency_us)
+        assert r["logical_rdma_gbs"] == est.logical_rdma_gbs and r["wire_rdma_gbs"] == est.wire_rdma_gbs
+        assert r["num_sms"] == get_num_sms(topology, NUM_EXPERTS, NUM_TOPK)
+    # The golden SM counts, and DeepEP V1's published figures beside the rows DeepEP measured.
+    by_key = {(r["gpu"], r["ep"], r["op"]): r for r in model}
+    assert by_key[("H100", "EP16", "combine")]["num_sms"] == 12
+    assert by_key[("H100", "EP32", "combine")]["num_sms"] == 6
+    assert by_key[("H200", "EP16", "dispatch FP8")]["deepep_v1_gbs"] == 43
+    assert by_key[("H200", "EP32", "dispatch FP8")]["deepep_v1_gbs"] == 58
+    assert by_key[("H200", "EP32", "combine")]["deepep_v1_gbs"] == 57
+    assert by_key[("H200", "EP16", "dispatch BF16")]["deepep_v1_gbs"] is None
+    # H100 and H200 share NVLink 4 and 132 SMs: the same numbers.
+    for (gpu, ep, op), r in by_key.items():
+        if gpu == "H100":
+            assert {k: v for k, v in r.items() if k != "gpu"} == {
+                k: v for k, v in by_key[("H200", ep, op)].items() if k != "gpu"}
+
+    # On DeepEP V1's H800 (NVLink 160 GB/s as its README states), EP16 is NVLink-bound, EP32 RDMA-bound.
+    v1 = {(r["gpu"], r["ep"], r["op"]): r for r in tables["deepep_v1"]}
+    assert v1[("H800", "EP16", "dispatch FP8")]["bottleneck"] == "nvlink"
+    assert v1[("H800", "EP32", "dispatch FP8")]["bottleneck"] == "rdma"
+    # The published logical figure on the wire: the remote share of the hosts, 1 - 1/S.
+    assert v1[("H800", "EP32", "dispatch FP8")]["published_wire_gbs"] == pytest.approx(58 * 3 / 4)
+    # Direct mode across hosts: a row per remote rank reached instead of one per remote host.
+    direct, hybrid = tables["direct_over_rdma"][:2]
+    assert (direct["mode"], hybrid["mode"]) == ("direct", "hybrid")
+    assert direct["rdma_bytes"] == pytest.approx(4096 * expected_num_groups(NUM_EXPERTS, NUM_TOPK, 16) / 2 * 14336)
+    assert direct["total_us"] > 3 * hybrid["total_us"]
+
+    meta = dict(commit="0" * 40, dirty=False, date_utc="2026-12-01T00:00:00+00:00", python="3.11", hostname="h",
+                command="python scripts/multinode_model.py")
+    text = multinode_model.render_markdown(DEEPEP_V1_CONFIG, tables, meta)
+    assert "no multi-host run was possible" in text
+    assert "| H200 | EP16 | dispatch FP8 |" in text and "| H100 | EP32 | combine, no partial sums |" in text
+    assert "python scripts/multinode_model.py" in text and "commit 000000000000;" in text
+
+
+def test_multinode_model_committed_record_is_current(multinode_model):
+    # benchmarks/multinode-model.json holds what the model gives today for its config: regenerate it
+    # (`python scripts/multinode_model.py`) whenever the model changes.
+    record = json.loads((ROOT / "benchmarks" / "multinode-model.json").read_text())
+    tables = multinode_model.build_tables(record["config"])
+    for name, rows in tables.items():
+        assert record[name] == rows, name
+    assert record["meta"]["command"].endswith("scripts/multinode_model.py")
+    assert re.fullmatch(r"[0-9a-f]{40}", record["meta"]["commit"])
