@@ -277,8 +277,11 @@ class Buffer:
             raise TypeError(f"{name}.dtype={t.dtype} is not one of {list(dtypes)}")
         if t.dim() != ndim:
             raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-        if t.get_device() != self._device_index:  # -1 on the CPU; cheaper than building t.device
+        # get_device() is -1 on the CPU but also on "meta": the device type is checked too (cheaper than t.device).
+        if t.get_device() != self._device_index or not (t.is_cuda if self._device_index >= 0 else t.is_cpu):
             raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
+        if t.layout != torch.strided:  # a sparse tensor cannot even answer is_contiguous()
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
         return t

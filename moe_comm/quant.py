@@ -173,6 +173,8 @@ def _format_from_dtype(dtype: torch.dtype, name: str) -> str:
 def _check_tensor(t: object, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # a sparse CSR tensor cannot even answer is_contiguous()
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     return t
 
 
