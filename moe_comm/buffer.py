@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import domains, env, quant, sizing
 from .backends import cuda as cuda_backend
 from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
+from .backends.torch_hybrid import HybridRefBackend
 from .backends.torch_ref import TorchRefBackend
 from .event import EventOverlap
 from .handle import EPHandle
@@ -205,6 +206,10 @@ class Buffer:
                                           "hidden=..., num_topk=...)", self.num_bytes)
                 impl = cuda_backend.CudaBackend(self.group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
                                                 self.num_gpu_timeout_secs, cuda_tuning)
+            elif self.is_hybrid:
+                impl = HybridRefBackend(self.group, self.device, self.num_cpu_timeout_secs,
+                                        *self.get_logical_domain_size(),
+                                        use_partial_reduction=self.allow_multiple_reduction and not self.deterministic)
             else:
                 impl = TorchRefBackend(self.group, self.device, self.num_cpu_timeout_secs)
         except Exception as exc:  # of any kind: the peers must hear of it either way

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -196,6 +196,46 @@ def _compact_rows(region_splits: Sequence[int], region_src_Q: torch.Tensor, rows
     return out_row_B, src_rank_B
 
 
+def _pack_blocks(codec: _RowCodec, pos_XB: torch.Tensor, offsets: Sequence[int], num_rows: int,
+                 fields_of: Callable[[int], dict[str, torch.Tensor]]) -> torch.Tensor:
+    """A send buffer of `num_rows` rows (plus a spare one that takes the rows sent nowhere): row x of block b's
+    fields (`fields_of(b)`) lands at `offsets[b] + pos_XB[x, b]`, nowhere where that is -1."""
+    send = torch.zeros(num_rows + 1, codec.width, dtype=torch.uint8, device=pos_XB.device)
+    for b, offset in enumerate(offsets):
+        pos = pos_XB[:, b]
+        codec.pack_into(send, torch.where(pos >= 0, offset + pos, num_rows), fields_of(b))
+    return send
+
+
+def _meta_fields(src: torch.Tensor, topk_idx: torch.Tensor, weights: Optional[torch.Tensor], owner_XK: torch.Tensor,
+                 owner: int, first_expert: int) -> dict[str, torch.Tensor]:
+    """Metadata rows for the receiver `owner` (a rank, or a host on the hybrid path): source token index, expert ids
+    from `first_expert` on for its slots (-1 elsewhere), its slots' weights (0 elsewhere)."""
+    mine = owner_XK == owner
+    fields = {"src": src, "idx": torch.where(mine, topk_idx - first_expert, -1)}
+    if weights is not None:
+        fields["w"] = torch.where(mine, weights, 0)
+    return fields
+
+
+def _sum_terms(x: torch.Tensor, rows_NT: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """`sum_t x[rows_NT[:, t]]` from zero in column order, accumulated in `acc_dtype` (rows_NT: no -1 left)."""
+    acc = torch.zeros(rows_NT.shape[0], x.shape[1], dtype=acc_dtype, device=x.device)
+    for t in range(rows_NT.shape[1]):
+        acc += x[rows_NT[:, t]].to(acc_dtype)
+    return acc
+
+
+def _select_weights(w: torch.Tensor, rows_NT: torch.Tensor, owner_NK: Optional[torch.Tensor], pad: int) -> torch.Tensor:
+    """`[N, K]` weights, slot j's from the term that owns it: with `owner_NK` (the owning column, -1: none), column
+    j of the `[K]` weights of row `rows_NT[:, owner]`; without, the scalar weight of row `rows_NT[:, j]` (one term
+    per slot). `pad` is a zero row of `w`."""
+    if owner_NK is None:
+        return w.view(-1)[rows_NT]
+    owner_rows_NK = torch.where(owner_NK >= 0, rows_NT.gather(1, owner_NK.clamp(min=0)), pad)
+    return w[owner_rows_NK, torch.arange(owner_NK.shape[1], device=w.device)[None, :]]
+
+
 def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
     out, acc = [], 0
     for v in values:
@@ -356,16 +396,9 @@ class TorchRefBackend(Backend):
 
         # Metadata exchange: source token index, local expert ids and weights of every row.
         meta = self._meta_codec(c)
-        num_send_rows = sum(send_splits)
-        meta_send = torch.zeros(num_send_rows + 1, meta.width, dtype=torch.uint8, device=dev)
         src_N = torch.arange(N, **i64)
-        for d in range(R):
-            pos = route.send_pos_NR[:, d]
-            on_d = route.dest_NK == d
-            fields = {"src": src_N, "idx": torch.where(on_d, route.topk_idx - d * L, -1)}
-            if c.topk_weights is not None:
-                fields["w"] = torch.where(on_d, c.topk_weights, 0)
-            meta.pack_into(meta_send, torch.where(pos >= 0, send_offsets[d] + pos, num_send_rows), fields)
+        meta_send = _pack_blocks(meta, route.send_pos_NR, send_offsets, sum(send_splits), lambda d: _meta_fields(
+            src_N, route.topk_idx, c.topk_weights, route.dest_NK, d, d * L))
         meta_recv, works = self._exchange(meta_send, send_splits, recv_splits, "dispatch metadata exchange")
         self._wait(works)
 
@@ -464,12 +497,9 @@ class TorchRefBackend(Backend):
         """Data exchange along `handle`'s layout; returns `(recv_x, works, finalizers)`."""
         lay: RefLayout = handle.layout
         codec = _RowCodec(self._data_fields(c, c.hidden))
-        num_send_rows = sum(lay.send_splits)
-        send = torch.zeros(num_send_rows + 1, codec.width, dtype=torch.uint8, device=self.device)
         wire = self._wire_tensors(c)
-        for d, offset in enumerate(_exclusive_cumsum(lay.send_splits)):
-            pos = lay.send_pos_NR[:, d]
-            codec.pack_into(send, torch.where(pos >= 0, offset + pos, num_send_rows), wire)
+        send = _pack_blocks(codec, lay.send_pos_NR, _exclusive_cumsum(lay.send_splits), sum(lay.send_splits),
+                            lambda d: wire)
         recv, works = self._exchange(send, lay.send_splits, lay.recv_splits, "dispatch data exchange")
         recv_x, finalize = self._dispatch_outputs(c, handle, codec, recv, lay.out_row_B, lay.expand_row_MK)
         return recv_x, works, [finalize]
@@ -515,10 +545,12 @@ class TorchRefBackend(Backend):
             fields.append(("w", c.topk_weights.dtype, 1 if c.handle.do_expand else c.handle.num_topk))
         return _RowCodec(fields)
 
-    def _pack_back(self, c, codec: _RowCodec, lay) -> torch.Tensor:
+    def _pack_back(self, c, codec: _RowCodec, lay, arrival_splits: tuple[list[int], list[int]]):
         """Every combine row packed where it goes back: non-expand into the receive block it arrived in (the unused
         tail of a block stays zero), expand one row per (received row, local slot) pair at `return_pos_MK`.
-        Returns the send buffer (one spare row at the end)."""
+        Returns `(send, send_splits, recv_splits)`: the send buffer (one spare row at the end) and the splits of the
+        exchange back, `arrival_splits` (the dispatch's last leg, receiver's then sender's side) reversed for
+        non-expand rows, `lay.return_send_splits`/`return_recv_splits` for expand."""
         handle, dev, hidden = c.handle, self.device, c.x.shape[1]
         if handle.do_expand:
             num_send = sum(lay.return_send_splits)
@@ -534,7 +566,7 @@ class TorchRefBackend(Backend):
                     fields_j["w"] = w_pad[src][:, None]
                 dst = lay.return_pos_MK[:, j]
                 codec.pack_into(send, torch.where(dst >= 0, dst, num_send), fields_j)
-            return send
+            return send, lay.return_send_splits, lay.return_recv_splits
         num_send = lay.out_row_B.shape[0]
         send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
         valid_B = lay.out_row_B >= 0
@@ -543,17 +575,13 @@ class TorchRefBackend(Backend):
         if c.topk_weights is not None:
             fields_all["w"] = c.topk_weights[src_rows]
         codec.pack_into(send, torch.where(valid_B, torch.arange(num_send, device=dev), num_send), fields_all)
-        return send
+        return (send, *arrival_splits)
 
     def combine_steps(self, c):
         handle: EPHandle = c.handle
         lay: RefLayout = handle.layout
         codec = self._combine_codec(c)
-        send = self._pack_back(c, codec, lay)
-        if handle.do_expand:
-            send_splits, recv_splits = lay.return_send_splits, lay.return_recv_splits
-        else:
-            send_splits, recv_splits = lay.recv_splits, lay.send_splits
+        send, send_splits, recv_splits = self._pack_back(c, codec, lay, (lay.recv_splits, lay.send_splits))
         recv, works = self._exchange(send, send_splits, recv_splits, "combine exchange")
         if handle.do_expand:
             # DESIGN 2.2 order: one term per valid slot, ascending slot.
@@ -586,17 +614,10 @@ class TorchRefBackend(Backend):
             got = codec.unpack(recv, pad_rows=1)
             pad = recv.shape[0]
             rows = torch.where(rows_NT >= 0, rows_NT, pad)
-            back_x = got["x"]
             # DESIGN 2.2 order: start from zero, add the terms one by one, then bias[0], bias[1].
-            acc = torch.zeros(N, hidden, dtype=acc_dtype, device=dev)
-            for t in range(rows.shape[1]):
-                acc += back_x[rows[:, t]].to(acc_dtype)
+            acc = _sum_terms(got["x"], rows, acc_dtype)
             if combined_w is not None:
-                if owner_NK is None:
-                    combined_w.copy_(got["w"].view(-1)[rows])
-                else:
-                    owner_rows_NK = torch.where(owner_NK >= 0, rows.gather(1, owner_NK.clamp(min=0)), pad)
-                    combined_w.copy_(got["w"][owner_rows_NK, torch.arange(K, device=dev)[None, :]])
+                combined_w.copy_(_select_weights(got["w"], rows, owner_NK, pad))
             for b in c.bias:
                 acc += b.to(acc_dtype)
             combined.copy_(acc)
