@@ -5,13 +5,21 @@ bitwise against the direct path of the same group (DESIGN 8.3); the domain detec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import time
 from typing import Optional
 
 import pytest
+import torch
 
 import moe_comm
+from moe_comm import quant
 from moe_comm.domains import OVERRIDE, Report, domains_from_reports
+from moe_comm.testing import parallel_launch
+from moe_comm.testing.checks import assert_same, check_case
+from moe_comm.testing.gradcheck import run_gradcheck
+from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
 
 
 @contextlib.contextmanager
@@ -66,7 +74,6 @@ def test_override_replaces_detection():
 ])
 def test_bad_override_is_a_value_error(value, fragment):
     from moe_comm.domains import local_report
-    import torch
     with ranks_per_node(value):
         reports = [local_report(torch.device("cpu"))] * 4
     with pytest.raises(ValueError) as info:
@@ -115,3 +122,238 @@ def test_topology_getters_and_override_errors(pools):
     assert f"{OVERRIDE}=3 does not divide the group's 4 ranks" in got["3"]
     assert f"{OVERRIDE}='x' is not an integer" in got["x"]
     assert f"{OVERRIDE} differs between ranks (per rank, None = unset): [None, 2, 2, 2]" in got["disagree"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Random cases: the oracle, and the direct path of the same group
+# ------------------------------------------------------------------------------------------------
+# (world size, ranks per host) -> cases; eight processes share two cores, so their cases are fewer and smaller.
+LAYOUTS = {(4, 2): 16, (4, 1): 6, (8, 4): 10}
+MAX_TOKENS = {4: 60, 8: 30}
+# Mantissa bits of each output dtype, and the unit roundoff of its accumulator.
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}
+ACC_ROUNDOFF = {torch.bfloat16: 2.0 ** -24, torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
+
+
+def make_buffer(case: Case, **kwargs) -> moe_comm.Buffer:
+    # `hidden` is counted in bf16 elements for sizing: float32/float64 rows need 2x/4x.
+    hidden = case.hidden * case.torch_dtype.itemsize // 2
+    return moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=max(hidden, 8),
+                           num_topk=case.num_topk, backend="torch", num_cpu_timeout_secs=60, **kwargs)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_outputs(name: str, got, expected) -> None:
+    """Bitwise equality of tensors, FP8 tuples or None."""
+    if isinstance(expected, tuple):
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(f"{name}[{i}]", g, e)
+    else:
+        assert_same(name, got, expected)
+
+
+def assert_same_handles(name: str, got, expected) -> None:
+    for field in ("recv_src_idx", "recv_topk_idx", "recv_topk_weights", "psum_num_recv_tokens_per_rank",
+                  "psum_num_recv_tokens_per_expert", "topk_idx"):
+        assert_same(f"{name} handle.{field}", getattr(got, field), getattr(expected, field))
+    for field in ("num_recv_tokens", "num_recv_tokens_per_expert_list", "num_recv_rows"):  # num_sms: its model
+        assert getattr(got, field) == getattr(expected, field), (name, field)
+
+
+def assert_within_fp32_rounding(name: str, got: torch.Tensor, expected: torch.Tensor, mass: torch.Tensor) -> None:
+    """`|got - expected| <= 16 u mass + ulp(expected)`: two summation orders of at most 16 terms (u: the unit
+    roundoff of the accumulator; mass: the sum of the terms' absolute values), then one rounding to the output
+    dtype each."""
+    bound = 16 * ACC_ROUNDOFF[got.dtype] * mass.double() + \
+        2.0 ** -MANTISSA_BITS[got.dtype] * expected.double().abs()
+    excess = (got.double() - expected.double()).abs() - bound
+    assert not bool((excess > 0).any()), f"{name}: {int((excess > 0).sum())} elements off by more than FP32 " \
+                                         f"rounding; worst excess {excess.max().item():.3g}"
+
+
+def compare_with_direct(case: Case, rank: int, direct, hybrid, partial) -> int:
+    """Dispatch and combine of one case on the direct path and on both hybrid buffers: dispatch outputs and
+    handles bitwise (padding rows included), combine bitwise for the unreduced hybrid, within FP32 rounding for
+    partial sums. Returns how many combined elements the partial sums changed."""
+    x, idx, w = rank_inputs(case, rank)
+    kwargs = dict(num_experts=case.num_experts, expert_alignment=case.expert_alignment, do_expand=case.do_expand,
+                  do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=case.num_max_tokens_per_rank)
+    ref = direct.dispatch(x, idx, w, **kwargs)
+    runs = {"hybrid": hybrid.dispatch(x, idx, w, **kwargs), "partial": partial.dispatch(x, idx, w, **kwargs)}
+    for name, got in runs.items():
+        for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+            assert_same_outputs(f"{name} {what}", got[i], ref[i])
+        assert_same_handles(name, got[3], ref[3])
+
+    # Any rows do for combine (the same on every path); weights and biases as check_case gives them.
+    y = (ref[0].double() * 0.75 + 0.125).to(ref[0].dtype)
+    weights = None if ref[2] is None else ref[2] * 3
+    bias = rank_bias(case, rank)
+    expected, expected_w, _ = direct.combine(y, ref[3], topk_weights=weights, bias=bias or None)
+    got, got_w, _ = hybrid.combine(y, runs["hybrid"][3], topk_weights=weights, bias=bias or None)
+    assert_same("hybrid combined_x", got, expected)
+    assert_same("hybrid combined_topk_weights", got_w, expected_w)
+    got, got_w, _ = partial.combine(y, runs["partial"][3], topk_weights=weights, bias=bias or None)
+    assert_same("partial combined_topk_weights", got_w, expected_w)
+    mass, _, _ = direct.combine(y.abs(), ref[3], bias=tuple(b.abs() for b in bias) or None)
+    assert_within_fp32_rounding("partial combined_x", got, expected, mass)
+    return int((bits(got) != bits(expected)).sum())
+
+
+def hybrid_cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: list[Case]) -> list[int]:
+    changed = []
+    for i, case in enumerate(cases):
+        with ranks_per_node(str(ranks_per_host)):
+            hybrid = make_buffer(case, deterministic=True)
+            partial = make_buffer(case)  # allow_multiple_reduction=True by default
+            direct = make_buffer(case, allow_hybrid_mode=False)
+        assert hybrid.is_hybrid and partial.is_hybrid and not direct.is_hybrid
+        assert hybrid.get_logical_domain_size() == (world_size // ranks_per_host, ranks_per_host)
+        assert not hybrid._impl.use_partial_reduction and partial._impl.use_partial_reduction
+        try:
+            check_case(hybrid, case, rank)
+            changed.append(compare_with_direct(case, rank, direct, hybrid, partial))
+        except AssertionError as exc:
+            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
+    return changed
+
+
+@pytest.mark.parametrize("world_size,ranks_per_host", sorted(LAYOUTS))
+def test_random_cases(pools, seed, world_size, ranks_per_host):
+    cases = draw_cases(seed * 10 + world_size + 1000 * ranks_per_host, LAYOUTS[world_size, ranks_per_host],
+                       world_size, max_tokens=MAX_TOKENS[world_size])
+    # Few cases: every combination of layout and sync, with and without weights, whatever the draw.
+    cases = [dataclasses.replace(c, do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0, with_weights=i % 3 != 2)
+             for i, c in enumerate(cases)]
+    start = time.monotonic()
+    changed = pools(world_size).run(hybrid_cases_rank, ranks_per_host, cases)
+    for name in ("do_expand", "do_cpu_sync", "with_weights"):
+        assert {getattr(c, name) for c in cases} == {True, False}, name
+    # The partial sums ran: some element came out of another summation order with other bits.
+    assert sum(map(sum, changed)) > 0 or len(cases) < 10
+    print(f"{world_size} ranks as {world_size // ranks_per_host} x {ranks_per_host}: {len(cases)} cases in "
+          f"{time.monotonic() - start:.1f} s, {sum(map(sum, changed))} elements changed by partial sums")
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 on the wire, async calls, handles of the other path
+# ------------------------------------------------------------------------------------------------
+def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    """FP8 dispatch (tuples, `quantize=`, `dequantize=`, cached) and async calls: hybrid bitwise the direct path;
+    a handle of one path is refused by the other."""
+    checked = 0
+    for case in cases:
+        make = dict(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=case.hidden, num_topk=case.num_topk,
+                    use_fp8_dispatch=True, backend="torch", num_cpu_timeout_secs=60)
+        with ranks_per_node("2"):
+            hybrid = moe_comm.Buffer(None, deterministic=True, **make)
+        direct = moe_comm.Buffer(None, allow_hybrid_mode=False, **make)
+        x, idx, w = rank_inputs(case, rank)
+        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
+                      do_cpu_sync=case.do_cpu_sync)
+        cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        for fmt in quant.FP8_FORMATS:
+            for mode in ("tuple", "quantize", "dequantize"):
+                x_in = quant.quantize(x, fmt) if mode == "tuple" else x
+                fp8 = {} if mode == "tuple" else dict(quantize=fmt, dequantize=mode == "dequantize")
+                got = hybrid.dispatch(x_in, idx, w, **kwargs, **fp8)
+                ref = direct.dispatch(x_in, idx, w, **kwargs, **fp8)
+                for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+                    assert_same_outputs(f"{fmt} {mode} {what}", got[i], ref[i])
+                x2 = quant.quantize(x * 2, fmt) if mode == "tuple" else x * 2
+                assert_same_outputs(f"{fmt} {mode} cached recv_x",
+                                    hybrid.dispatch(x2, handle=got[3], **cached, **fp8)[0],
+                                    direct.dispatch(x2, handle=ref[3], **cached, **fp8)[0])
+                checked += 1
+
+        # Async: the call returns before the rows arrive; after the wait, the synchronous call's results.
+        sync = hybrid.dispatch(x, idx, w, **kwargs)
+        early = hybrid.dispatch(x, idx, w, **kwargs, async_with_compute_stream=True)
+        assert not early[4].done
+        early[4].current_stream_wait()
+        assert_same_outputs("async recv_x", early[0], sync[0])
+        combined, _, _ = hybrid.combine(sync[0], sync[3])
+        later = hybrid.combine(sync[0], sync[3], async_with_compute_stream=True)
+        with later[2]:
+            pass
+        assert_same("async combined_x", later[0], combined)
+
+        with pytest.raises(ValueError, match=r"handle was made by backend 'torch', this buffer runs "
+                                             r"'torch hybrid 2x2'"):
+            hybrid.combine(sync[0], direct.dispatch(x, idx, w, **kwargs)[3])
+    return checked
+
+
+def test_fp8_async_and_foreign_handles(pools, seed):
+    cases = draw_cases(seed + 7, 4, 4, max_tokens=30, dtypes=("bfloat16",))
+    cases = [dataclasses.replace(c, hidden=128 * (1 + i % 2), do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0)
+             for i, c in enumerate(cases)]
+    assert pools(4).run(fp8_async_rank, cases) == [6 * len(cases)] * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# gradcheck through the hybrid path
+# ------------------------------------------------------------------------------------------------
+def hybrid_gradcheck_rank(rank: int, world_size: int, cases: list[tuple[Case, bool]]) -> list[bool]:
+    results = []
+    for case, deterministic in cases:
+        with ranks_per_node("2"):
+            # float64 rows need 4x the bytes of the bf16 `hidden` the buffer is sized with.
+            buf = moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=4 * case.hidden,
+                                  num_topk=case.num_topk, backend="torch", deterministic=deterministic,
+                                  num_cpu_timeout_secs=60)
+        assert buf.is_hybrid
+        results.append(run_gradcheck(buf, case, rank))
+    return results
+
+
+def test_gradcheck(pools):
+    base = dict(num_ranks=4, num_experts=8, num_topk=3, hidden=2, num_tokens=(3, 0, 2, 1), num_max_tokens_per_rank=4,
+                dtype="float64", drop_prob=0.25, num_bias=1)
+    # Unreduced with a CPU sync; partial sums, expand, without one.
+    cases = [(Case(seed=31, **base), True),
+             (Case(seed=32, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base), False)]
+    assert pools(4).run(hybrid_gradcheck_rank, cases) == [[True, True]] * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# A peer that never arrives, on either leg
+# ------------------------------------------------------------------------------------------------
+TIMEOUT_CASE = Case(seed=51, num_ranks=4, num_experts=8, num_topk=2, hidden=16, num_tokens=(4, 4, 4, 4),
+                    num_max_tokens_per_rank=4)
+
+
+def missing_peer_rank(rank: int, world_size: int, phase: str) -> str:
+    """2 hosts x 2; rank 3 skips one call. Its rail peer (rank 1) waits on it in the scale-out leg, its host peer
+    (rank 2) in the scale-up leg, rank 0 on rank 1 (stuck) in the scale-up leg: all fail within the timeout."""
+    with ranks_per_node("2"):
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                              num_cpu_timeout_secs=2)
+    x, idx, w = rank_inputs(TIMEOUT_CASE, rank)
+    _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=8)
+    if rank == 3:
+        time.sleep(6)
+        return "skipped"
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        if phase == "dispatch":
+            buf.dispatch(x, idx, w, num_experts=8)
+        else:
+            buf.combine(torch.zeros(handle.num_recv_rows, 16, dtype=torch.bfloat16), handle)
+    elapsed = time.monotonic() - start
+    assert elapsed < 5, elapsed
+    return str(info.value)
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_missing_peer_times_out_on_both_legs(phase):
+    *messages, skipped = parallel_launch(4, missing_peer_rank, phase, timeout_s=120)
+    assert skipped == "skipped"
+    expected = {0: "(scale-up leg): receive from peer 1", 1: "(scale-out leg): receive from peer 3",
+                2: "(scale-up leg): receive from peer 3"}
+    for rank, message in enumerate(messages):
+        fragment = f"rank {rank} {phase} argument agreement {expected[rank]}"
+        assert fragment in message and "num_cpu_timeout_secs=2" in message, message
