@@ -17,7 +17,7 @@ import moe_comm
 from moe_comm import quant
 from moe_comm.domains import OVERRIDE, Report, domains_from_reports
 from moe_comm.testing import parallel_launch
-from moe_comm.testing.checks import assert_same, check_case
+from moe_comm.testing.checks import assert_same, check_case, skip_one_call
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
 
@@ -326,34 +326,25 @@ TIMEOUT_CASE = Case(seed=51, num_ranks=4, num_experts=8, num_topk=2, hidden=16, 
                     num_max_tokens_per_rank=4)
 
 
-def missing_peer_rank(rank: int, world_size: int, phase: str) -> str:
+def missing_peer_rank(rank: int, world_size: int, phase: str):
     """2 hosts x 2; rank 3 skips one call. Its rail peer (rank 1) waits on it in the scale-out leg, its host peer
     (rank 2) in the scale-up leg, rank 0 on rank 1 (stuck) in the scale-up leg: all fail within the timeout."""
     with ranks_per_node("2"):
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
                               num_cpu_timeout_secs=2)
-    x, idx, w = rank_inputs(TIMEOUT_CASE, rank)
-    _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=8)
-    if rank == 3:
-        time.sleep(6)
-        return "skipped"
-    start = time.monotonic()
-    with pytest.raises(TimeoutError) as info:
-        if phase == "dispatch":
-            buf.dispatch(x, idx, w, num_experts=8)
-        else:
-            buf.combine(torch.zeros(handle.num_recv_rows, 16, dtype=torch.bfloat16), handle)
-    elapsed = time.monotonic() - start
-    assert elapsed < 5, elapsed
-    return str(info.value)
+    return skip_one_call(buf, TIMEOUT_CASE, rank, 3, phase)
 
 
 @pytest.mark.parametrize("phase", ["dispatch", "combine"])
 def test_missing_peer_times_out_on_both_legs(phase):
-    *messages, skipped = parallel_launch(4, missing_peer_rank, phase, timeout_s=120)
+    *outcomes, skipped = parallel_launch(4, missing_peer_rank, phase, timeout_s=120)
     assert skipped == "skipped"
     expected = {0: "(scale-up leg): receive from peer 1", 1: "(scale-out leg): receive from peer 3",
                 2: "(scale-up leg): receive from peer 3"}
-    for rank, message in enumerate(messages):
-        fragment = f"rank {rank} {phase} argument agreement {expected[rank]}"
-        assert fragment in message and "num_cpu_timeout_secs=2" in message, message
+    for rank, (error, message, elapsed) in enumerate(outcomes):
+        # Rank 0 waits on rank 1, which times out at about the same moment and closes its connections: rank 0 may
+        # see that first (a ConnectionError naming the same phase and peer).
+        assert error == "TimeoutError" or (rank == 0 and error == "ConnectionError"), (rank, error, message)
+        assert elapsed < 5, (rank, elapsed)
+        assert f"rank {rank} {phase} argument agreement {expected[rank]}" in message, message
+        assert "num_cpu_timeout_secs=2" in message or "peer 1 closed the connection" in message, message
