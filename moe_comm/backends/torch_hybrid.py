@@ -203,13 +203,13 @@ class HybridRefBackend(TorchRefBackend):
         route = self._route(c)
         in_host_NS = route.in_rank_NR.view(N, S, U).any(2)
         host_pos_NS = torch.where(in_host_NS, in_host_NS.long().cumsum(0) - 1, -1)
+        num_tokens_per_host = in_host_NS.long().sum(0)
         dest_host_NK = torch.where(route.topk_idx >= 0, route.topk_idx // (U * L), -1)
 
         # Count exchange: the direct path's count rows, plus the tokens for the row's host, through the forwarders.
         C = L + 3
         counts_send = torch.cat([route.num_tokens_per_rank[:, None], route.num_tokens_per_expert,
-                                 route.flags.expand(R, 1), in_host_NS.long().sum(0).repeat_interleave(U)[:, None]],
-                                dim=1)
+                                 route.flags.expand(R, 1), num_tokens_per_host.repeat_interleave(U)[:, None]], dim=1)
         fwd_counts, works = self._rail(counts_send, [U] * S, [U] * S, "dispatch count exchange")
         self._wait(works)
         fwd_SUC = fwd_counts.view(S, U, C)  # [h, u]: what source (h, u0) sends to rank (h0, u)
@@ -225,7 +225,7 @@ class HybridRefBackend(TorchRefBackend):
         if c.do_cpu_sync:
             rows_R, pairs_R, aligned_list, rail_send, rail_recv, fwd_rows, fwd_pairs, own_terms, fwd_terms = \
                 self._read_counts(c, counts.flags_R, [
-                    counts.rows_R, counts.pairs_R, counts.aligned_L, in_host_NS.long().sum(0), fwd_tokens_S,
+                    counts.rows_R, counts.pairs_R, counts.aligned_L, num_tokens_per_host, fwd_tokens_S,
                     fwd_rows_SU.flatten(), fwd_pairs_SU.flatten(), own_terms_S, fwd_terms_S])
         else:
             self._defer_flags(counts.flags_R)
