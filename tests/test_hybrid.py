@@ -18,6 +18,7 @@ from moe_comm import quant
 from moe_comm.domains import OVERRIDE, Report, domains_from_reports
 from moe_comm.testing import parallel_launch
 from moe_comm.testing.checks import assert_same, check_case, skip_one_call
+from moe_comm.testing.disagreement import run_probes
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
 
@@ -317,6 +318,49 @@ def test_gradcheck(pools):
     cases = [(Case(seed=31, **base), True),
              (Case(seed=32, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base), False)]
     assert pools(4).run(hybrid_gradcheck_rank, cases) == [[True, True]] * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# Value errors and ranks that disagree (DESIGN 2.6) on the hybrid path
+# ------------------------------------------------------------------------------------------------
+def hybrid_value_errors_rank(rank: int, world_size: int) -> str:
+    """A bad expert id on rank 3 (the other host): with a CPU sync every rank raises naming rank 3; without one the
+    slot is dropped and the next barrier raises on every rank; then the buffer works."""
+    with ranks_per_node("2"):
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                              num_cpu_timeout_secs=30)
+    x, idx, w = rank_inputs(TIMEOUT_CASE, rank)
+    bad = idx.clone()
+    if rank == 3:
+        bad[1, 0] = 99
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, bad, w, num_experts=8)
+    buf.dispatch(x, bad, w, num_experts=8, do_cpu_sync=False)
+    with pytest.raises(ValueError, match=r"earlier dispatch without CPU sync \(slots dropped\): out-of-range "
+                                         r"entries on rank\(s\) \[3\]"):
+        buf.barrier()
+    check_case(buf, TIMEOUT_CASE, rank)
+    return str(info.value)
+
+
+def test_value_errors_raise_on_every_rank(pools):
+    messages = pools(4).run(hybrid_value_errors_rank)
+    assert all("topk_idx is invalid: entries outside [-1, 8) on rank(s) [3]" in m for m in messages), messages
+
+
+def hybrid_probes_rank(rank: int, world_size: int) -> list[str]:
+    def make() -> moe_comm.Buffer:
+        with ranks_per_node("1"):  # 2 hosts x 1: every exchange but a rank's own crosses on a rail
+            buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                                  num_cpu_timeout_secs=20)
+        assert buf.get_logical_domain_size() == (2, 1)
+        return buf
+    return run_probes(rank, world_size, make)
+
+
+def test_disagreement_is_an_error_on_every_rank(pools):
+    messages = pools(2).run(hybrid_probes_rank)
+    assert messages[0] == messages[1] and len(messages[0]) > 10
 
 
 # ------------------------------------------------------------------------------------------------
