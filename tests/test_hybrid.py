@@ -16,7 +16,7 @@ import torch
 import moe_comm
 from moe_comm import quant
 from moe_comm.domains import OVERRIDE, Report, domains_from_reports
-from moe_comm.testing import parallel_launch
+from moe_comm.testing import WorkerPool, parallel_launch
 from moe_comm.testing.checks import assert_same, check_case, skip_one_call
 from moe_comm.testing.disagreement import run_probes
 from moe_comm.testing.gradcheck import run_gradcheck
@@ -148,18 +148,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_outputs(name: str, got, expected) -> None:
-    """Bitwise equality of tensors, FP8 tuples or None."""
+    """Bitwise equality of tensors (on any device), FP8 tuples or None."""
     if isinstance(expected, tuple):
         for i, (g, e) in enumerate(zip(got, expected)):
-            assert_same(f"{name}[{i}]", g, e)
+            assert_same(f"{name}[{i}]", g, e.cpu())
     else:
-        assert_same(name, got, expected)
+        assert_same(name, got, None if expected is None else expected.cpu())
 
 
 def assert_same_handles(name: str, got, expected) -> None:
     for field in ("recv_src_idx", "recv_topk_idx", "recv_topk_weights", "psum_num_recv_tokens_per_rank",
                   "psum_num_recv_tokens_per_expert", "topk_idx"):
-        assert_same(f"{name} handle.{field}", getattr(got, field), getattr(expected, field))
+        assert_same_outputs(f"{name} handle.{field}", getattr(got, field), getattr(expected, field))
     for field in ("num_recv_tokens", "num_recv_tokens_per_expert_list", "num_recv_rows"):  # num_sms: its model
         assert getattr(got, field) == getattr(expected, field), (name, field)
 
@@ -168,9 +168,10 @@ def assert_within_fp32_rounding(name: str, got: torch.Tensor, expected: torch.Te
     """`|got - expected| <= 16 u mass + ulp(expected)`: two summation orders of at most 16 terms (u: the unit
     roundoff of the accumulator; mass: the sum of the terms' absolute values), then one rounding to the output
     dtype each."""
-    bound = 16 * ACC_ROUNDOFF[got.dtype] * mass.double() + \
-        2.0 ** -MANTISSA_BITS[got.dtype] * expected.double().abs()
-    excess = (got.double() - expected.double()).abs() - bound
+    dtype = got.dtype
+    got, expected, mass = got.cpu().double(), expected.cpu().double(), mass.cpu().double()
+    bound = 16 * ACC_ROUNDOFF[dtype] * mass + 2.0 ** -MANTISSA_BITS[dtype] * expected.abs()
+    excess = (got - expected).abs() - bound
     assert not bool((excess > 0).any()), f"{name}: {int((excess > 0).sum())} elements off by more than FP32 " \
                                          f"rounding; worst excess {excess.max().item():.3g}"
 
@@ -179,7 +180,7 @@ def compare_with_direct(case: Case, rank: int, direct, hybrid, partial) -> int:
     """Dispatch and combine of one case on the direct path and on both hybrid buffers: dispatch outputs and
     handles bitwise (padding rows included), combine bitwise for the unreduced hybrid, within FP32 rounding for
     partial sums. Returns how many combined elements the partial sums changed."""
-    x, idx, w = rank_inputs(case, rank)
+    x, idx, w = rank_inputs(case, rank, direct.device)
     kwargs = dict(num_experts=case.num_experts, expert_alignment=case.expert_alignment, do_expand=case.do_expand,
                   do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=case.num_max_tokens_per_rank)
     ref = direct.dispatch(x, idx, w, **kwargs)
@@ -192,16 +193,16 @@ def compare_with_direct(case: Case, rank: int, direct, hybrid, partial) -> int:
     # Any rows do for combine (the same on every path); weights and biases as check_case gives them.
     y = (ref[0].double() * 0.75 + 0.125).to(ref[0].dtype)
     weights = None if ref[2] is None else ref[2] * 3
-    bias = rank_bias(case, rank)
+    bias = rank_bias(case, rank, direct.device)
     expected, expected_w, _ = direct.combine(y, ref[3], topk_weights=weights, bias=bias or None)
     got, got_w, _ = hybrid.combine(y, runs["hybrid"][3], topk_weights=weights, bias=bias or None)
-    assert_same("hybrid combined_x", got, expected)
-    assert_same("hybrid combined_topk_weights", got_w, expected_w)
+    assert_same_outputs("hybrid combined_x", got, expected)
+    assert_same_outputs("hybrid combined_topk_weights", got_w, expected_w)
     got, got_w, _ = partial.combine(y, runs["partial"][3], topk_weights=weights, bias=bias or None)
-    assert_same("partial combined_topk_weights", got_w, expected_w)
+    assert_same_outputs("partial combined_topk_weights", got_w, expected_w)
     mass, _, _ = direct.combine(y.abs(), ref[3], bias=tuple(b.abs() for b in bias) or None)
     assert_within_fp32_rounding("partial combined_x", got, expected, mass)
-    return int((bits(got) != bits(expected)).sum())
+    return int((bits(got) != bits(expected)).sum())  # on the device: .sum() of a bool tensor, then one read
 
 
 def hybrid_cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: list[Case]) -> list[int]:
@@ -392,3 +393,50 @@ def test_missing_peer_times_out_on_both_legs(phase):
         assert elapsed < 5, (rank, elapsed)
         assert f"rank {rank} {phase} argument agreement {expected[rank]}" in message, message
         assert "num_cpu_timeout_secs=2" in message or "peer 1 closed the connection" in message, message
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU tier: the hybrid reference over NCCL, 2 GPUs as 2 hosts x 1 (scale-out leg between them)
+# ------------------------------------------------------------------------------------------------
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def nccl_no_host_sync_rank(rank: int, world_size: int, case: Case) -> bool:
+    """A dispatch without CPU sync, its combine (both reductions) and a cached dispatch never sync with the host."""
+    with ranks_per_node("1"):
+        bufs = [make_buffer(case, deterministic=deterministic) for deterministic in (True, False)]
+    x, idx, w = rank_inputs(case, rank, bufs[0].device)
+    kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+    for buf in bufs:
+        buf.dispatch(x, idx, w, do_cpu_sync=False, **kwargs)  # warm-up: NCCL communicators, allocator
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, do_cpu_sync=False, **kwargs)
+            combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+            buf.dispatch(combined, handle=handle, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        buf.destroy()
+    return True
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_nccl_no_host_sync(do_expand):
+    case = Case(seed=71, num_ranks=2, num_experts=16, num_topk=4, hidden=256, num_tokens=(300, 200),
+                num_max_tokens_per_rank=512, do_expand=do_expand, expert_alignment=16)
+    with WorkerPool(2, backend="nccl", timeout_s=600) as pool:
+        assert pool.run(nccl_no_host_sync_rank, case) == [True, True]
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_nccl_random_cases(seed):
+    cases = draw_cases(seed * 10 + 77, 12, 2, max_tokens=300)
+    cases = [dataclasses.replace(c, do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0) for i, c in enumerate(cases)]
+    with WorkerPool(2, backend="nccl", timeout_s=600) as pool:
+        changed = pool.run(hybrid_cases_rank, 1, cases)
+    print(f"NCCL 2 ranks as 2 x 1: {len(cases)} cases, {sum(map(sum, changed))} elements changed by partial sums")
