@@ -19,6 +19,11 @@ Rows travel as raw bytes (`_RowCodec`), so every dtype, FP8 included, moves bit 
 
 The receive order is always deterministic: source ranks ascending, then source token index ascending.
 Combine sends every row back to its source and reduces there in the order of DESIGN 2.2.
+
+This is the direct path (every rank to every rank). Across hosts, `torch_hybrid.HybridRefBackend` runs the
+same steps in two legs (over the rail, then inside the host) and reuses the pieces here that do not depend on
+who sends to whom: routing (`_route`), count reads, the receiver's layout (`_received_rows`), the outputs and
+their finalizers (`_dispatch_outputs`, `_combine_outputs`).
 """
 
 from __future__ import annotations
