@@ -17,9 +17,10 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import env, quant, sizing
+from . import domains, env, quant, sizing
 from .backends import cuda as cuda_backend
 from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
+from .backends.torch_hybrid import HybridRefBackend
 from .backends.torch_ref import TorchRefBackend
 from .event import EventOverlap
 from .handle import EPHandle
@@ -125,6 +126,14 @@ class Buffer:
         num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing (CUDA backend kernels;
             the reference backend on NCCL relies on the process group's own timeout).
         num_cpu_timeout_secs: how long a host wait for a peer may block before failing.
+        allow_hybrid_mode: with more than one scale-up domain (hosts, see `get_physical_domain_size`), run the
+            hybrid path: a token crosses between hosts once per destination host, to the rank of the same local
+            index there, and fans out inside the host. False: the direct path (every rank to every rank), which
+            only the reference backend can run across hosts.
+        allow_multiple_reduction: in a hybrid combine without `deterministic`, sum each token's rows inside a host
+            before they cross (one row per host crosses; FP32 partial sums, so the result is within FP32 rounding
+            of the direct path's). With `deterministic=True` or False here, rows cross unreduced and the source
+            sums them in the order of DESIGN 2.2 (bitwise the direct path's result).
         cuda_tuning: `moe_comm.backends.cuda.CudaTuning`, kernel build variants and block splits for experiments
             (`scripts/profile_ops.py`); None: the defaults.
     """
@@ -132,7 +141,9 @@ class Buffer:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_max_tokens_per_rank: int = 4096,
                  hidden: int = 7168, num_topk: int = 8, use_fp8_dispatch: bool = False, backend: str = "auto",
                  deterministic: bool = False, num_gpu_timeout_secs: float = 100,
-                 num_cpu_timeout_secs: float = 300, *, cuda_tuning: Optional[cuda_backend.CudaTuning] = None) -> None:
+                 num_cpu_timeout_secs: float = 300, allow_hybrid_mode: bool = True,
+                 allow_multiple_reduction: bool = True, *,
+                 cuda_tuning: Optional[cuda_backend.CudaTuning] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moe_comm.Buffer needs torch.distributed to be initialized "
                                "(torch.distributed.init_process_group)")
@@ -141,7 +152,8 @@ class Buffer:
             raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
         _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk)
         _check_int(1, hidden=hidden)
-        _check_bool(use_fp8_dispatch=use_fp8_dispatch, deterministic=deterministic)
+        _check_bool(use_fp8_dispatch=use_fp8_dispatch, deterministic=deterministic,
+                    allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=allow_multiple_reduction)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         for name, value in (("num_gpu_timeout_secs", num_gpu_timeout_secs),
@@ -161,6 +173,8 @@ class Buffer:
         self.num_topk = num_topk
         self.use_fp8_dispatch = use_fp8_dispatch
         self.deterministic = deterministic
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
         self.num_gpu_timeout_secs = float(num_gpu_timeout_secs)
         self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
         self.num_bytes = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
@@ -168,6 +182,8 @@ class Buffer:
         self.device = self.group_device(group)
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
         self._memory_bytes = _memory_bytes(self.device)
+        self.domains = domains.find_domains(group, self.device)  # collective; the same on every rank
+        self.is_hybrid = self._use_hybrid()
         self.backend = self._resolve_backend(backend, cuda_tuning)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
@@ -190,6 +206,10 @@ class Buffer:
                                           "hidden=..., num_topk=...)", self.num_bytes)
                 impl = cuda_backend.CudaBackend(self.group, self.device, self.num_bytes, self.num_cpu_timeout_secs,
                                                 self.num_gpu_timeout_secs, cuda_tuning)
+            elif self.is_hybrid:
+                impl = HybridRefBackend(self.group, self.device, self.num_cpu_timeout_secs,
+                                        *self.get_logical_domain_size(),
+                                        use_partial_reduction=self.allow_multiple_reduction and not self.deterministic)
             else:
                 impl = TorchRefBackend(self.group, self.device, self.num_cpu_timeout_secs)
         except Exception as exc:  # of any kind: the peers must hear of it either way
@@ -213,6 +233,16 @@ class Buffer:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def _use_hybrid(self) -> bool:
+        if not self.allow_hybrid_mode or self.domains.num_domains == 1:
+            return False
+        if not self.domains.is_uniform:
+            warnings.warn(f"moe_comm: the group's scale-up domains are not uniform ({self.domains.describe()}): "
+                          f"the hybrid path needs equal domains of consecutive ranks; this buffer runs the direct "
+                          f"path", stacklevel=4)
+            return False
+        return True
+
     def _resolve_backend(self, backend: str, cuda_tuning) -> str:
         if backend == "torch":
             return "torch"
@@ -221,6 +251,17 @@ class Buffer:
                 raise ValueError(f"backend='cuda' needs an NCCL group on GPUs, this group works on {self.device}; "
                                  f"use backend='torch' or 'auto'")
             return "torch"  # gloo: the reference backend is the only one, no warning
+        if self.domains.num_domains > 1:
+            # The domains are the same on every rank: so is this choice.
+            why_not = f"the group spans {self.domains.num_domains} scale-up domains ({self.domains.describe()}): " \
+                + (
+                "the CUDA backend has no hybrid kernels yet" if self.is_hybrid else
+                "its kernels reach peers by peer memory only, and allow_hybrid_mode=False (or non-uniform domains) "
+                "rules out forwarding between hosts")
+            if backend == "cuda":
+                raise ValueError(f"backend='cuda' cannot run on this group: {why_not}; use backend='torch' or 'auto'")
+            warnings.warn(f"moe_comm: backend='auto' uses the reference backend ('torch'): {why_not}", stacklevel=3)
+            return "torch"
         why_not = cuda_backend.why_not_usable(self.group, cuda_tuning)  # collective: every rank gets the same
         if why_not is None:
             return "cuda"
@@ -235,12 +276,15 @@ class Buffer:
         NVLink link rates come from `nvidia-smi nvlink -s` when it answers; SMs from the CUDA device.
         Without a GPU (CPU/gloo runs) the model assumes an H200 (132 SMs, 18 x 26.5625 GB/s links), so a CPU
         run reports the numbers the same job would use on the GPUs this project targets.
-        All ranks of the group are taken as one NVLink domain (single-node expert parallelism).
+        The NVLink domain is a scale-up domain (`self.domains`); hybrid buffers have one scale-out group per domain.
         """
         link_gbs = sizing.query_nvlink_link_gbs() if self.device.type == "cuda" else None
         num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                    if self.device.type == "cuda" else sizing.H200_NUM_SMS)
-        return sizing.Topology.from_links(num_ranks=self.num_ranks, num_nvl_ranks=self.num_ranks,
+        num_scaleout_ranks, _ = self.get_logical_domain_size()
+        return sizing.Topology.from_links(num_ranks=self.num_ranks,
+                                          num_nvl_ranks=self.domains.num_ranks_per_domain,
+                                          num_scaleout_groups=num_scaleout_ranks,
                                           link_gbs=link_gbs or sizing.H200_NVLINK_LINK_GBS,
                                           num_device_sms=num_sms)
 
@@ -250,6 +294,16 @@ class Buffer:
         """Bytes of the per-rank buffer for these maxima (`moe_comm.sizing.get_buffer_size_hint`)."""
         num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)
         return sizing.get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """`(num_hosts, num_ranks_per_host)`: scale-up domains (hosts, or NVLink islands of a host) and the ranks of
+        one (of the largest when they differ), as detected at construction or set by `MOE_COMM_RANKS_PER_NODE`."""
+        return self.domains.num_domains, self.domains.num_ranks_per_domain
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """`(num_scaleout_ranks, num_scaleup_ranks)` the operations use: the physical domains when the buffer runs
+        hybrid, else `(1, num_ranks)` (every rank reaches every rank directly)."""
+        return self.get_physical_domain_size() if self.is_hybrid else (1, self.num_ranks)
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
         """SMs that saturate the bottleneck link for this routing (`moe_comm.sizing`, DESIGN 2.4)."""
@@ -430,7 +484,7 @@ class Buffer:
                 raise ValueError("topk_weights must be None with handle (the weights come from the handle)")
             if do_cpu_sync:
                 raise ValueError("do_cpu_sync=True is not allowed with handle: a cached dispatch never syncs")
-            handle.check_reuse(self.group, self.backend, num_experts, num_tokens, do_expand, expert_alignment,
+            handle.check_reuse(self.group, self._impl.name, num_experts, num_tokens, do_expand, expert_alignment,
                                num_max_tokens_per_rank)
             num_experts, num_topk = handle.num_experts, handle.num_topk
             num_max_tokens_per_rank = handle.num_max_tokens_per_rank
@@ -529,7 +583,7 @@ class Buffer:
         self._check_event(previous_event)
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be a moe_comm.EPHandle, got {type(handle).__name__}")
-        handle.check_owner(self.group, self.backend)
+        handle.check_owner(self.group, self._impl.name)
         self._check_tensor("x", x, DATA_DTYPES, 2)
         num_rows, hidden = x.shape
         self._check_rows("x", x)

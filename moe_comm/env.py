@@ -39,6 +39,10 @@ VARIABLES = {
                  "per build, plus its `.lock` file); `~` is expanded."),
         Variable("MOE_COMM_JIT_VERBOSE", "bool", False,
                  "Print one line to stderr per JIT build (with its seconds) or cache hit."),
+        Variable("MOE_COMM_RANKS_PER_NODE", "int", None,
+                 "Ranks per host, in place of the detection at `Buffer` construction (host names and peer access): "
+                 "ranks `r // n` form one host, so one machine can run the hybrid (multi-host) path in tests. Must "
+                 "be positive, divide the group size and be the same on every rank; unset: detected."),
         Variable("MOE_COMM_COMMIT", "str", "",
                  "The commit benchmark results record when the run's copy of the tree has no or a stale git history "
                  "(a device machine's copy); empty: read it from git."),
@@ -67,14 +71,16 @@ def get_bool(name: str) -> bool:
 def _get_number(name: str, convert, what: str):
     raw = _raw(name)
     if raw is None:
-        return convert(VARIABLES[name].default)
+        default = VARIABLES[name].default
+        return None if default is None else convert(default)
     try:
         return convert(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not {what}") from None
 
 
-def get_int(name: str) -> int:
+def get_int(name: str) -> int | None:
+    """The variable as an int; its default when unset (None for a variable whose default is "unset")."""
     return _get_number(name, int, "an integer")
 
 
@@ -91,5 +97,6 @@ def describe() -> str:
     """The registry as a markdown table (the README's copy is generated from this)."""
     lines = ["| variable | type | default | meaning |", "| --- | --- | --- | --- |"]
     for v in VARIABLES.values():
-        lines.append(f"| `{v.name}` | {v.kind} | `{v.default}` | {v.doc} |")
+        default = "unset" if v.default is None else f"`{v.default}`"
+        lines.append(f"| `{v.name}` | {v.kind} | {default} | {v.doc} |")
     return "\n".join(lines)

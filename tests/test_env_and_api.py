@@ -51,7 +51,7 @@ def test_public_api_names():
     params = inspect.signature(moe_comm.Buffer.__init__).parameters
     assert list(params)[1:] == ["group", "num_max_tokens_per_rank", "hidden", "num_topk", "use_fp8_dispatch",
                                 "backend", "deterministic", "num_gpu_timeout_secs", "num_cpu_timeout_secs",
-                                "cuda_tuning"]
+                                "allow_hybrid_mode", "allow_multiple_reduction", "cuda_tuning"]
     assert list(inspect.signature(moe_comm.Buffer.dispatch).parameters)[1:] == [
         "x", "topk_idx", "topk_weights", "num_experts", "num_max_tokens_per_rank", "expert_alignment", "num_sms",
         "handle", "do_cpu_sync", "do_expand", "quantize", "dequantize", "previous_event",
@@ -61,7 +61,8 @@ def test_public_api_names():
         "allocate_on_comm_stream"]
     assert list(inspect.signature(moe_comm.Buffer.get_buffer_size_hint).parameters) == [
         "group", "num_max_tokens_per_rank", "hidden", "num_topk", "use_fp8_dispatch"]
-    for name in ("get_theoretical_num_sms", "get_theoretical_num_qps", "barrier", "destroy"):
+    for name in ("get_theoretical_num_sms", "get_theoretical_num_qps", "get_physical_domain_size",
+                 "get_logical_domain_size", "barrier", "destroy"):
         assert callable(getattr(moe_comm.Buffer, name))
     for field in ("do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank", "num_sms",
                   "psum_num_recv_tokens_per_rank", "psum_num_recv_tokens_per_expert", "num_recv_tokens",

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm.testing import RankFailure, WorkerPool, parallel_launch
+from moe_comm.testing.checks import skip_one_call
 from moe_comm.testing.routing import Case, rank_inputs
 
 
@@ -54,31 +55,19 @@ def test_overall_timeout():
 CASE = Case(seed=51, num_ranks=2, num_experts=4, num_topk=2, hidden=16, num_tokens=(4, 4), num_max_tokens_per_rank=4)
 
 
-def missing_peer_rank(rank: int, world_size: int, phase: str) -> str:
+def missing_peer_rank(rank: int, world_size: int, phase: str):
     """Rank 1 skips one call; rank 0 must fail within num_cpu_timeout_secs, naming rank, phase and peer."""
     buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
                           num_cpu_timeout_secs=2)
-    x, idx, w = rank_inputs(CASE, rank)
-    _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
-    if rank == 1:
-        time.sleep(6)
-        return "skipped"
-    start = time.monotonic()
-    with pytest.raises(TimeoutError) as info:
-        if phase == "dispatch":
-            buf.dispatch(x, idx, w, num_experts=4)
-        else:
-            buf.combine(torch.zeros(handle.num_recv_rows, 16, dtype=torch.bfloat16), handle)
-    elapsed = time.monotonic() - start
-    assert elapsed < 5, elapsed
-    return str(info.value)
+    return skip_one_call(buf, CASE, rank, 1, phase)
 
 
 @pytest.mark.parametrize("phase,fragment", [("dispatch", "rank 0 dispatch argument agreement: receive from peer 1"),
                                             ("combine", "rank 0 combine argument agreement: receive from peer 1")])
 def test_missing_peer_times_out(phase, fragment):
-    message, skipped = parallel_launch(2, missing_peer_rank, phase, timeout_s=120)
+    (error, message, elapsed), skipped = parallel_launch(2, missing_peer_rank, phase, timeout_s=120)
     assert skipped == "skipped"
+    assert error == "TimeoutError" and elapsed < 5, (error, elapsed)
     assert fragment in message and "num_cpu_timeout_secs=2" in message, message
 
 

@@ -19,12 +19,18 @@ Rows travel as raw bytes (`_RowCodec`), so every dtype, FP8 included, moves bit 
 
 The receive order is always deterministic: source ranks ascending, then source token index ascending.
 Combine sends every row back to its source and reduces there in the order of DESIGN 2.2.
+
+This is the direct path (every rank to every rank). Across hosts, `torch_hybrid.HybridRefBackend` runs the
+same steps in two legs (over the rail, then inside the host) and reuses the pieces here that do not depend on
+who sends to whom: routing (`_route`), count reads, the receiver's layout (`_received_rows`), the outputs and
+their finalizers (`_dispatch_outputs`, `_combine_outputs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +65,66 @@ class RefLayout:
     return_send_splits: Optional[list[int]] = None
     return_recv_splits: Optional[list[int]] = None
     slot_return_pos_NK: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where this rank's tokens go in a fresh dispatch (step 1; local, no communication).
+
+    topk_idx: `[N, K]` with invalid slots dropped to -1. flags: 0-d error flags of this rank's routing.
+    dest_NK: `[N, K]` destination rank of each slot, -1 for none. in_rank_NR: `[N, R]` bool, token goes to rank.
+    send_pos_NR: `[N, R]` rank of the token among those going to that rank, -1 if not sent there.
+    num_tokens_per_rank: `[R]`. num_tokens_per_expert: `[R, L]` slots per expert, grouped by owner rank.
+    """
+
+    topk_idx: torch.Tensor
+    flags: torch.Tensor
+    dest_NK: torch.Tensor
+    in_rank_NR: torch.Tensor
+    send_pos_NR: torch.Tensor
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ReceivedCounts:
+    """What every source rank announced to this rank in the count exchange (device tensors).
+
+    rows_R: rows (tokens) from each source rank. pairs_R: (token, local expert) pairs from each source rank.
+    aligned_L: rows per local expert padded to `expert_alignment`. flags_R: each source rank's error flags.
+    """
+
+    rows_R: torch.Tensor
+    pairs_R: torch.Tensor
+    aligned_L: torch.Tensor
+    flags_R: torch.Tensor
+
+    @classmethod
+    def of(cls, counts_recv: torch.Tensor, L: int, expert_alignment: int) -> "ReceivedCounts":
+        """From the received count rows `[R, >= L + 2]`: `[rows, per-expert counts (L), flags, ...]` per source."""
+        per_expert_RL = counts_recv[:, 1:L + 1]
+        return cls(rows_R=counts_recv[:, 0], pairs_R=per_expert_RL.sum(1),
+                   aligned_L=_ceil_div(per_expert_RL.sum(0), expert_alignment) * expert_alignment,
+                   flags_R=counts_recv[:, L + 1])
+
+
+@dataclass(frozen=True)
+class ReceivedRows:
+    """The receiver's half of a dispatch layout (tensors of the handle; M = non-expand rows, P = output rows).
+
+    recv_src_M, recv_idx_MK, src_rank_M: as `EPHandle.recv_src_idx`, `recv_topk_idx`, `RefLayout.src_rank_M`.
+    out_w: the dispatch's `recv_topk_weights` output. num_recv_rows: P. psum_per_expert: `[L]` inclusive.
+    expand_row_MK, return_pos_MK: as in `RefLayout` (expand only).
+    """
+
+    recv_src_M: torch.Tensor
+    recv_idx_MK: torch.Tensor
+    src_rank_M: torch.Tensor
+    out_w: Optional[torch.Tensor]
+    num_recv_rows: int
+    psum_per_expert: torch.Tensor
+    expand_row_MK: Optional[torch.Tensor] = None
+    return_pos_MK: Optional[torch.Tensor] = None
 
 
 class _RowCodec:
@@ -117,6 +183,64 @@ def _block_of_rows(splits: Sequence[int], device: torch.device) -> torch.Tensor:
                                    output_size=num_rows)
 
 
+def _compact_rows(region_splits: Sequence[int], region_src_Q: torch.Tensor, rows_R: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Receive-buffer rows to compact output rows (source ranks ascending, then arrival order).
+
+    The receive buffer holds one region per entry of `region_splits` (its capacity), region q holding the rows of
+    source rank `region_src_Q[q]`, the first `rows_R[source]` of them valid. Returns `(out_row_B, src_rank_B)`:
+    the output row of each buffer row (-1 past a region's valid rows) and its source rank.
+    """
+    dev = rows_R.device
+    region_B = _block_of_rows(region_splits, dev)
+    src_rank_B = region_src_Q[region_B]
+    row_in_region_B = torch.arange(region_B.numel(), dtype=torch.int64, device=dev) - \
+        _block_starts(region_splits, dev)[region_B]
+    rows_before_R = rows_R.cumsum(0) - rows_R
+    out_row_B = torch.where(row_in_region_B < rows_R[src_rank_B], rows_before_R[src_rank_B] + row_in_region_B, -1)
+    return out_row_B, src_rank_B
+
+
+def _pack_blocks(codec: _RowCodec, pos_XB: torch.Tensor, offsets: Sequence[int], num_rows: int,
+                 fields_of: Callable[[int], dict[str, torch.Tensor]]) -> torch.Tensor:
+    """A send buffer of `num_rows` rows (plus a spare one that takes the rows sent nowhere): row x of block b's
+    fields (`fields_of(b)`) lands at `offsets[b] + pos_XB[x, b]`, nowhere where that is -1."""
+    send = torch.zeros(num_rows + 1, codec.width, dtype=torch.uint8, device=pos_XB.device)
+    for b, offset in enumerate(offsets):
+        pos = pos_XB[:, b]
+        codec.pack_into(send, torch.where(pos >= 0, offset + pos, num_rows), fields_of(b))
+    return send
+
+
+def _meta_fields(src: torch.Tensor, topk_idx: torch.Tensor, weights: Optional[torch.Tensor], owner_XK: torch.Tensor,
+                 owner: int, first_expert: int) -> dict[str, torch.Tensor]:
+    """Metadata rows for the receiver `owner` (a rank, or a host on the hybrid path): source token index, expert ids
+    from `first_expert` on for its slots (-1 elsewhere), its slots' weights (0 elsewhere)."""
+    mine = owner_XK == owner
+    fields = {"src": src, "idx": torch.where(mine, topk_idx - first_expert, -1)}
+    if weights is not None:
+        fields["w"] = torch.where(mine, weights, 0)
+    return fields
+
+
+def _sum_terms(x: torch.Tensor, rows_NT: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """`sum_t x[rows_NT[:, t]]` from zero in column order, accumulated in `acc_dtype` (rows_NT: no -1 left)."""
+    acc = torch.zeros(rows_NT.shape[0], x.shape[1], dtype=acc_dtype, device=x.device)
+    for t in range(rows_NT.shape[1]):
+        acc += x[rows_NT[:, t]].to(acc_dtype)
+    return acc
+
+
+def _select_weights(w: torch.Tensor, rows_NT: torch.Tensor, owner_NK: Optional[torch.Tensor], pad: int) -> torch.Tensor:
+    """`[N, K]` weights, slot j's from the term that owns it: with `owner_NK` (the owning column, -1: none), column
+    j of the `[K]` weights of row `rows_NT[:, owner]`; without, the scalar weight of row `rows_NT[:, j]` (one term
+    per slot). `pad` is a zero row of `w`."""
+    if owner_NK is None:
+        return w.view(-1)[rows_NT]
+    owner_rows_NK = torch.where(owner_NK >= 0, rows_NT.gather(1, owner_NK.clamp(min=0)), pad)
+    return w[owner_rows_NK, torch.arange(owner_NK.shape[1], device=w.device)[None, :]]
+
+
 def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
     out, acc = [], 0
     for v in values:
@@ -138,37 +262,39 @@ class TorchRefBackend(Backend):
     # Transport
     # ------------------------------------------------------------------------------------------------
     def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str,
-) -> tuple[torch.Tensor, list[tuple[object, str]]]:
+                  peers: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, list[tuple[object, str]]]:
         """All-to-all-v of row blocks: `send`'s block p (rows from `exclusive_cumsum(send_splits)[p]`) goes to
-        rank p; rank p's block lands at `exclusive_cumsum(recv_splits)[p]` of the returned `recv`.
+        rank `peers[p]`; that rank's block lands at `exclusive_cumsum(recv_splits)[p]` of the returned `recv`.
 
-        `send` may have trailing rows past its blocks.
+        `peers` are ranks of the group, this rank among them (default: every rank, in order). `send` may have
+        trailing rows past its blocks.
         Returns `(recv, works)`: the works in flight, described by rank, phase and peer for timeout errors.
         Zero-row blocks are skipped on both sides (both know the size).
         """
+        peers = range(self.num_ranks) if peers is None else peers
         recv = send.new_empty(sum(recv_splits), *send.shape[1:])
         send_offsets, recv_offsets = _exclusive_cumsum(send_splits), _exclusive_cumsum(recv_splits)
         me = self.rank
-        recv[recv_offsets[me]:recv_offsets[me] + recv_splits[me]] = \
-            send[send_offsets[me]:send_offsets[me] + send_splits[me]]
         ops, descriptions = [], []
-        for peer in range(self.num_ranks):
+        for p, peer in enumerate(peers):
             if peer == me:
+                recv[recv_offsets[p]:recv_offsets[p] + recv_splits[p]] = \
+                    send[send_offsets[p]:send_offsets[p] + send_splits[p]]
                 continue
             global_peer = dist.get_global_rank(self.group, peer)
-            if recv_splits[peer]:
-                block = recv[recv_offsets[peer]:recv_offsets[peer] + recv_splits[peer]]
+            if recv_splits[p]:
+                block = recv[recv_offsets[p]:recv_offsets[p] + recv_splits[p]]
                 ops.append(dist.P2POp(dist.irecv, block, global_peer, self.group))
                 descriptions.append(f"rank {me} {phase}: receive from peer {peer}")
-            if send_splits[peer]:
-                block = send[send_offsets[peer]:send_offsets[peer] + send_splits[peer]]
+            if send_splits[p]:
+                block = send[send_offsets[p]:send_offsets[p] + send_splits[p]]
                 ops.append(dist.P2POp(dist.isend, block, global_peer, self.group))
                 descriptions.append(f"rank {me} {phase}: send to peer {peer}")
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as exc:  # gloo: a peer's connection closed before the exchange was posted
-            peers = [p for p in range(self.num_ranks) if p != me]
-            who = f"peer {peers[0]}" if len(peers) == 1 else f"one of peers {peers}"
+            others = [p for p in peers if p != me]
+            who = f"peer {others[0]}" if len(others) == 1 else f"one of peers {others}"
             error = wait_error(f"rank {me} {phase}: posting the exchange", self.timeout_secs, 0.0, exc, who)
             self.mark_broken(str(error))
             raise error from exc
@@ -204,125 +330,148 @@ class TorchRefBackend(Backend):
         scale_dtype = torch.float32 if c.wire_format == "fp8_block128" else torch.int32
         return [("q", torch.uint8, hidden), ("scales", scale_dtype, hidden // 128)]
 
+    def _route(self, c) -> Route:
+        """Step 1 of a fresh dispatch: where this rank's tokens go (local, no communication)."""
+        R, L, K, N = self.num_ranks, c.num_experts // self.num_ranks, c.num_topk, c.num_tokens
+        i64 = dict(dtype=torch.int64, device=self.device)
+        topk_idx, flags = self.sanitize_topk_idx(c.topk_idx, c.num_experts)
+        dest_NK = torch.where(topk_idx >= 0, topk_idx // L, torch.full_like(topk_idx, -1))
+        in_rank_NR = torch.zeros(N, R + 1, dtype=torch.bool, device=self.device)
+        in_rank_NR.scatter_(1, torch.where(dest_NK >= 0, dest_NK, R), True)
+        in_rank_NR = in_rank_NR[:, :R]
+        num_tokens_per_expert = torch.zeros(c.num_experts + 1, **i64)
+        num_tokens_per_expert.scatter_add_(0, torch.where(topk_idx >= 0, topk_idx, c.num_experts).flatten(),
+                                           torch.ones(N * K, **i64))
+        return Route(topk_idx=topk_idx, flags=flags, dest_NK=dest_NK, in_rank_NR=in_rank_NR,
+                     send_pos_NR=torch.where(in_rank_NR, in_rank_NR.long().cumsum(0) - 1, -1),
+                     num_tokens_per_rank=in_rank_NR.long().sum(0),
+                     num_tokens_per_expert=num_tokens_per_expert[:c.num_experts].view(R, L))
+
+    def _read_counts(self, c, flags_R: torch.Tensor, values: Sequence[torch.Tensor]) -> list[list[int]]:
+        """With a CPU sync: read `values` (1-D int64 tensors) on the host, raise for bad routing on every rank
+        (`flags_R`: each source rank's error flags), and return the values as lists."""
+        R = self.num_ranks
+        host = torch.cat([flags_R, self.pending_flags, *values]).tolist()
+        self.after_host_sync(synchronized=True)
+        flags_per_rank, pending = host[:R], host[R:2 * R]
+        if any(pending):
+            self.check_pending_errors()
+        self.raise_for_flags(flags_per_rank, c.topk_idx, c.num_experts, "")
+        out, start = [], 2 * R
+        for v in values:
+            out.append(host[start:start + v.numel()])
+            start += v.numel()
+        return out
+
+    def _defer_flags(self, flags_R: torch.Tensor) -> None:
+        """Without a CPU sync: invalid slots were dropped; the next synchronizing call raises for them."""
+        torch.bitwise_or(self.pending_flags, flags_R, out=self.pending_flags)
+
+    @staticmethod
+    def _meta_codec(c) -> _RowCodec:
+        """Per received row: source token index, local expert ids and weights."""
+        fields = [("src", torch.int64, 1), ("idx", torch.int64, c.num_topk)]
+        if c.topk_weights is not None:
+            fields.append(("w", c.topk_weights.dtype, c.num_topk))
+        return _RowCodec(fields)
+
     def _dispatch_body(self, c):
         R, L, K, N = self.num_ranks, c.num_experts // self.num_ranks, c.num_topk, c.num_tokens
         dev, cap = self.device, c.num_max_tokens_per_rank
         i64 = dict(dtype=torch.int64, device=dev)
-
-        # Layout: destination ranks of every token, and its row inside each destination block.
-        topk_idx, flags = self.sanitize_topk_idx(c.topk_idx, c.num_experts)
-        dest_NK = torch.where(topk_idx >= 0, topk_idx // L, torch.full_like(topk_idx, -1))
-        in_rank_NR = torch.zeros(N, R + 1, dtype=torch.bool, device=dev)
-        in_rank_NR.scatter_(1, torch.where(dest_NK >= 0, dest_NK, R), True)
-        in_rank_NR = in_rank_NR[:, :R]
-        send_pos_NR = torch.where(in_rank_NR, in_rank_NR.long().cumsum(0) - 1, -1)
-        num_tokens_per_rank = in_rank_NR.long().sum(0)
-        num_tokens_per_expert = torch.zeros(c.num_experts + 1, **i64)
-        num_tokens_per_expert.scatter_add_(0, torch.where(topk_idx >= 0, topk_idx, c.num_experts).flatten(),
-                                           torch.ones(N * K, **i64))
-        num_tokens_per_expert = num_tokens_per_expert[:c.num_experts].view(R, L)
+        route = self._route(c)
 
         # Count exchange: [rows, per-expert counts, flags] to every peer.
-        counts_send = torch.cat([num_tokens_per_rank[:, None], num_tokens_per_expert, flags.expand(R, 1)], dim=1)
+        counts_send = torch.cat([route.num_tokens_per_rank[:, None], route.num_tokens_per_expert,
+                                 route.flags.expand(R, 1)], dim=1)
         counts_recv, works = self._exchange(counts_send, [1] * R, [1] * R, "dispatch count exchange")
         self._wait(works)
-        recv_rows_per_rank = counts_recv[:, 0]
-        recv_per_expert = counts_recv[:, 1:L + 1].sum(0)
-        recv_pairs_per_rank = counts_recv[:, 1:L + 1].sum(1)
-        aligned_per_expert = _ceil_div(recv_per_expert, c.expert_alignment) * c.expert_alignment
-        own_pairs_per_rank = num_tokens_per_expert.sum(1)
-
-        pair_cap = cap * min(K, L)
+        counts = ReceivedCounts.of(counts_recv, L, c.expert_alignment)
         if c.do_cpu_sync:
-            host = torch.cat([counts_recv[:, L + 1], self.pending_flags, recv_rows_per_rank, recv_pairs_per_rank,
-                              own_pairs_per_rank, num_tokens_per_rank, aligned_per_expert]).tolist()
-            self.after_host_sync(synchronized=True)
-            flags_per_rank, pending = host[:R], host[R:2 * R]
-            if any(pending):
-                self.check_pending_errors()
-            self.raise_for_flags(flags_per_rank, c.topk_idx, c.num_experts, "")
-            recv_splits, recv_pairs = host[2 * R:3 * R], host[3 * R:4 * R]
-            own_pairs, send_splits = host[4 * R:5 * R], host[5 * R:6 * R]
-            aligned_list = host[6 * R:]
-            num_recv_nonexpand = sum(recv_splits)
-            num_recv_rows = sum(aligned_list) if c.do_expand else num_recv_nonexpand
+            recv_splits, recv_pairs, own_pairs, send_splits, aligned_list = self._read_counts(
+                c, counts.flags_R, [counts.rows_R, counts.pairs_R, route.num_tokens_per_expert.sum(1),
+                                    route.num_tokens_per_rank, counts.aligned_L])
             return_send_splits, return_recv_splits = recv_pairs, own_pairs
         else:
-            # Worst-case capacities; invalid slots were dropped, the flags wait for the next sync.
-            torch.bitwise_or(self.pending_flags, counts_recv[:, L + 1], out=self.pending_flags)
+            self._defer_flags(counts.flags_R)
             send_splits = recv_splits = [cap] * R
-            return_send_splits = return_recv_splits = [pair_cap] * R
+            return_send_splits = return_recv_splits = [cap * min(K, L)] * R
             aligned_list = None
-            num_recv_nonexpand = R * cap
-            num_recv_rows = R * pair_cap + L * (c.expert_alignment - 1) if c.do_expand else num_recv_nonexpand
         send_offsets = _exclusive_cumsum(send_splits)
-        M, B = num_recv_nonexpand, sum(recv_splits)
 
         # Metadata exchange: source token index, local expert ids and weights of every row.
-        meta_fields = [("src", torch.int64, 1), ("idx", torch.int64, K)]
-        if c.topk_weights is not None:
-            meta_fields.append(("w", c.topk_weights.dtype, K))
-        meta = _RowCodec(meta_fields)
-        num_send_rows = sum(send_splits)
-        meta_send = torch.zeros(num_send_rows + 1, meta.width, dtype=torch.uint8, device=dev)
+        meta = self._meta_codec(c)
         src_N = torch.arange(N, **i64)
-        for d in range(R):
-            rows = torch.where(send_pos_NR[:, d] >= 0, send_offsets[d] + send_pos_NR[:, d], num_send_rows)
-            on_d = dest_NK == d
-            fields = {"src": src_N, "idx": torch.where(on_d, topk_idx - d * L, -1)}
-            if c.topk_weights is not None:
-                fields["w"] = torch.where(on_d, c.topk_weights, 0)
-            meta.pack_into(meta_send, rows, fields)
+        meta_send = _pack_blocks(meta, route.send_pos_NR, send_offsets, sum(send_splits), lambda d: _meta_fields(
+            src_N, route.topk_idx, c.topk_weights, route.dest_NK, d, d * L))
         meta_recv, works = self._exchange(meta_send, send_splits, recv_splits, "dispatch metadata exchange")
         self._wait(works)
-        got = meta.unpack(meta_recv)
 
-        # Receiver-side layout: blocks of the receive buffer become one compact run of rows.
-        psum_per_rank = recv_rows_per_rank.cumsum(0)
-        psum_per_expert = aligned_per_expert.cumsum(0)
-        src_rank_B = _block_of_rows(recv_splits, dev)
-        row_in_block_B = torch.arange(B, **i64) - _block_starts(recv_splits, dev)[src_rank_B]
-        out_row_B = torch.where(row_in_block_B < recv_rows_per_rank[src_rank_B],
-                                (psum_per_rank - recv_rows_per_rank)[src_rank_B] + row_in_block_B, -1)
-        recv_src_M = _place(got["src"].view(B), out_row_B, M, fill=-1)
+        # Receiver-side layout: blocks of the receive buffer (one per source rank) become one compact run of rows.
+        out_row_B, src_rank_B = _compact_rows(recv_splits, torch.arange(R, **i64), counts.rows_R)
+        rows = self._received_rows(c, meta.unpack(meta_recv), out_row_B, src_rank_B, counts, aligned_list,
+                                   _block_starts(return_send_splits, dev))
+        layout = RefLayout(send_pos_NR=route.send_pos_NR, send_splits=send_splits, recv_splits=recv_splits,
+                           out_row_B=out_row_B, src_rank_M=rows.src_rank_M, expand_row_MK=rows.expand_row_MK,
+                           return_pos_MK=rows.return_pos_MK)
+        if c.do_expand:
+            # Where each of this rank's slots comes back: blocks per destination rank, (token, slot) order.
+            slot_return_pos_NK = torch.full_like(route.topk_idx, -1)
+            for d, offset in enumerate(_exclusive_cumsum(return_recv_splits)):
+                on_d = route.dest_NK == d
+                rank_in_block = on_d.flatten().long().cumsum(0).view(N, K) - 1
+                slot_return_pos_NK = torch.where(on_d, offset + rank_in_block, slot_return_pos_NK)
+            layout = dataclasses.replace(layout, return_send_splits=return_send_splits,
+                                         return_recv_splits=return_recv_splits, slot_return_pos_NK=slot_return_pos_NK)
+        handle = self._new_handle(c, route, rows, counts, aligned_list, layout)
+        recv_x, works, finalizers = self._send_data(c, handle)
+        return (recv_x, None if c.do_expand else rows.recv_idx_MK, rows.out_w, handle), works, finalizers
+
+    def _received_rows(self, c, got: dict[str, torch.Tensor], out_row_B: torch.Tensor, src_rank_B: torch.Tensor,
+                       counts: "ReceivedCounts", aligned_list: Optional[list[int]],
+                       return_start_R: torch.Tensor) -> "ReceivedRows":
+        """The receiver's half of the layout, from the metadata of every received row (`got`, `[B, ...]`), the
+        compact row of each (`out_row_B`) and the counts (`aligned_list`: the aligned expert counts read on the
+        host, None without a CPU sync). `return_start_R`: first row of each source rank's block in the expand
+        combine's return buffer."""
+        L, K = c.num_experts // self.num_ranks, c.num_topk
+        dev = self.device
+        M = out_row_B.shape[0]
+        psum_per_expert = counts.aligned_L.cumsum(0)
+        num_recv_rows = M
+        if c.do_expand:
+            num_recv_rows = sum(aligned_list) if c.do_cpu_sync else M * min(K, L) + L * (c.expert_alignment - 1)
         recv_idx_MK = _place(got["idx"], out_row_B, M, fill=-1)
         recv_w_MK = None if "w" not in got else _place(got["w"], out_row_B, M, fill=0)
         src_rank_M = _place(src_rank_B, out_row_B, M, fill=0)
+        rows = ReceivedRows(recv_src_M=_place(got["src"].view(-1), out_row_B, M, fill=-1), recv_idx_MK=recv_idx_MK,
+                            src_rank_M=src_rank_M, out_w=recv_w_MK, num_recv_rows=num_recv_rows,
+                            psum_per_expert=psum_per_expert)
+        if not c.do_expand:
+            return rows
+        expand_row_MK = self._expand_rows(recv_idx_MK, psum_per_expert - counts.aligned_L, L)
+        out_w = None if recv_w_MK is None else self._scatter_slots(recv_w_MK, expand_row_MK, num_recv_rows)
+        # Return path of the expand combine: one row per valid (row, slot) pair, (token, slot) order.
+        valid_MK = recv_idx_MK >= 0
+        pair_rank_MK = valid_MK.flatten().long().cumsum(0).view(M, K) - 1
+        pairs_before = counts.pairs_R.cumsum(0) - counts.pairs_R
+        block_M = src_rank_M[:, None]
+        return_pos_MK = torch.where(valid_MK, return_start_R.to(dev)[block_M] + pair_rank_MK - pairs_before[block_M],
+                                    -1)
+        return dataclasses.replace(rows, out_w=out_w, expand_row_MK=expand_row_MK, return_pos_MK=return_pos_MK)
 
-        layout = dict(send_pos_NR=send_pos_NR, send_splits=send_splits, recv_splits=recv_splits,
-                      out_row_B=out_row_B, src_rank_M=src_rank_M)
-        out_w = recv_w_MK
-        if c.do_expand:
-            expand_row_MK = self._expand_rows(recv_idx_MK, psum_per_expert - aligned_per_expert, L)
-            if recv_w_MK is not None:
-                out_w = self._scatter_slots(recv_w_MK, expand_row_MK, num_recv_rows)
-            # Return path of the expand combine: one row per valid (row, slot) pair, (token, slot) order.
-            valid_MK = recv_idx_MK >= 0
-            pair_rank_MK = valid_MK.flatten().long().cumsum(0).view(M, K) - 1
-            pairs_before = recv_pairs_per_rank.cumsum(0) - recv_pairs_per_rank
-            return_offsets = _block_starts(return_send_splits, dev)
-            block_M = src_rank_M[:, None]
-            return_pos_MK = torch.where(valid_MK, return_offsets[block_M] + pair_rank_MK - pairs_before[block_M], -1)
-            slot_return_pos_NK = torch.full_like(topk_idx, -1)
-            for d, offset in enumerate(_exclusive_cumsum(return_recv_splits)):
-                on_d = dest_NK == d
-                rank_in_block = on_d.flatten().long().cumsum(0).view(N, K) - 1
-                slot_return_pos_NK = torch.where(on_d, offset + rank_in_block, slot_return_pos_NK)
-            layout.update(expand_row_MK=expand_row_MK, return_pos_MK=return_pos_MK,
-                          return_send_splits=return_send_splits, return_recv_splits=return_recv_splits,
-                          slot_return_pos_NK=slot_return_pos_NK)
-
-        handle = EPHandle(
+    def _new_handle(self, c, route: Route, rows: "ReceivedRows", counts: "ReceivedCounts",
+                    aligned_list: Optional[list[int]], layout) -> EPHandle:
+        return EPHandle(
             group=self.group, backend=self.name, epoch=self.epoch,
-            num_experts=c.num_experts, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
-            do_expand=c.do_expand, expert_alignment=c.expert_alignment, num_sms=c.num_sms,
-            do_cpu_sync=c.do_cpu_sync, topk_idx=topk_idx, recv_src_idx=recv_src_M, recv_topk_idx=recv_idx_MK,
-            recv_topk_weights=out_w, psum_num_recv_tokens_per_rank=psum_per_rank,
-            psum_num_recv_tokens_per_expert=psum_per_expert,
-            num_recv_tokens=num_recv_rows if c.do_cpu_sync else None,
-            num_recv_tokens_per_expert_list=aligned_list, num_recv_rows=num_recv_rows, layout=RefLayout(**layout))
-        recv_x, works, finalizers = self._send_data(c, handle)
-        return (recv_x, None if c.do_expand else recv_idx_MK, out_w, handle), works, finalizers
+            num_experts=c.num_experts, num_topk=c.num_topk, num_tokens=c.num_tokens,
+            num_max_tokens_per_rank=c.num_max_tokens_per_rank, do_expand=c.do_expand,
+            expert_alignment=c.expert_alignment, num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync,
+            topk_idx=route.topk_idx, recv_src_idx=rows.recv_src_M, recv_topk_idx=rows.recv_idx_MK,
+            recv_topk_weights=rows.out_w, psum_num_recv_tokens_per_rank=counts.rows_R.cumsum(0),
+            psum_num_recv_tokens_per_expert=rows.psum_per_expert,
+            num_recv_tokens=rows.num_recv_rows if c.do_cpu_sync else None,
+            num_recv_tokens_per_expert_list=aligned_list, num_recv_rows=rows.num_recv_rows, layout=layout)
 
     def _cached_dispatch_body(self, c):
         handle = c.handle
@@ -352,19 +501,20 @@ class TorchRefBackend(Backend):
     def _send_data(self, c, handle: EPHandle):
         """Data exchange along `handle`'s layout; returns `(recv_x, works, finalizers)`."""
         lay: RefLayout = handle.layout
-        dev = self.device
-        hidden = c.hidden
-        codec = _RowCodec(self._data_fields(c, hidden))
-        num_send_rows, M = sum(lay.send_splits), handle.recv_src_idx.shape[0]
-        send = torch.zeros(num_send_rows + 1, codec.width, dtype=torch.uint8, device=dev)
+        codec = _RowCodec(self._data_fields(c, c.hidden))
         wire = self._wire_tensors(c)
-        for d, offset in enumerate(_exclusive_cumsum(lay.send_splits)):
-            pos = lay.send_pos_NR[:, d]
-            codec.pack_into(send, torch.where(pos >= 0, offset + pos, num_send_rows), wire)
+        send = _pack_blocks(codec, lay.send_pos_NR, _exclusive_cumsum(lay.send_splits), sum(lay.send_splits),
+                            lambda d: wire)
         recv, works = self._exchange(send, lay.send_splits, lay.recv_splits, "dispatch data exchange")
+        recv_x, finalize = self._dispatch_outputs(c, handle, codec, recv, lay.out_row_B, lay.expand_row_MK)
+        return recv_x, works, [finalize]
 
-        # Outputs exist now; the finalizer fills them once the rows have arrived.
-        P = handle.num_recv_rows
+    def _dispatch_outputs(self, c, handle: EPHandle, codec: _RowCodec, recv: torch.Tensor, out_row_B: torch.Tensor,
+                          expand_row_MK: Optional[torch.Tensor]):
+        """The dispatch outputs, allocated now, and the finalizer that fills them once `recv` (the rows as they
+        arrived, `[B, codec.width]` bytes) is complete: `(recv_x, finalize)`."""
+        dev, hidden = self.device, c.hidden
+        P, M = handle.num_recv_rows, handle.recv_src_idx.shape[0]
         if c.wire_format is None or c.dequantize:
             out_dtype = torch.bfloat16 if c.dequantize else c.x.dtype
             recv_x = torch.empty(P, hidden, dtype=out_dtype, device=dev)
@@ -376,42 +526,44 @@ class TorchRefBackend(Backend):
             targets = {"q": recv_x[0].view(torch.uint8), "scales": recv_x[1]}
 
         def finalize() -> None:
-            got = {k: _place(v, lay.out_row_B, M, fill=0) for k, v in codec.unpack(recv).items()}
+            got = {k: _place(v, out_row_B, M, fill=0) for k, v in codec.unpack(recv).items()}
             if c.dequantize:
                 got = {"x": quant.dequantize(got["q"].view(torch.float8_e4m3fn), got["scales"])}
             for name, target in targets.items():
                 value = got[name]
                 if handle.do_expand:
-                    rows_MK = lay.expand_row_MK
-                    value = self._scatter_slots(value[:, None, :].expand(-1, rows_MK.shape[1], -1), rows_MK, P)
+                    value = self._scatter_slots(value[:, None, :].expand(-1, expand_row_MK.shape[1], -1),
+                                                expand_row_MK, P)
                 target.copy_(value)
 
-        return recv_x, works, [finalize]
+        return recv_x, finalize
 
     # ------------------------------------------------------------------------------------------------
     # Combine
     # ------------------------------------------------------------------------------------------------
-    def combine_steps(self, c):
-        handle: EPHandle = c.handle
-        lay: RefLayout = handle.layout
-        R, K, N, dev = self.num_ranks, handle.num_topk, handle.num_tokens, self.device
-        L = handle.num_experts // R
-        hidden = c.x.shape[1]
-        fields = [("x", c.x.dtype, hidden)]
+    @staticmethod
+    def _combine_codec(c, x_dtype: Optional[torch.dtype] = None) -> _RowCodec:
+        """A combine row: the expert output (in `x_dtype`, default x's) and its weights (non-expand `[K]`,
+        expand one)."""
+        fields = [("x", x_dtype or c.x.dtype, c.x.shape[1])]
         if c.topk_weights is not None:
-            fields.append(("w", c.topk_weights.dtype, 1 if handle.do_expand else K))
-        codec = _RowCodec(fields)
-        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+            fields.append(("w", c.topk_weights.dtype, 1 if c.handle.do_expand else c.handle.num_topk))
+        return _RowCodec(fields)
 
+    def _pack_back(self, c, codec: _RowCodec, lay, arrival_splits: tuple[list[int], list[int]]):
+        """Every combine row packed where it goes back: non-expand into the receive block it arrived in (the unused
+        tail of a block stays zero), expand one row per (received row, local slot) pair at `return_pos_MK`.
+        Returns `(send, send_splits, recv_splits)`: the send buffer (one spare row at the end) and the splits of the
+        exchange back, `arrival_splits` (the dispatch's last leg, receiver's then sender's side) reversed for
+        non-expand rows, `lay.return_send_splits`/`return_recv_splits` for expand."""
+        handle, dev, hidden = c.handle, self.device, c.x.shape[1]
         if handle.do_expand:
-            # Every (received row, local slot) pair goes back as its own row, in (token, slot) order.
-            send_splits, recv_splits = lay.return_send_splits, lay.return_recv_splits
-            num_send = sum(send_splits)
+            num_send = sum(lay.return_send_splits)
             send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
             x_pad = torch.cat([c.x, c.x.new_zeros(1, hidden)])
             w_pad = None if c.topk_weights is None else torch.cat([c.topk_weights, c.topk_weights.new_zeros(1)])
             trash_row = c.x.shape[0]
-            for j in range(K):
+            for j in range(handle.num_topk):
                 rows = lay.expand_row_MK[:, j]
                 src = torch.where(rows >= 0, rows, trash_row)
                 fields_j = {"x": x_pad[src]}
@@ -419,47 +571,60 @@ class TorchRefBackend(Backend):
                     fields_j["w"] = w_pad[src][:, None]
                 dst = lay.return_pos_MK[:, j]
                 codec.pack_into(send, torch.where(dst >= 0, dst, num_send), fields_j)
-        else:
-            # Rows go back into the blocks they arrived in (the unused tail of a block stays zero).
-            send_splits, recv_splits = lay.recv_splits, lay.send_splits
-            num_send = sum(send_splits)
-            send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
-            valid_B = lay.out_row_B >= 0
-            src_rows = lay.out_row_B.clamp(min=0)
-            fields_all = {"x": c.x[src_rows]}
-            if c.topk_weights is not None:
-                fields_all["w"] = c.topk_weights[src_rows]
-            codec.pack_into(send, torch.where(valid_B, torch.arange(num_send, device=dev), num_send), fields_all)
-        num_recv = sum(recv_splits)
-        recv, works = self._exchange(send, send_splits, recv_splits, "combine exchange")
+            return send, lay.return_send_splits, lay.return_recv_splits
+        num_send = lay.out_row_B.shape[0]
+        send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
+        valid_B = lay.out_row_B >= 0
+        src_rows = lay.out_row_B.clamp(min=0)
+        fields_all = {"x": c.x[src_rows]}
+        if c.topk_weights is not None:
+            fields_all["w"] = c.topk_weights[src_rows]
+        codec.pack_into(send, torch.where(valid_B, torch.arange(num_send, device=dev), num_send), fields_all)
+        return (send, *arrival_splits)
 
+    def combine_steps(self, c):
+        handle: EPHandle = c.handle
+        lay: RefLayout = handle.layout
+        codec = self._combine_codec(c)
+        send, send_splits, recv_splits = self._pack_back(c, codec, lay, (lay.recv_splits, lay.send_splits))
+        recv, works = self._exchange(send, send_splits, recv_splits, "combine exchange")
+        if handle.do_expand:
+            # DESIGN 2.2 order: one term per valid slot, ascending slot.
+            outputs, finalize = self._combine_outputs(c, codec, recv, lay.slot_return_pos_NK, None)
+        else:
+            # DESIGN 2.2 order: one term per destination rank, ascending rank.
+            offsets = _block_starts(recv_splits, self.device)
+            rows_NR = torch.where(lay.send_pos_NR >= 0, offsets[None, :] + lay.send_pos_NR, -1)
+            dest_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // (handle.num_experts // self.num_ranks), -1)
+            outputs, finalize = self._combine_outputs(c, codec, recv, rows_NR, dest_NK)
+        return outputs, works, [finalize]
+
+    def _combine_outputs(self, c, codec: _RowCodec, recv: torch.Tensor, rows_NT: torch.Tensor,
+                         owner_NK: Optional[torch.Tensor]):
+        """The combine outputs, allocated now, and the finalizer that sums them once `recv` has arrived:
+        `(outputs, finalize)`.
+
+        rows_NT: `[N, T]`, the row of `recv` holding each term of each token (-1: no term), summed in column order.
+        owner_NK: the column of the term that holds slot j's weight (`recv`'s weights are `[K]` per row, the
+            select takes column j); None when each term is one slot with a scalar weight (`rows_NT` is `[N, K]`).
+        """
+        handle, dev = c.handle, self.device
+        N, K, hidden = handle.num_tokens, handle.num_topk, c.x.shape[1]
+        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
         combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
         combined_w = None if c.topk_weights is None else torch.empty(N, K, dtype=c.topk_weights.dtype, device=dev)
-        dest_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // L, -1)
 
         def finalize() -> None:
-            # One extra zero row: gathers of absent (token, rank) or (token, slot) pairs read it.
+            # One extra zero row: gathers of absent terms read it.
             got = codec.unpack(recv, pad_rows=1)
-            back_x = got["x"]
-            acc = torch.zeros(N, hidden, dtype=acc_dtype, device=dev)
+            pad = recv.shape[0]
+            rows = torch.where(rows_NT >= 0, rows_NT, pad)
             # DESIGN 2.2 order: start from zero, add the terms one by one, then bias[0], bias[1].
-            if handle.do_expand:
-                rows_NK = torch.where(lay.slot_return_pos_NK >= 0, lay.slot_return_pos_NK, num_recv)
-                for j in range(K):
-                    acc += back_x[rows_NK[:, j]].to(acc_dtype)
-                if combined_w is not None:
-                    combined_w.copy_(got["w"].view(-1)[rows_NK])
-            else:
-                offsets = _block_starts(recv_splits, dev)
-                rows_NR = torch.where(lay.send_pos_NR >= 0, offsets[None, :] + lay.send_pos_NR, num_recv)
-                for d in range(R):
-                    acc += back_x[rows_NR[:, d]].to(acc_dtype)
-                if combined_w is not None:
-                    owner_rows_NK = rows_NR.gather(1, dest_NK.clamp(min=0))
-                    owner_rows_NK = torch.where(dest_NK >= 0, owner_rows_NK, num_recv)
-                    combined_w.copy_(got["w"][owner_rows_NK, torch.arange(K, device=dev)[None, :]])
+            acc = _sum_terms(got["x"], rows, acc_dtype)
+            if combined_w is not None:
+                combined_w.copy_(_select_weights(got["w"], rows, owner_NK, pad))
             for b in c.bias:
                 acc += b.to(acc_dtype)
             combined.copy_(acc)
 
-        return (combined, combined_w), works, [finalize]
+        return (combined, combined_w), finalize

@@ -4,11 +4,15 @@
 compares everything bitwise: received rows, ids, weights, handle counts, source indices, combined rows and
 weights. Without a CPU sync only the rows up to the true count are compared (the reference backend zeroes the
 rest; other backends leave them unspecified). Used by the CPU tier (reference over gloo) and the GPU tier.
+
+`skip_one_call(buffer, case, rank, missing_rank, phase)` has one rank sleep through a call the others make, for
+the timeout tests.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import Optional, Union
 
 import torch
 
@@ -99,3 +103,27 @@ def check_case(buffer, case: Case, rank: int, check_cached: bool = True) -> dict
         assert_same("cached recv_x", recv_x2[:num_rows], exp.x * 2)
         assert recv_idx2 is recv_idx or recv_idx2 is handle.recv_topk_idx
     return {"rows": num_rows, "tokens": num_tokens}
+
+
+def skip_one_call(buffer, case: Case, rank: int, missing_rank: int, phase: str, sleep_s: float = 6.0
+                  ) -> Union[str, tuple[str, str, float]]:
+    """Every rank dispatches `case`; then `missing_rank` sleeps `sleep_s` through the next call (`phase`: "dispatch"
+    or "combine") that the others make. Returns "skipped" on the missing rank; on the others the type and message of
+    the error the call raised and the seconds it took (an AssertionError if it completed). The error is a
+    TimeoutError, or a ConnectionError on a rank that waited on a peer that gave up first (gloo closes a timed-out
+    rank's connections)."""
+    x, idx, w = rank_inputs(case, rank, buffer.device)
+    _, _, _, handle, _ = buffer.dispatch(x, idx, w, num_experts=case.num_experts)
+    if rank == missing_rank:
+        time.sleep(sleep_s)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        if phase == "dispatch":
+            buffer.dispatch(x, idx, w, num_experts=case.num_experts)
+        else:
+            buffer.combine(torch.zeros(handle.num_recv_rows, case.hidden, dtype=x.dtype, device=buffer.device),
+                           handle)
+    except (TimeoutError, ConnectionError) as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    raise AssertionError(f"rank {rank}: the {phase} completed while rank {missing_rank} skipped it")
