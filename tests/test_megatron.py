@@ -675,6 +675,11 @@ def test_config_errors_name_the_argument():
         MoECommConfig(num_cpu_timeout_secs=float("inf"))
     with pytest.raises(ValueError, match="do_cpu_sync=False needs do_expand=True"):
         MoECommConfig(do_cpu_sync=False)
+    with pytest.raises(ValueError, match=r"sl_idx=16 must be an InfiniBand service level in \[0, 15\]"):
+        MoECommConfig(sl_idx=16)
+    with pytest.raises(TypeError, match="sl_idx must be an int or None"):
+        MoECommConfig(sl_idx="3")
+    assert MoECommConfig(sl_idx=3).sl_idx == 3
 
 
 def test_expert_alignment_follows_router_padding():

@@ -70,7 +70,7 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
             raise ValueError(f"num_tokens={num_tokens} exceeds MoECommConfig.num_max_tokens_per_rank={num_max_tokens}")
     buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
                  use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
-                 num_cpu_timeout_secs=options.num_cpu_timeout_secs)
+                 num_cpu_timeout_secs=options.num_cpu_timeout_secs, sl_idx=options.sl_idx)
     _buffers[key] = buf
     return buf
 
