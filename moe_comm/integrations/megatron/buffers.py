@@ -75,6 +75,12 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
     return buf
 
 
+def buffer_domain_sizes() -> list[tuple[int, int]]:
+    """`Buffer.get_logical_domain_size()` of every cached buffer, `(scale-out ranks, scale-up ranks)`: `(1, R)` on
+    the direct path, `(hosts, ranks per host)` on the hybrid one (for logs, and for tests that force hosts)."""
+    return [buf.get_logical_domain_size() for buf in _buffers.values()]
+
+
 def clear_buffers() -> None:
     """Destroy and forget the cached buffers (e.g. before destroying the process groups)."""
     for buf in _buffers.values():
@@ -82,4 +88,4 @@ def clear_buffers() -> None:
     _buffers.clear()
 
 
-__all__ = ["get_buffer", "clear_buffers"]
+__all__ = ["get_buffer", "buffer_domain_sizes", "clear_buffers"]
