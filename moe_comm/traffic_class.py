@@ -4,7 +4,7 @@ traffic apart from data-parallel traffic.
 
 Where NCCL takes it from (NCCL's IB transport; see the README's "Traffic class" for sources):
 1. `NCCL_IB_SL` (and `NCCL_IB_TC` for the RoCE traffic class) when set: it wins over everything else;
-2. else the communicator's traffic class (`ncclConfig_t.trafficClass`, NCCL >= 2.22), which PyTorch exposes as
+2. else the communicator's traffic class (`ncclConfig_t.trafficClass`), which PyTorch built with NCCL >= 2.26 exposes as
    `torch.distributed.ProcessGroupNCCL.Options().config.traffic_class` (read when the group's communicators are
    made, so it is fixed by whoever creates the group);
 3. else NCCL's default.
@@ -42,7 +42,7 @@ def check_sl_idx(sl_idx) -> None:
 
 def group_traffic_class(group: dist.ProcessGroup, device: torch.device) -> Optional[int]:
     """The traffic class in the NCCL options of `group`: an int (`NCCL_CONFIG_UNDEF_INT` when unset), or None
-    when this PyTorch build does not expose the field (NCCL older than 2.22, or no NCCL)."""
+    when this PyTorch build does not expose the field (built with NCCL older than 2.26, or without NCCL)."""
     try:
         return int(group._get_backend(device).options.config.traffic_class)
     except (AttributeError, RuntimeError, TypeError):
@@ -67,8 +67,8 @@ def why_not_applied(sl_idx: int, env_sl: Optional[str], group_class: Optional[in
         return None
     if group_class is None:
         return (f"{ENV_SL} is unset and this PyTorch build does not expose NCCL's communicator traffic class "
-                f"(ProcessGroupNCCL.Options().config.traffic_class, NCCL >= 2.22); export {ENV_SL}={sl_idx} "
-                f"in every rank's launch environment")
+                f"(ProcessGroupNCCL.Options().config.traffic_class, PyTorch built with NCCL >= 2.26); export "
+                f"{ENV_SL}={sl_idx} in every rank's launch environment")
     if group_class == NCCL_CONFIG_UNDEF_INT:
         return (f"neither {ENV_SL} nor the group's traffic class is set, so NCCL uses its default; create the "
                 f"group with pg_options whose config.traffic_class = {sl_idx}, or export {ENV_SL}={sl_idx} in "
