@@ -1,12 +1,12 @@
-"""The network traffic class of a buffer (`Buffer(sl_idx=...)`, DeepEP V2's name and range): the InfiniBand
+"""The network traffic class of a buffer (`Buffer(sl_idx=...)`, DeepEP V2's name): the InfiniBand
 service level (SL) that the traffic between hosts travels on, so a cluster's QoS can keep expert-parallel
 traffic apart from data-parallel traffic.
 
 Where NCCL takes it from (NCCL's IB transport; see the README's "Traffic class" for sources):
 1. `NCCL_IB_SL` (and `NCCL_IB_TC` for the RoCE traffic class) when set: it wins over everything else;
-2. else the communicator's traffic class (`ncclConfig_t.trafficClass`), which PyTorch built with NCCL >= 2.26 exposes as
-   `torch.distributed.ProcessGroupNCCL.Options().config.traffic_class` (read when the group's communicators are
-   made, so it is fixed by whoever creates the group);
+2. else the communicator's traffic class (`ncclConfig_t.trafficClass`), which PyTorch built with NCCL >= 2.26
+   exposes as `torch.distributed.ProcessGroupNCCL.Options().config.traffic_class` (read when the group's
+   communicators are made, so it is fixed by whoever creates the group);
 3. else NCCL's default.
 
 moe_comm makes no communicator: both paths, the hybrid one included, send over the caller's process group (one
