@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import domains, env, quant, sizing
+from . import domains, env, quant, sizing, traffic_class
 from .backends import cuda as cuda_backend
 from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
 from .backends.torch_hybrid import HybridRefBackend
@@ -134,6 +134,11 @@ class Buffer:
             before they cross (one row per host crosses; FP32 partial sums, so the result is within FP32 rounding
             of the direct path's). With `deterministic=True` or False here, rows cross unreduced and the source
             sums them in the order of DESIGN 2.2 (bitwise the direct path's result).
+        sl_idx: the InfiniBand service level (0 to 15) for the traffic between hosts, as DeepEP V2's; None (the
+            default) leaves NCCL's setting alone. moe_comm sends over the caller's group and cannot change its
+            communicator, so on NCCL the buffer checks that NCCL will use this level (`NCCL_IB_SL`, else the
+            group's `ProcessGroupNCCL.Options().config.traffic_class`) and raises ValueError on every rank if
+            not (`moe_comm/traffic_class.py`). gloo has no service level: there it is only validated.
         cuda_tuning: `moe_comm.backends.cuda.CudaTuning`, kernel build variants and block splits for experiments
             (`scripts/profile_ops.py`); None: the defaults.
     """
@@ -142,7 +147,7 @@ class Buffer:
                  hidden: int = 7168, num_topk: int = 8, use_fp8_dispatch: bool = False, backend: str = "auto",
                  deterministic: bool = False, num_gpu_timeout_secs: float = 100,
                  num_cpu_timeout_secs: float = 300, allow_hybrid_mode: bool = True,
-                 allow_multiple_reduction: bool = True, *,
+                 allow_multiple_reduction: bool = True, sl_idx: Optional[int] = None, *,
                  cuda_tuning: Optional[cuda_backend.CudaTuning] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moe_comm.Buffer needs torch.distributed to be initialized "
@@ -156,6 +161,7 @@ class Buffer:
                     allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=allow_multiple_reduction)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        traffic_class.check_sl_idx(sl_idx)
         for name, value in (("num_gpu_timeout_secs", num_gpu_timeout_secs),
                             ("num_cpu_timeout_secs", num_cpu_timeout_secs)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_SECS:
@@ -179,7 +185,10 @@ class Buffer:
         self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
         self.num_bytes = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
                                                      use_fp8_dispatch)
+        self.sl_idx = sl_idx
         self.device = self.group_device(group)
+        if sl_idx is not None and self.device.type == "cuda":  # one more collective, only when asked for
+            self._check_traffic_class()
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
         self._memory_bytes = _memory_bytes(self.device)
         self.domains = domains.find_domains(group, self.device)  # collective; the same on every rank
@@ -226,6 +235,18 @@ class Buffer:
     # ------------------------------------------------------------------------------------------------
     # Set-up helpers
     # ------------------------------------------------------------------------------------------------
+    def _check_traffic_class(self) -> None:
+        """The same ValueError on every rank unless NCCL carries every rank's traffic on `sl_idx` (the launch
+        environment can differ between hosts)."""
+        failure = None
+        try:
+            traffic_class.check_applied(self.group, self.device, self.sl_idx)
+        except ValueError as exc:
+            failure = exc
+        error = _error_on_every_rank(self.group, failure, f"moe_comm.Buffer(sl_idx={self.sl_idx})")
+        if error is not None:
+            raise error from failure
+
     @staticmethod
     def group_device(group: dist.ProcessGroup) -> torch.device:
         """The device a group's tensors live on: the current CUDA device for NCCL, else the CPU."""

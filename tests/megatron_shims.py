@@ -22,10 +22,10 @@ from recipes.megatron_moe.cpu_shims import apply_cpu_shims  # noqa: E402
 EP_SIZE = 2
 
 
-def setup_worker(seed: int) -> torch.device:
+def setup_worker(seed: int, ep_size: int = EP_SIZE) -> torch.device:
     """Shims (CPU only), Megatron's parallel state with EP over the whole group, and the RNG tracker."""
     apply_cpu_shims()
-    recipe_model.initialize_megatron(EP_SIZE, seed)
+    recipe_model.initialize_megatron(ep_size, seed)
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -51,7 +51,7 @@ def test_public_api_names():
     params = inspect.signature(moe_comm.Buffer.__init__).parameters
     assert list(params)[1:] == ["group", "num_max_tokens_per_rank", "hidden", "num_topk", "use_fp8_dispatch",
                                 "backend", "deterministic", "num_gpu_timeout_secs", "num_cpu_timeout_secs",
-                                "allow_hybrid_mode", "allow_multiple_reduction", "cuda_tuning"]
+                                "allow_hybrid_mode", "allow_multiple_reduction", "sl_idx", "cuda_tuning"]
     assert list(inspect.signature(moe_comm.Buffer.dispatch).parameters)[1:] == [
         "x", "topk_idx", "topk_weights", "num_experts", "num_max_tokens_per_rank", "expert_alignment", "num_sms",
         "handle", "do_cpu_sync", "do_expand", "quantize", "dequantize", "previous_event",

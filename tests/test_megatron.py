@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import subprocess
 import sys
 import types
@@ -123,14 +124,15 @@ def _grads(module: torch.nn.Module, prefix: str = "") -> dict:
 
 
 def layer_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, overrides: dict) -> dict:
-    """MoE layer: alltoall vs ours, same weights; output, input grad and every parameter grad."""
-    device = setup_worker(case.seed)
+    """MoE layer: alltoall vs ours, same weights; output, input grad and every parameter grad (EP over the
+    whole group)."""
+    device = setup_worker(case.seed, world_size)
     dtype = getattr(torch, case.dtype)
     restore = _flex_installed(case)
     try:
         dims = dataclasses.replace(dims, moe_router_topk=case.topk)
-        ref = build_moe_layer(transformer_config(dims, "alltoall", EP_SIZE, dtype, **overrides), dims, "alltoall")
-        test = build_moe_layer(transformer_config(dims, case.dispatcher, EP_SIZE, dtype, **overrides), dims,
+        ref = build_moe_layer(transformer_config(dims, "alltoall", world_size, dtype, **overrides), dims, "alltoall")
+        test = build_moe_layer(transformer_config(dims, case.dispatcher, world_size, dtype, **overrides), dims,
                                case.dispatcher, case.moe_comm_config())
         ref, test = ref.to(device), test.to(device)
         test.load_state_dict(ref.state_dict())
@@ -229,14 +231,15 @@ def sync_free_layer_rank(rank: int, world_size: int, dtype: str, ep_size: int, c
 
 
 def gpt_parity_rank(rank: int, world_size: int, case: Case, dims: ModelDims, num_steps: int) -> dict:
-    """2-layer GPTModel: alltoall vs ours, same weights and batches; first-step gradients and Adam losses."""
-    device = setup_worker(case.seed)
+    """2-layer GPTModel: alltoall vs ours, same weights and batches; first-step gradients and Adam losses (EP over
+    the whole group)."""
+    device = setup_worker(case.seed, world_size)
     restore = _flex_installed(case)
     try:
         dims = dataclasses.replace(dims, moe_router_topk=case.topk)
         dtype = getattr(torch, case.dtype)
-        ref = build_gpt(transformer_config(dims, "alltoall", EP_SIZE, dtype), dims, "alltoall").to(device)
-        test = build_gpt(transformer_config(dims, case.dispatcher, EP_SIZE, dtype), dims, case.dispatcher,
+        ref = build_gpt(transformer_config(dims, "alltoall", world_size, dtype), dims, "alltoall").to(device)
+        test = build_gpt(transformer_config(dims, case.dispatcher, world_size, dtype), dims, case.dispatcher,
                          case.moe_comm_config()).to(device)
         test.load_state_dict(ref.state_dict(), strict=False)  # strict=False: `_extra_state` entries
         for (n_ref, p_ref), (n_test, p_test) in zip(ref.named_parameters(), test.named_parameters()):
@@ -352,6 +355,21 @@ def async_overlap_rank(rank: int, world_size: int, case: Case, dims: ModelDims) 
     layer.postprocess(out, None)
     return dict(pending_after_dispatch=pending_after_dispatch, waited=waited,
                 pending_after_combine=pending_after_combine, num_sms=disp.last_num_sms)
+
+
+def hybrid_parity_rank(rank: int, world_size: int, ranks_per_node: int, parity, *args) -> tuple:
+    """`parity` (a parity worker above) with hosts forced by MOE_COMM_RANKS_PER_NODE, so moe_comm's buffers run the
+    hybrid path; returns its comparison and the logical domain sizes of the buffers it made."""
+    from moe_comm.integrations.megatron import buffer_domain_sizes, clear_buffers
+
+    clear_buffers()  # a buffer made earlier without the override would be reused
+    os.environ["MOE_COMM_RANKS_PER_NODE"] = str(ranks_per_node)
+    try:
+        result = parity(rank, world_size, *args)
+        return result, buffer_domain_sizes()
+    finally:
+        os.environ.pop("MOE_COMM_RANKS_PER_NODE")
+        clear_buffers()
 
 
 def flex_build_rank(rank: int, world_size: int) -> dict:
@@ -675,6 +693,11 @@ def test_config_errors_name_the_argument():
         MoECommConfig(num_cpu_timeout_secs=float("inf"))
     with pytest.raises(ValueError, match="do_cpu_sync=False needs do_expand=True"):
         MoECommConfig(do_cpu_sync=False)
+    with pytest.raises(ValueError, match=r"sl_idx=16 must be an InfiniBand service level in \[0, 15\]"):
+        MoECommConfig(sl_idx=16)
+    with pytest.raises(TypeError, match="sl_idx must be an int or None"):
+        MoECommConfig(sl_idx="3")
+    assert MoECommConfig(sl_idx=3).sl_idx == 3
 
 
 def test_expert_alignment_follows_router_padding():
@@ -835,6 +858,30 @@ def test_flex_shared_expert_overlap_refused_before_0_18():
                     f"the flex dispatcher (test_shared_expert_overlap_parity[B] runs it)")
     with pytest.raises(ValueError, match="moe_shared_expert_overlap only works with alltoall token dispatcher"):
         transformer_config(LAYER_DIMS, "moe_comm_flex", EP_SIZE, **SHARED_EXPERT_OVERLAP)
+
+
+@pytest.fixture(scope="module")
+def hybrid_pool():
+    """4 gloo ranks, EP=4, made into 2 hosts x 2 by MOE_COMM_RANKS_PER_NODE=2 inside the workers."""
+    with WorkerPool(4, backend="gloo", timeout_s=600) as pool:
+        yield pool
+
+
+HYBRID_LAYER_CASES = [Case("A", 2), Case("A", 4, do_expand=True), Case("B", 2)]
+
+
+@pytest.mark.parametrize("case", HYBRID_LAYER_CASES, ids=str)
+def test_moe_layer_parity_on_hybrid_path(hybrid_pool, case):
+    """Both routes unchanged on the hybrid path (deterministic: bitwise as on the direct path)."""
+    results = hybrid_pool.run(hybrid_parity_rank, 2, layer_parity_rank, case, LAYER_DIMS, {})
+    assert all(domains == [(2, 2)] for _, domains in results), [domains for _, domains in results]
+    assert_parity([result for result, _ in results], case.exact)
+
+
+def test_gpt_parity_on_hybrid_path(hybrid_pool):
+    results = hybrid_pool.run(hybrid_parity_rank, 2, gpt_parity_rank, Case("A", 2, do_expand=True), GPT_DIMS, 3)
+    assert all(domains == [(2, 2)] for _, domains in results), [domains for _, domains in results]
+    assert_parity([result for result, _ in results], exact=True)
 
 
 def test_sync_free_layer_matches_alltoall(mcore_pool):

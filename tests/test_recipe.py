@@ -1,5 +1,6 @@
-"""Smoke run of the Megatron recipe: `torchrun` 2 processes, `tiny` preset over gloo, a few steps, wandb offline.
-Checks the exit status, the summary line, the metrics file and the offline wandb run directory."""
+"""Smoke runs of the Megatron recipe: `torchrun`, `tiny` preset over gloo, a few steps, wandb offline: 2 processes
+(one host), and 4 processes made 2 hosts x 2 by MOE_COMM_RANKS_PER_NODE (the hybrid path). Checks the exit status,
+the summary line, the metrics file and the offline wandb run directory."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ pytest.importorskip("wandb", reason="wandb is not installed (pip install 'moe_co
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_tiny_preset_trains_and_logs_offline(tmp_path):
+def run_tiny(tmp_path, num_ranks: int, **env_vars: str) -> tuple[str, dict]:
+    """`tiny`, 4 steps on `num_ranks` gloo processes; (stdout, metrics JSON) after checking the log lines."""
     metrics = tmp_path / "metrics.json"
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ROOT, **env_vars}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(num_ranks),
            os.path.join(ROOT, "recipes", "megatron_moe", "train.py"), "--preset", "tiny", "--steps", "4",
            "--log-interval", "2", "--out", str(tmp_path), "--metrics-json", str(metrics), "--timeout-s", "60"]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -29,15 +31,26 @@ def test_tiny_preset_trains_and_logs_offline(tmp_path):
 
     assert re.search(r"^step +4/4 \| loss [0-9.]+ \|.*\| moe_comm$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^SUMMARY preset=tiny dispatcher=moe_comm steps=4 ", proc.stdout, re.M), proc.stdout
-    run_dir = re.search(r"^wandb run directory: (.+)$", proc.stdout, re.M).group(1)
+    data = json.loads(metrics.read_text())
+    assert [h["step"] for h in data["history"]] == [1, 2, 3, 4]
+    for h in data["history"]:
+        assert math.isfinite(h["loss"]) and h["tokens_per_s"] > 0 and h["dispatch_ms"] > 0 and h["combine_ms"] > 0, h
+        assert h["num_sms"] > 0, h
+    return proc.stdout, data
+
+
+def test_tiny_preset_trains_and_logs_offline(tmp_path):
+    stdout, data = run_tiny(tmp_path, 2)
+    assert data["summary"]["domains"] == "1x2", data["summary"]
+    run_dir = re.search(r"^wandb run directory: (.+)$", stdout, re.M).group(1)
     assert os.path.isdir(run_dir) and os.path.basename(run_dir).startswith("offline-run-"), run_dir
     assert os.path.commonpath([run_dir, str(tmp_path)]) == str(tmp_path), run_dir
     assert any(name.endswith(".wandb") for name in os.listdir(run_dir)), os.listdir(run_dir)
-
-    data = json.loads(metrics.read_text())
     assert data["summary"]["wandb_run_dir"] == run_dir
-    history = data["history"]
-    assert [h["step"] for h in history] == [1, 2, 3, 4]
-    for h in history:
-        assert math.isfinite(h["loss"]) and h["tokens_per_s"] > 0 and h["dispatch_ms"] > 0 and h["combine_ms"] > 0, h
-        assert h["num_sms"] > 0, h
+
+
+def test_tiny_preset_on_hybrid_path(tmp_path):
+    """The recipe unchanged across (forced) hosts: 4 ranks as 2 hosts x 2."""
+    stdout, data = run_tiny(tmp_path, 4, MOE_COMM_RANKS_PER_NODE="2")
+    assert data["summary"]["domains"] == "2x2", data["summary"]
+    assert re.search(r"^SUMMARY .*\| domains 2x2$", stdout, re.M), stdout

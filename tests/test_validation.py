@@ -155,12 +155,15 @@ def constructor_errors_rank(rank: int, world_size: int) -> int:
         (dict(deterministic="yes"), TypeError, "deterministic must be a bool"),
         (dict(hidden=12), ValueError, "not a multiple of 16"),
         (dict(use_fp8_dispatch=True, hidden=200), ValueError, "hidden=200"),
+        (dict(sl_idx=16), ValueError, "sl_idx=16 must be an InfiniBand service level in [0, 15]"),
+        (dict(sl_idx=-1), ValueError, "sl_idx=-1 must be"),
+        (dict(sl_idx=True), TypeError, "sl_idx must be an int or None, got True (bool)"),
     ]
     for kw, exc_type, fragment in bad:
         with pytest.raises(exc_type, match=None) as info:
             new_buffer(**kw)
         assert fragment in str(info.value), f"{kw}: {fragment!r} not in {str(info.value)!r}"
-    buf = new_buffer()
+    buf = new_buffer(sl_idx=3)  # gloo has no service level: validated, then ignored
     destroyed = new_buffer()
     destroyed.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
@@ -170,7 +173,7 @@ def constructor_errors_rank(rank: int, world_size: int) -> int:
 
 
 def test_constructor_errors(pools):
-    assert pools(2).run(constructor_errors_rank) == [11, 11]
+    assert pools(2).run(constructor_errors_rank) == [14, 14]
 
 
 def value_errors_rank(rank: int, world_size: int) -> list[str]:

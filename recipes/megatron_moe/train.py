@@ -219,6 +219,16 @@ def sms_in_use(dispatcher: str, model) -> int:
     return 0
 
 
+def domains_in_use(dispatcher: str) -> str:
+    """moe_comm's `(scale-out ranks x scale-up ranks)`: `1xR` on the direct path, `hosts x ranks per host` on the
+    hybrid one; "-" for Megatron's alltoall."""
+    if dispatcher == "alltoall":
+        return "-"
+    from moe_comm.integrations.megatron import buffer_domain_sizes
+
+    return ",".join(f"{s}x{u}" for s, u in buffer_domain_sizes())
+
+
 def init_wandb(args, preset: Preset, world_size: int, out_dir: str):
     """wandb on rank 0, offline unless WANDB_MODE is set; None with --no-wandb."""
     if args.no_wandb:
@@ -325,7 +335,8 @@ def main(argv=None) -> int:
         run_dir = os.path.dirname(run.dir) if run is not None else "none (--no-wandb)"
         summary = dict(preset=args.preset, dispatcher=args.dispatcher, steps=steps, seed=args.seed,
                        world_size=world_size, first_loss=history[0]["loss"], final_loss=history[-1]["loss"],
-                       wandb_run_dir=run_dir, **{f"mean_{k}": v for k, v in mean.items()})
+                       domains=domains_in_use(args.dispatcher), wandb_run_dir=run_dir,
+                       **{f"mean_{k}": v for k, v in mean.items()})
         if run is not None:
             run.summary.update({k: v for k, v in summary.items() if k != "wandb_run_dir"})
             run.finish()
@@ -335,7 +346,7 @@ def main(argv=None) -> int:
         print(f"SUMMARY preset={args.preset} dispatcher={args.dispatcher} steps={steps} "
               f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
               f"{mean['tokens_per_s']:.0f} tokens/s | dispatch {mean['dispatch_ms']:.2f} ms, "
-              f"combine {mean['combine_ms']:.2f} ms per step")
+              f"combine {mean['combine_ms']:.2f} ms per step | domains {summary['domains']}")
         print(f"wandb run directory: {run_dir}")
     if restore_flex is not None:
         restore_flex()

@@ -39,7 +39,7 @@ from . import compat
 compat.check_megatron_core()
 compat.define_missing_te_names()
 
-from .buffers import clear_buffers, get_buffer  # noqa: E402
+from .buffers import buffer_domain_sizes, clear_buffers, get_buffer  # noqa: E402
 from .experts import MoECommGroupedMLP  # noqa: E402
 from .flex_route import (flex_last_num_sms, fused_combine, fused_dispatch, install_flex_dispatcher,  # noqa: E402
                          restore_flex_dispatcher, set_deepep_num_sms)
@@ -50,4 +50,4 @@ from .spec_route import (MoECommMoELayer, MoECommTokenDispatcher, expert_alignme
 __all__ = ["MoECommConfig", "MoECommGroupedMLP", "MoECommTokenDispatcher", "MoECommMoELayer", "moe_comm_layer_spec",
            "grouped_experts_spec", "expert_alignment_for", "routing_map_to_topk", "install_flex_dispatcher",
            "restore_flex_dispatcher", "flex_last_num_sms", "fused_dispatch", "fused_combine", "set_deepep_num_sms",
-           "get_buffer", "clear_buffers"]
+           "get_buffer", "buffer_domain_sizes", "clear_buffers"]

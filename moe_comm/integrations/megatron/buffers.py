@@ -70,9 +70,15 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
             raise ValueError(f"num_tokens={num_tokens} exceeds MoECommConfig.num_max_tokens_per_rank={num_max_tokens}")
     buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
                  use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
-                 num_cpu_timeout_secs=options.num_cpu_timeout_secs)
+                 num_cpu_timeout_secs=options.num_cpu_timeout_secs, sl_idx=options.sl_idx)
     _buffers[key] = buf
     return buf
+
+
+def buffer_domain_sizes() -> list[tuple[int, int]]:
+    """`Buffer.get_logical_domain_size()` of every cached buffer, `(scale-out ranks, scale-up ranks)`: `(1, R)` on
+    the direct path, `(hosts, ranks per host)` on the hybrid one (for logs, and for tests that force hosts)."""
+    return [buf.get_logical_domain_size() for buf in _buffers.values()]
 
 
 def clear_buffers() -> None:
@@ -82,4 +88,4 @@ def clear_buffers() -> None:
     _buffers.clear()
 
 
-__all__ = ["get_buffer", "clear_buffers"]
+__all__ = ["get_buffer", "buffer_domain_sizes", "clear_buffers"]

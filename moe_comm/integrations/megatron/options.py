@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ... import quant
+from ... import quant, traffic_class
 from ...buffer import BACKENDS, MAX_TIMEOUT_SECS
 
 
@@ -39,6 +39,8 @@ class MoECommConfig:
         deterministic: fixed receive and reduction order (DESIGN 2.1/2.2); required for bitwise parity with
             Megatron's alltoall dispatcher.
         num_cpu_timeout_secs: how long a host wait for a peer may block before raising.
+        sl_idx: `Buffer(sl_idx=...)`: the InfiniBand service level (0 to 15) the traffic between hosts must
+            travel on, checked against NCCL's settings when the buffer is made; None: not checked.
     """
 
     backend: str = "auto"
@@ -51,6 +53,7 @@ class MoECommConfig:
     num_max_tokens_per_rank: Optional[int] = None
     deterministic: bool = True
     num_cpu_timeout_secs: float = 300.0
+    sl_idx: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -75,6 +78,7 @@ class MoECommConfig:
                 or not 0 < self.num_cpu_timeout_secs <= MAX_TIMEOUT_SECS:
             raise ValueError(f"num_cpu_timeout_secs={self.num_cpu_timeout_secs!r} must be a number of seconds in "
                              f"(0, {MAX_TIMEOUT_SECS}]")
+        traffic_class.check_sl_idx(self.sl_idx)
 
 
 __all__ = ["MoECommConfig"]

@@ -1,0 +1,90 @@
+"""`Buffer(sl_idx=...)`: the check that NCCL carries the traffic on that InfiniBand service level (NCCL_IB_SL
+first, else the group's communicator traffic class), on CPU with stand-ins for an NCCL group, and the
+every-rank agreement of its error over gloo."""
+
+from __future__ import annotations
+
+import types
+import unittest.mock as mock
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import traffic_class
+from moe_comm.traffic_class import NCCL_CONFIG_UNDEF_INT, why_not_applied
+
+CUDA = torch.device("cuda", 0)  # only compared against, never used
+
+
+def fake_nccl_group(value=None, has_field: bool = True):
+    """An object shaped like an NCCL ProcessGroup as far as `group_traffic_class` looks."""
+    config = types.SimpleNamespace(traffic_class=value) if has_field else types.SimpleNamespace()
+    backend = types.SimpleNamespace(options=types.SimpleNamespace(config=config))
+    return types.SimpleNamespace(_get_backend=lambda device: backend)
+
+
+@pytest.mark.parametrize("env_sl,group_class,fragment", [
+    ("3", None, None),                       # the variable wins, whatever the group says
+    (" 3 ", 5, None),
+    (None, 3, None),
+    ("5", 3, "NCCL_IB_SL=5 is set and takes precedence"),
+    ("x", 3, "NCCL_IB_SL='x' is not an integer"),
+    (None, None, "does not expose NCCL's communicator traffic class"),
+    (None, NCCL_CONFIG_UNDEF_INT, "neither NCCL_IB_SL nor the group's traffic class is set"),
+    (None, 7, "config.traffic_class=7"),
+])
+def test_why_not_applied(env_sl, group_class, fragment):
+    why = why_not_applied(3, env_sl, group_class)
+    if fragment is None:
+        assert why is None
+    else:
+        assert fragment in why, why
+
+
+def test_group_traffic_class_reads_the_options():
+    assert traffic_class.group_traffic_class(fake_nccl_group(4), CUDA) == 4
+    assert traffic_class.group_traffic_class(fake_nccl_group(has_field=False), CUDA) is None
+    assert traffic_class.group_traffic_class(object(), CUDA) is None
+
+
+def test_check_applied(monkeypatch):
+    monkeypatch.delenv("NCCL_IB_SL", raising=False)
+    traffic_class.check_applied(fake_nccl_group(3), CUDA, 3)
+    traffic_class.check_applied(fake_nccl_group(5), CUDA, None)              # None: nothing checked
+    traffic_class.check_applied(fake_nccl_group(5), torch.device("cpu"), 3)  # gloo: no service level
+    with pytest.raises(ValueError, match=r"sl_idx=3 does not reach NCCL: the group's NCCL options set "
+                                         r"config.traffic_class=5"):
+        traffic_class.check_applied(fake_nccl_group(5), CUDA, 3)
+    monkeypatch.setenv("NCCL_IB_SL", "3")
+    traffic_class.check_applied(fake_nccl_group(5), CUDA, 3)
+    monkeypatch.setenv("NCCL_IB_SL", "2")
+    with pytest.raises(ValueError, match="sl_idx=3 does not reach NCCL: NCCL_IB_SL=2"):
+        traffic_class.check_applied(fake_nccl_group(3), CUDA, 3)
+
+
+def one_rank_disagrees_rank(rank: int, world_size: int) -> str:
+    """Rank 1's NCCL would use another level: every rank must get the same error (no rank left waiting)."""
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch", sl_idx=3)
+    assert buf.sl_idx == 3
+    real = traffic_class.check_applied
+
+    def check(group, device, sl_idx):
+        real(group, CUDA, sl_idx)
+
+    env = {"NCCL_IB_SL": "3" if rank == 0 else "6"}
+    with mock.patch.object(traffic_class, "check_applied", check), mock.patch.dict("os.environ", env):
+        try:
+            buf._check_traffic_class()
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            buf.destroy()
+    return "no error"
+
+
+def test_disagreement_raises_on_every_rank(pools):
+    messages = pools(2).run(one_rank_disagrees_rank)
+    assert messages[0] == messages[1], messages
+    assert "moe_comm.Buffer(sl_idx=3) failed on rank(s) [1]" in messages[0], messages[0]
+    assert "NCCL_IB_SL=6" in messages[0], messages[0]
