@@ -1,5 +1,6 @@
 """Soak: many iterations of random routing over every dispatch and combine path of one long-lived Buffer, each
-result checked against a closed form, with host RSS and CUDA memory read before and after each path.
+result checked against a closed form, with host RSS and CUDA memory read before and after each path. (Over 400
+lines: seven paths, each with its closed form written out next to the call it checks.)
 
 Rows encode where they come from. Token t of rank s is `encode_rows(case, s, t)`: channel 0 holds s (so s < 16),
 channels 1-3 hold t in base 16 (so t < 4096), every other channel `(k - 15) / 8` for a k in [0, 31) fixed by the
