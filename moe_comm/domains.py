@@ -2,13 +2,15 @@
 
 `Buffer` finds them once, at construction, which is collective anyway: every rank reports
 - its host name;
-- on CUDA its GPU's UUID and the UUIDs of the visible GPUs it reaches by peer access (NVLink or PCIe P2P);
+- on CUDA its GPU's UUID, the UUIDs of the GPUs it sees and of those it reaches by peer access (NVLink or PCIe
+  P2P);
 - its `MOE_COMM_RANKS_PER_NODE`, parsed (or why it does not parse),
 and one `all_gather_object` hands every report to every rank. Every rank then decides from the same reports, so
 every rank gets the same domains or the same `ValueError`.
 
 Ranks of one host whose GPUs reach each other both ways (or share a GPU) are one domain; the closure of that
-relation, so a host whose GPUs form two NVLink islands is two domains. CPU ranks of one host share its memory: one
+relation, so a host whose GPUs form two NVLink islands is two domains. A GPU that a rank cannot see (one visible GPU
+per rank) counts as reached. CPU ranks of one host share its memory: one
 domain per host. `MOE_COMM_RANKS_PER_NODE=n` replaces the detection: ranks `r // n` form a domain (tests of the
 hybrid path on one machine).
 
@@ -35,12 +37,14 @@ class Report:
     """What one rank tells the others about itself (it travels through `all_gather_object`).
 
     host: host name. gpu: the GPU's UUID, None on CPU. peers: UUIDs of the GPUs it reaches by peer access.
+    visible: UUIDs of every GPU it sees (`CUDA_VISIBLE_DEVICES`), its own included.
     override: its `MOE_COMM_RANKS_PER_NODE` (None: unset), or `override_error`: why the value does not parse.
     """
 
     host: str
     gpu: Optional[str] = None
     peers: tuple[str, ...] = ()
+    visible: tuple[str, ...] = ()
     override: Optional[int] = None
     override_error: Optional[str] = None
 
@@ -90,16 +94,16 @@ class ScaleUpDomains:
 
 def local_report(device: torch.device) -> Report:
     """This rank's `Report` (no communication)."""
-    gpu, peers = None, ()
+    gpu, peers, visible = None, (), ()
     if device.type == "cuda":
         me = device.index
         gpu = str(torch.cuda.get_device_properties(me).uuid)
-        peers = tuple(str(torch.cuda.get_device_properties(d).uuid) for d in range(torch.cuda.device_count())
-                      if d != me and torch.cuda.can_device_access_peer(me, d))
+        visible = tuple(str(torch.cuda.get_device_properties(d).uuid) for d in range(torch.cuda.device_count()))
+        peers = tuple(uuid for d, uuid in enumerate(visible) if d != me and torch.cuda.can_device_access_peer(me, d))
     try:
-        return Report(socket.gethostname(), gpu, peers, override=env.get_int(OVERRIDE))
+        return Report(socket.gethostname(), gpu, peers, visible, override=env.get_int(OVERRIDE))
     except ValueError as exc:
-        return Report(socket.gethostname(), gpu, peers, override_error=str(exc))
+        return Report(socket.gethostname(), gpu, peers, visible, override_error=str(exc))
 
 
 def domains_from_reports(reports: list[Report]) -> ScaleUpDomains:
@@ -141,7 +145,13 @@ def domains_from_reports(reports: list[Report]) -> ScaleUpDomains:
 def _share_memory(a: Report, b: Report) -> bool:
     if a.gpu is None or b.gpu is None:
         return a.gpu is None and b.gpu is None  # CPU ranks of one host
-    return a.gpu == b.gpu or (b.gpu in a.peers and a.gpu in b.peers)
+
+    def reaches(x: Report, y: Report) -> bool:
+        # A GPU the rank cannot see (launchers that give every rank one visible GPU) cannot be asked about: it is
+        # taken as reachable, as on the direct path, where the symmetric buffer's mapping is the test.
+        return y.gpu in x.peers or y.gpu not in x.visible
+
+    return a.gpu == b.gpu or (reaches(a, b) and reaches(b, a))
 
 
 def find_domains(group: dist.ProcessGroup, device: torch.device) -> ScaleUpDomains:

@@ -21,8 +21,9 @@ class EPHandle:
     Configuration (checked on reuse):
         group: the process group of the buffer that made it.
         backend: the backend that made it ("torch" or "cuda"); only that backend can read `layout`.
-        epoch: serial of the fresh dispatch that made it on its buffer (1, 2, ...): ranks that call in the same
-            order hold handles of the same epoch, so a combine or cached dispatch checks it across ranks.
+        epoch: serial of the fresh dispatch that made it on its backend (1, 2, ...; after ranks disagreed on the
+            CUDA backend it restarts higher, the same on every rank): ranks that call in the same order hold
+            handles of the same epoch, so a combine or cached dispatch checks it across ranks.
         num_experts: global expert count; `num_experts // num_ranks` live on each rank.
         num_topk: slots per token (K).
         num_tokens: this rank's token count N at dispatch time (a cached dispatch must send as many).

@@ -1,6 +1,7 @@
 """The hybrid (multi-host) path of the reference backend on the CPU tier: one machine's gloo ranks split into hosts
 by `MOE_COMM_RANKS_PER_NODE` (4 ranks as 2 hosts x 2, 8 as 2 x 4), checked against the closed-form oracle and
-bitwise against the direct path of the same group (DESIGN 8.3); the domain detection and its override."""
+bitwise against the direct path of the same group (DESIGN 8.3); the domain detection and its override.
+(Over 400 lines: every path of DESIGN section 2 against the direct path, with one pool per group size.)"""
 
 from __future__ import annotations
 
@@ -48,13 +49,18 @@ def test_domains_from_host_names_and_peer_access():
     found = domains_from_reports(cpu)
     assert found.domain_of_rank == (0, 0, 1, 1) and found.is_uniform and found.describe() == "2 x 2 ranks (detected)"
     # GPUs: g0-g1 and g2-g3 reach each other (two NVLink islands on host a), g4 is alone on host b.
-    gpus = [Report("a", "g0", ("g1",)), Report("a", "g1", ("g0",)), Report("a", "g2", ("g3",)),
-            Report("a", "g3", ("g2",)), Report("b", "g4")]
+    seen = ("g0", "g1", "g2", "g3")
+    gpus = [Report("a", "g0", ("g1",), seen), Report("a", "g1", ("g0",), seen), Report("a", "g2", ("g3",), seen),
+            Report("a", "g3", ("g2",), seen), Report("b", "g4", (), ("g4",))]
     assert domains_from_reports(gpus).domain_of_rank == (0, 0, 1, 1, 2)
     assert not domains_from_reports(gpus).is_uniform
     # Access one way only is no domain; two ranks on one GPU are.
-    one_way = [Report("a", "g0", ("g1",)), Report("a", "g1", ()), Report("a", "g1", ())]
+    one_way = [Report("a", "g0", ("g1",), seen), Report("a", "g1", (), seen), Report("a", "g1", (), seen)]
     assert domains_from_reports(one_way).domain_of_rank == (0, 1, 1)
+    # One visible GPU per rank (CUDA_VISIBLE_DEVICES per process): the others cannot be asked, so one host is one
+    # domain, as on the direct path.
+    alone = [Report(host, gpu, (), (gpu,)) for host, gpu in (("a", "g0"), ("a", "g1"), ("b", "g2"), ("b", "g3"))]
+    assert domains_from_reports(alone).domain_of_rank == (0, 0, 1, 1)
     # Interleaved hosts (rank order a, b, a, b): two domains of two, not consecutive.
     interleaved = domains_from_reports([Report("a"), Report("b"), Report("a"), Report("b")])
     assert interleaved.domain_of_rank == (0, 1, 0, 1) and not interleaved.is_uniform
@@ -284,7 +290,7 @@ def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
         assert_same("async combined_x", later[0], combined)
 
         with pytest.raises(ValueError, match=r"handle was made by backend 'torch', this buffer runs "
-                                             r"'torch hybrid 2x2'"):
+                                             r"'torch hybrid 2x2"):
             hybrid.combine(sync[0], direct.dispatch(x, idx, w, **kwargs)[3])
     return checked
 

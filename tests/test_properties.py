@@ -1,4 +1,5 @@
 """Property test of the argument space of `Buffer.dispatch` and `Buffer.combine` (reference backend, gloo, 2 ranks).
+(Over 400 lines: the catalogue of faults, each with the argument its error must name, reads best in one place.)
 
 Hypothesis draws one `Example` in the parent: a valid dispatch (sizes, dtypes, routing values that may fall out of
 range or repeat an expert, expand layout, alignment, CPU sync, FP8, async), up to two faults applied to its

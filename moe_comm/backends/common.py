@@ -233,7 +233,8 @@ class Backend:
         work = dist.all_reduce(flags_per_rank, group=self.group, async_op=True)
         self._wait([(work, f"rank {self.rank} input check all-reduce")])
         flags = flags_per_rank.tolist()
-        self.after_host_sync(synchronized=True)
+        # Not a synchronizing point for recorded disagreements: an async call may still run on the comm stream.
+        self.after_host_sync()
         self.raise_for_flags(flags, topk_idx, num_experts, "")
 
     def check_agreement(self, signature: list[int]) -> None:
@@ -288,6 +289,8 @@ def disagreement(rows: Sequence[Sequence[int]]) -> Optional[str]:
 
     if len({row[0] for row in rows}) > 1:
         return f"ranks called different operations (per rank): {[show('operation', row[0]) for row in rows]}"
+    if not 0 <= rows[0][0] < len(OPERATIONS):
+        return f"ranks' signatures name no known operation (per rank): {[list(row) for row in rows]}"
     what = OPERATIONS[rows[0][0]]
     differing = [f"{name}: {[show(name, row[i]) for row in rows]}" for i, name in enumerate(SIGNATURE_FIELDS[what])
                  if len({row[i] for row in rows}) > 1]

@@ -48,8 +48,8 @@ from .common import DTYPE_CODES, Backend, disagreement
 from .cuda_kernels import current_stream, load_kernels
 
 MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
-# Barrier sequence numbers skipped after ranks disagreed: more than the kernels any rank can run between the
-# disagreement and its next synchronizing call (row tags keep 48 bits: 65536 disagreements).
+# Added to the recorded sequence number after ranks disagreed: the restarted counters and handle epochs are the same
+# on every rank and unlike any used before (row tags keep 48 bits: 65536 disagreements).
 REALIGN_JUMP = 1 << 32
 PHASES = ("barrier before dispatch", "dispatch notify", "dispatch", "barrier before combine", "combine")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
@@ -188,6 +188,7 @@ class CudaBackend(Backend):
         self.num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._device_index = device.index
         self._shapes: dict[tuple, lay.EpParams] = {}  # a fresh dispatch's EpParams per call signature
+        self._stale_epoch = 0  # handles of this epoch or older are refused (made before a disagreement, `_realign`)
         # Launch structs of cached dispatches and combines per handle (they hold this buffer's pointers, so they live
         # here, not in the handle: another buffer on the same group builds its own), built at their first call.
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -254,7 +255,8 @@ class CudaBackend(Backend):
         if e.code == lay.ERROR_DISAGREE and synchronized:
             R, S = self.num_ranks, lay.SIGNATURE_LEN
             words = (ctypes.c_int64 * (R * S)).from_address(self._mapped_host + lay.MAPPED_SIGNATURES_OFFSET)[:]
-            problem = disagreement([words[r * S:(r + 1) * S] for r in range(R)])
+            rows = [words[r * S:(r + 1) * S] for r in range(R)]
+            problem = disagreement(rows) or f"ranks' signatures differ (per rank): {rows}"
             self._realign()
             raise ValueError(f"{problem} (found by the kernels; nothing moved from that call on until this "
                              f"synchronizing call)")
@@ -268,6 +270,8 @@ class CudaBackend(Backend):
         counters = self.buffer[lay.BARRIER_SEQ_OFFSET:lay.EXCHANGE_SEQ_OFFSET + 8].view(torch.int64)
         counters.copy_(torch.tensor([e.observed + REALIGN_JUMP, e.expected + REALIGN_JUMP], dtype=torch.int64))
         self.buffer[lay.ABORT_OFFSET:lay.ABORT_OFFSET + 8].zero_()
+        # Handles made up to here may come from calls that moved nothing (their counts were never written).
+        self._stale_epoch = self.epoch
         self.epoch = e.observed + REALIGN_JUMP
         torch.cuda.current_stream(self.device).synchronize()
         e.code = 0
@@ -341,10 +345,16 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------------------------
     # Dispatch
     # ------------------------------------------------------------------------------------------------
+    def _check_handle_epoch(self, handle: EPHandle) -> None:
+        if handle.epoch <= self._stale_epoch:
+            raise ValueError(f"handle (epoch {handle.epoch}) was made before the ranks' disagreement that a "
+                             f"synchronizing call raised: its dispatch may have moved nothing; dispatch again")
+
     def dispatch_steps(self, c, verify_agreement: bool):
         if verify_agreement:
             self.check_agreement(c.signature())
         if c.handle is not None:
+            self._check_handle_epoch(c.handle)
             return self._cached_dispatch(c)
         return self._fresh_dispatch(c)
 
@@ -445,7 +455,8 @@ class CudaBackend(Backend):
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
         plans = self._handle_plans(handle)
-        key = ("dispatch", c.x.dtype if c.x is not None else None, c.wire_format, c.hidden, c.num_sms)
+        # Everything of the signature that is not the handle's (the plan carries it to the barrier).
+        key = ("dispatch", c.x.dtype if c.x is not None else None, c.wire_format, c.dequantize, c.hidden, c.num_sms)
         plan = plans.get(key)
         if plan is None:
             M = handle.recv_src_idx.shape[0]
@@ -487,6 +498,7 @@ class CudaBackend(Backend):
         """Rows back to their sources while the reducers add them, in slot rounds for expand combines that need
         them (each round one kernel, barrier fused in)."""
         handle: EPHandle = c.handle
+        self._check_handle_epoch(handle)
         weights = c.topk_weights
         plans = self._handle_plans(handle)
         key = ("combine", c.x.dtype, c.x.shape[1], None if weights is None else weights.dtype, c.num_sms)

@@ -166,7 +166,7 @@ class HybridRefBackend(TorchRefBackend):
         self.host_peers = [h0 * U + u for u in range(U)]
         self.use_partial_reduction = use_partial_reduction
         # Handles of the direct path and of this one have different layouts: the name keeps them apart.
-        self.name = f"torch hybrid {S}x{U}"
+        self.name = f"torch hybrid {S}x{U}" + (" partial sums" if use_partial_reduction else "")
 
     # ------------------------------------------------------------------------------------------------
     # Legs

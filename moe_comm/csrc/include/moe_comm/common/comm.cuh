@@ -143,7 +143,8 @@ __device__ __forceinline__ bool barrier_agreed(const EpParams& p, int verdict, i
             int64_t* mapped = reinterpret_cast<int64_t*>(reinterpret_cast<uint8_t*>(p.error) +
                                                          kMappedSignaturesOffset);
             for (int i = threadIdx.x; i < p.num_ranks * kSignatureLen; i += blockDim.x)
-                mapped[i] = call_signature(p.local_base, i / kSignatureLen, seq)[i % kSignatureLen];
+                mapped[i] = __ldcg(reinterpret_cast<const long long*>(
+                    call_signature(p.local_base, i / kSignatureLen, seq) + i % kSignatureLen));
             __syncthreads();
             if (threadIdx.x == 0) {
                 p.error->rank = p.rank;
