@@ -146,8 +146,8 @@ def host_us(fn, iters: int) -> float:
 
 
 def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
-    """Host us per call of the pieces of a cached dispatch and a combine: argument checks, output allocation, the
-    launcher crossing (one kernel launch in C), and the whole call."""
+    """Host us per call of the pieces of a cached dispatch and a combine: argument checks, the host extension's
+    crossing (output allocation and one kernel launch), and the whole call; torch.empty from Python beside them."""
     impl, dev = buf._impl, x.device
     buf.dispatch(x, handle=handle)
     buf.combine(recv_x, handle)
@@ -157,15 +157,16 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
     pieces = {
         "cached dispatch: checks (Buffer._validate_dispatch)": lambda: buf._validate_dispatch(
             x, None, None, None, None, 1, 0, handle, None, handle.do_expand, None, False, None, False, False),
-        "cached dispatch: output allocation": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
-                                                                  device=dev),
-        "cached dispatch: launcher": lambda: impl.kernels.dispatch(
-            *dplan.refs, handle.num_sms, 1, stream),
+        "torch.empty from Python (one output)": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
+                                                                    device=dev),
+        "cached dispatch: host extension (allocation, launch)": lambda: impl.launcher.cached_dispatch(
+            *dplan.addresses, x, None, handle.num_recv_rows, handle.num_sms, stream),
         "cached dispatch: whole call": lambda: buf.dispatch(x, handle=handle),
         "combine: checks (Buffer._validate_combine)": lambda: buf._validate_combine(
             recv_x, handle, None, None, 0, None, False, False),
-        "combine: launcher": lambda: impl.kernels.combine(
-            *cplan.refs, 1, handle.num_sms, stream),
+        "combine: host extension (allocation, launch)": lambda: impl.launcher.combine(
+            *cplan.addresses, recv_x, None, None, None, handle.num_tokens, 1, cplan.num_slots, cplan.num_rounds,
+            handle.num_sms, stream),
         "combine: whole call": lambda: buf.combine(recv_x, handle),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
     }
@@ -175,9 +176,27 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
     return lines
 
 
+class _TimedLauncher:
+    """Stands in for the backend's host extension launcher, adding each method's host time to `spent`."""
+
+    def __init__(self, launcher, spent: dict) -> None:
+        self._launcher, self._spent = launcher, spent
+
+    def __getattr__(self, name: str):
+        method = getattr(self._launcher, name)
+
+        def timed(*args):
+            t = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self._spent[f"{name} (host extension)"] += time.perf_counter() - t
+        return timed
+
+
 def host_pieces(impl, fn, iters: int) -> dict[str, float]:
-    """Host us per call of `fn` spent inside each kernel launcher (the ctypes crossing and the launch, which
-    cProfile books to the caller) and in `torch.empty`, and the whole call."""
+    """Host us per call of `fn` spent inside each host extension call (allocation and launch, which cProfile
+    books to the caller) and in `torch.empty` from Python, and the whole call."""
     spent: dict[str, float] = defaultdict(float)
 
     def timed(name: str, f):
@@ -189,10 +208,8 @@ def host_pieces(impl, fn, iters: int) -> dict[str, float]:
                 spent[name] += time.perf_counter() - t
         return wrapper
 
-    launchers = {name: getattr(impl.kernels, name) for name in ("layout", "dispatch", "combine")}
-    empty = torch.empty
-    for name, f in launchers.items():
-        setattr(impl.kernels, name, timed(f"{name} launcher", f))
+    launcher, empty = impl.launcher, torch.empty
+    impl.launcher = _TimedLauncher(launcher, spent)
     torch.empty = timed("torch.empty", empty)
     try:
         torch.cuda.synchronize()
@@ -201,9 +218,7 @@ def host_pieces(impl, fn, iters: int) -> dict[str, float]:
             fn()
         spent["whole call"] = time.perf_counter() - t0
     finally:
-        for name, f in launchers.items():
-            setattr(impl.kernels, name, f)
-        torch.empty = empty
+        impl.launcher, torch.empty = launcher, empty
     torch.cuda.synchronize()
     return {name: seconds * 1e6 / iters for name, seconds in spent.items()}
 

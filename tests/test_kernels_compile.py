@@ -1,7 +1,9 @@
 """The kernel library compiles for sm_90a with this machine's nvcc (no GPU needed), in its default build and in the
 build variants scripts/profile_ops.py uses; it loads, its structs match `moe_comm.layout` field by field, and a
-launcher refuses bad parameters with a message naming the condition and its values. CI runs this on its CPU
-machine, so a kernel that does not build never lands."""
+launcher refuses bad parameters with a message naming the condition and its values. The host extension
+(csrc/torch/ops.cpp) builds against this torch, and through fake launchers that record what they are given, its
+allocations and per-call pointers are checked here on CPU tensors. CI runs this on its CPU machine, so a kernel or
+host path that does not build never lands."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import unittest.mock as mock
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_comm import jit, layout
 from moe_comm.backends import cuda_kernels
@@ -82,3 +85,153 @@ def test_copy_microbenchmark_compiles_for_sm90a(nvcc):
     source = Path(__file__).resolve().parents[1] / "benchmarks" / "microbench" / "copy_bench.cu"
     seconds = jit.compile_check([source], include_dirs=[cuda_kernels.INCLUDE_DIR], arch="sm_90a")
     print(f"copy_bench: {seconds:.1f} s")
+
+
+# --- The host extension (csrc/torch/ops.cpp): allocations and per-call pointers, checked through fake launchers ---
+_LAYOUT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.LayoutArgs),
+                              ctypes.POINTER(layout.NotifyArgs), ctypes.c_void_p)
+_DISPATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.DispatchInputs),
+                                ctypes.POINTER(layout.RecvOutputs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+_COMBINE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.CombineArgs),
+                               ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+_LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)
+
+
+class FakeLaunchers:
+    """Launchers that record a copy of every struct they are given (and the ints), returning `result`."""
+
+    def __init__(self, result: int = 0) -> None:
+        self.calls = []
+        self.message = ctypes.create_string_buffer(b"fake launcher failed (values)")
+        copy = lambda p: type(p.contents).from_buffer_copy(p.contents)  # noqa: E731
+
+        def record(name, *args):
+            self.calls.append((name, *(copy(a) if isinstance(a, ctypes._Pointer) else a for a in args)))
+            return result
+
+        # Kept on self: the C function pointers live as long as these objects.
+        self.fns = (_LAYOUT_FN(lambda p, a, n, s: record("layout", p, a, n, s)),
+                    _DISPATCH_FN(lambda p, i, o, b, w, s: record("dispatch", p, i, o, b, w, s)),
+                    _COMBINE_FN(lambda p, a, d, b, s: record("combine", p, a, d, b, s)),
+                    _LAST_ERROR_FN(lambda: ctypes.addressof(self.message)))
+
+    def launcher(self):
+        return cuda_kernels.host_extension().Launcher(*(ctypes.cast(f, ctypes.c_void_p).value for f in self.fns))
+
+
+def _params(**fields) -> layout.EpParams:
+    return layout.EpParams(**{"rank": 1, "num_ranks": 2, "num_experts": 8, "num_local_experts": 4, "num_tokens": 5,
+                              "num_topk": 3, **fields})
+
+
+def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(kernels):
+    """The layout launch gets the workspace pieces at `workspace_offsets`; the dispatch launch gets outputs of the
+    right shapes and dtypes (FP8 rows stay FP8, routing outputs are views of one int64 allocation)."""
+    from moe_comm.backends.cuda import workspace_offsets
+
+    fake = FakeLaunchers()
+    launcher = fake.launcher()
+    N, K, R, E, L, H, cap = 5, 3, 2, 8, 4, 256, 6
+    params = _params()
+    offsets = workspace_offsets(N, K, R, E, cap, True)
+    args, notify = layout.LayoutArgs(), layout.NotifyArgs(pending_flags=64, summary=128, exchange_phase=1)
+    topk_idx = torch.zeros(N, K, dtype=torch.int64)
+    workspace, clean_idx = launcher.layout(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify),
+                                           topk_idx, list(offsets), 1234)
+    assert workspace.dtype == torch.int64 and workspace.numel() == offsets[-1]
+    assert clean_idx.shape == (N, K) and clean_idx.data_ptr() == workspace.data_ptr()
+    base = workspace.data_ptr()
+    at = lambda i: base + 8 * offsets[i]  # noqa: E731
+    name, p, a, n, stream = fake.calls[-1]
+    assert (name, stream, p.rank) == ("layout", 1234, 1)
+    assert (a.topk_idx, a.clean_idx, a.send_pos, a.expert_rank) == (topk_idx.data_ptr(), base, at(0), at(3))
+    assert (a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags) == (at(1), at(1) + 8 * R, at(1) + 8 * (R + E))
+    assert (n.num_tokens_per_rank, n.num_tokens_per_expert, n.flags, n.recv_slots) == (
+        a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags, at(2))
+    assert (n.pending_flags, n.summary, n.exchange_phase) == (64, 128, 1)  # the plan's, untouched
+
+    q = torch.zeros(N, H, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(N, H // 128)
+    weights = torch.rand(N, K)
+    inputs, outputs = layout.DispatchInputs(), layout.RecvOutputs()
+    for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
+        x, out_scales, idx, src, psum_rank, psum_expert, w = launcher.dispatch(
+            ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), q, scales, weights,
+            workspace, list(offsets), M, P, do_expand, 20, 99)
+        assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((P, H), q.dtype, (P, 2), torch.float32)
+        assert (idx.shape, src.shape, psum_rank.shape, psum_expert.shape) == ((M, K), (M,), (R,), (L,))
+        assert w.shape == ((P,) if do_expand else (M, K)) and w.dtype == weights.dtype
+        routing = idx.data_ptr()
+        assert [t.data_ptr() for t in (src, psum_rank, psum_expert)] == [routing + 8 * M * K, routing + 8 * (M * K + M),
+                                                                        routing + 8 * (M * K + M + R)]
+        name, p, i, o, blocks, with_barrier, stream = fake.calls[-1]
+        assert (name, blocks, with_barrier, stream) == ("dispatch", 20, 0, 99)
+        assert (i.x, i.scales, i.clean_idx, i.weights, i.send_pos, i.expert_rank) == (
+            q.data_ptr(), scales.data_ptr(), base, weights.data_ptr(), at(0), at(3))
+        assert (o.counts, o.x, o.scales, o.topk_idx, o.weights, o.src_idx) == (
+            at(2), x.data_ptr(), out_scales.data_ptr(), routing, w.data_ptr(), src.data_ptr())
+        assert (o.expand_row or 0) == (at(4) if do_expand else 0)
+        assert (o.psum_rank, o.psum_expert, o.num_rows, o.num_expand_rows, o.do_expand) == (
+            psum_rank.data_ptr(), psum_expert.data_ptr(), M, P, int(do_expand))
+    # Without weights and FP8: no weight or scale outputs, null pointers.
+    x, out_scales, *_, w = launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs),
+                                             ctypes.addressof(outputs), torch.zeros(N, H, dtype=torch.bfloat16), None,
+                                             None, workspace, list(offsets), 7, 7, False, 20, 99)
+    assert x.dtype == torch.bfloat16 and out_scales is None and w is None
+    assert not (fake.calls[-1][3].scales or fake.calls[-1][3].weights or fake.calls[-1][2].weights)
+
+
+def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
+    """A cached dispatch launches with the barrier; a combine in rounds sets each round's slots and an fp32 (fp64
+    for fp64 rows) accumulator, a single round leaves the plan's slots alone and has no accumulator."""
+    fake = FakeLaunchers()
+    launcher = fake.launcher()
+    params, inputs, outputs = _params(), layout.DispatchInputs(clean_idx=8), layout.RecvOutputs(counts=16)
+    data = torch.zeros(5, 128, dtype=torch.bfloat16)
+    x, scales = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
+                                         data, None, 9, 6, 7)
+    assert x.shape == (9, 128) and scales is None
+    name, p, i, o, blocks, with_barrier, stream = fake.calls[-1]
+    assert (name, blocks, with_barrier, stream, i.x, o.x, i.clean_idx, o.counts) == (
+        "dispatch", 6, 1, 7, data.data_ptr(), x.data_ptr(), 8, 16)
+
+    args = layout.CombineArgs(slot_begin=0, slot_end=3, first_round=1, last_round=1)
+    for dtype, code in ((torch.bfloat16, 1), (torch.float64, 3)):
+        fake.calls.clear()
+        rows, weights, bias = torch.zeros(9, 64, dtype=dtype), torch.rand(9, 3), torch.zeros(5, 64, dtype=dtype)
+        combined, combined_w = launcher.combine(ctypes.addressof(params), ctypes.addressof(args), rows, weights, bias,
+                                                None, 5, code, 2, 2, 4, 3)
+        assert (combined.shape, combined.dtype, combined_w.shape) == ((5, 64), dtype, (5, 3))
+        assert [(c[2].slot_begin, c[2].slot_end, c[2].first_round, c[2].last_round) for c in fake.calls] == [
+            (0, 2, 1, 0), (2, 3, 0, 1)]
+        assert {(c[3], c[4], c[5]) for c in fake.calls} == {(code, 4, 3)}
+        a = fake.calls[0][2]
+        assert (a.x, a.weights, a.bias0, a.bias1, a.out, a.out_weights) == (
+            rows.data_ptr(), weights.data_ptr(), bias.data_ptr(), None, combined.data_ptr(), combined_w.data_ptr())
+        assert a.acc  # fp32 / fp64 accumulator between rounds
+    fake.calls.clear()
+    args = layout.CombineArgs(slot_begin=0, slot_end=3, first_round=1, last_round=1)
+    launcher.combine(ctypes.addressof(params), ctypes.addressof(args), torch.zeros(9, 64), None, None, None, 5, 2, 3, 1,
+                     4, 3)
+    (_, _, a, *_), = fake.calls
+    assert (a.slot_begin, a.slot_end, a.first_round, a.last_round, a.acc, a.weights) == (0, 3, 1, 1, None, None)
+
+
+def test_host_extension_raises_the_launchers_message(kernels):
+    """A launcher's failure is a RuntimeError with the rank and the launcher's own message; through the real
+    library (no GPU here) its checks answer before any launch; bad offsets are a ValueError."""
+    fake = FakeLaunchers(result=1)
+    # The extension writes into the structs: they must outlive the call (no temporaries).
+    params, inputs, outputs = _params(), layout.DispatchInputs(), layout.RecvOutputs()
+    with pytest.raises(RuntimeError, match=r"moe_comm: dispatch failed on rank 1: fake launcher failed \(values\)"):
+        fake.launcher().cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
+                                        torch.zeros(2, 16), None, 2, 4, 0)
+    bad, args, notify = _params(num_ranks=0), layout.LayoutArgs(), layout.NotifyArgs(pending_flags=8)
+    with pytest.raises(RuntimeError, match=r"dispatch layout and notify failed on rank 1: layout.cu:\d+: .*"
+                                           r"num_ranks=0, kMaxRanks=32"):
+        kernels.launcher.layout(ctypes.addressof(bad), ctypes.addressof(args), ctypes.addressof(notify),
+                                torch.zeros(5, 3, dtype=torch.int64), [15, 25, 36, 100, 108, 108], 0)
+    with pytest.raises(ValueError, match="workspace offsets: 2 values, expected 6"):
+        kernels.launcher.layout(ctypes.addressof(params), 0, 0, torch.zeros(5, 3, dtype=torch.int64), [1, 2], 0)
+    with pytest.raises(ValueError, match="a launcher address is 0"):
+        cuda_kernels.host_extension().Launcher(0, 0, 0, 0)

@@ -73,9 +73,10 @@ print("dispatch and combine ok")
 COMPILE_CHECK = WHERE_CHECK + r"""
 from moe_comm.backends import cuda_kernels
 
-for path in (*cuda_kernels.kernel_sources(), cuda_kernels.INCLUDE_DIR):
+for path in (*cuda_kernels.kernel_sources(), *cuda_kernels.extension_sources(), cuda_kernels.INCLUDE_DIR):
     assert path.resolve().is_relative_to(venv), path
 print(f"compiled in {cuda_kernels.compile_check():.1f} s")
+print(f"host extension built in {cuda_kernels.extension_check():.1f} s")
 """
 
 

@@ -25,9 +25,10 @@ ErrorRecord, sets the abort word (every other wait of the rank ends at once) and
 raises a TimeoutError naming rank, phase and peer at its next check (the next host sync of a call, or the start of
 the next call). After a timeout the buffer refuses work.
 
-Host path: the argument structs of a call are built once per shape and kept on the backend (a cached dispatch's and
-a combine's per handle, a fresh dispatch's EpParams per call signature), so a call sets a few pointers, allocates
-its outputs and crosses into C once per launch; a fresh dispatch's routing state lives in two int64 allocations.
+Host path: the launch structs of a call are built once per shape and kept on the backend (a cached dispatch's and
+a combine's per handle, a fresh dispatch's per call signature); a call hands their addresses with its tensors to
+the host extension (`cuda_kernels`), which allocates the outputs, sets the per-call pointers and launches, one
+crossing per launch. A fresh dispatch's routing state lives in two int64 allocations.
 """
 
 from __future__ import annotations
@@ -82,43 +83,67 @@ def num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool, frac
     return max(1, min(num_sms - 1, round(num_sms * fraction)))
 
 
+def workspace_offsets(num_tokens: int, num_topk: int, num_ranks: int, num_experts: int, cap: int,
+                      do_expand: bool) -> tuple[int, ...]:
+    """Element offsets of the pieces of a fresh dispatch's int64 workspace (`CudaLayout`) after its clean topk_idx
+    `[N, K]` at 0: send_pos, counts, recv_slots, expert_rank, expand_row, then the total length (the host
+    extension's WorkspaceOffset order)."""
+    N, K, R = num_tokens, num_topk, num_ranks
+    sizes = (N * K, N * R, R + num_experts + 1, R * lay.SLOT_STRIDE, -(-N * K // 2), -(-R * cap * K // 2) * do_expand)
+    offsets = [sizes[0]]
+    for size in sizes[1:]:
+        offsets.append(offsets[-1] + size)
+    return tuple(offsets)
+
+
+SEND_POS, COUNTS, RECV_SLOTS, EXPERT_RANK, EXPAND_ROW = range(5)  # indices into the offsets
+
+
 @dataclass(eq=False)
 class CudaLayout:
     """Routing state of a CUDA dispatch, kept in `EPHandle.layout` (private to the backend).
 
-    workspace: one int64 device allocation holding the handle's `topk_idx` `[N, K]`, then at the device pointers
-        below: send_pos `[N, R]` int64 (row of each token inside its destination block, -1 if not sent there),
-        counts `[R + E + 1]` int64 (rows per destination rank, rows per expert, error flags), recv_slots
-        `[R, SLOT_STRIDE]` int64 (copy of the control slots this dispatch received, for the receivers of cached
-        dispatches), expert_rank `[N, K]` int32 (tokens before this one that chose the slot's expert), expand_row
-        `[M, K]` int32 (expand only: output row of each (received row, slot)).
+    workspace: one int64 device allocation holding the handle's `topk_idx` `[N, K]`, then at `offsets`
+        (`workspace_offsets`): send_pos `[N, R]` int64 (row of each token inside its destination block, -1 if not
+        sent there), counts `[R + E + 1]` int64 (rows per destination rank, rows per expert, error flags),
+        recv_slots `[R, SLOT_STRIDE]` int64 (copy of the control slots this dispatch received, for the receivers of
+        cached dispatches), expert_rank `[N, K]` int32 (tokens before this one that chose the slot's expert),
+        expand_row `[M, K]` int32 (expand only: output row of each (received row, slot)).
     """
 
     workspace: torch.Tensor
-    send_pos: int
-    counts: int
-    recv_slots: int
-    expert_rank: int
-    expand_row: int
+    offsets: tuple[int, ...]
+    do_expand: bool
+
+    def pointer(self, piece: int) -> int:
+        """Device address of a piece (`SEND_POS`, ...); 0 for expand_row without expand."""
+        if piece == EXPAND_ROW and not self.do_expand:
+            return 0
+        return self.workspace.data_ptr() + 8 * self.offsets[piece]
 
 
 @dataclass(eq=False)
 class _Plan:
-    """The launch structs of a cached dispatch or a combine along one handle, built at its first call; later calls
-    set the per-call pointers (inputs, outputs) and launch with `refs`.
+    """The launch structs of an operation at one shape, built at its first call: later calls hand their addresses
+    with the call's tensors to the host extension, which sets the per-call pointers and launches.
 
-    params: the operation's EpParams (no per-call pointer). inputs, outputs: a cached dispatch's DispatchInputs and
-    RecvOutputs; args: a combine's CombineArgs. refs: byrefs of the structs in the launcher's argument order.
+    structs: EpParams, then the operation's other structs in the launcher's order (fresh dispatch: LayoutArgs,
+        NotifyArgs, DispatchInputs, RecvOutputs; cached dispatch: DispatchInputs, RecvOutputs; combine: CombineArgs).
+    addresses: their `ctypes.addressof`, in the same order.
+    offsets: a fresh dispatch's workspace offsets (`workspace_offsets`).
+    num_rows, num_expand_rows: a fresh dispatch's worst-case M and P (without CPU sync).
     num_slots, num_rounds: an expand combine's slots per round and rounds (1 and 1 otherwise).
     """
 
-    params: lay.EpParams
-    inputs: Optional[lay.DispatchInputs] = None
-    outputs: Optional[lay.RecvOutputs] = None
-    args: Optional[lay.CombineArgs] = None
-    refs: tuple = ()
+    structs: tuple
+    offsets: tuple[int, ...] = ()
+    num_rows: int = 0
+    num_expand_rows: int = 0
     num_slots: int = 1
     num_rounds: int = 1
+
+    def __post_init__(self) -> None:
+        self.addresses = tuple(ctypes.addressof(s) for s in self.structs)
 
 
 def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None) -> Optional[str]:
@@ -187,7 +212,8 @@ class CudaBackend(Backend):
         self.region_bytes = num_bytes - lay.CONTROL_BYTES
         self.num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._device_index = device.index
-        self._shapes: dict[tuple, lay.EpParams] = {}  # a fresh dispatch's EpParams per call signature
+        self.launcher = self.kernels.launcher
+        self._shapes: dict[tuple, _Plan] = {}  # a fresh dispatch's launch structs per call signature
         self._stale_epoch = 0  # handles of this epoch or older are refused (made before a disagreement, `_realign`)
         # Launch structs of cached dispatches and combines per handle (they hold this buffer's pointers, so they live
         # here, not in the handle: another buffer on the same group builds its own), built at their first call.
@@ -232,10 +258,6 @@ class CudaBackend(Backend):
         self.buffer = self.symm = None
         self._shapes.clear()
         self._plans.clear()
-
-    def _check(self, result: int, what: str) -> None:
-        if result:
-            self.kernels.check(result, what, self.rank)
 
     def after_host_sync(self, synchronized: bool = False) -> None:
         """Raise what the kernels recorded. A timed-out wait: once, then the buffer refuses work. Ranks that
@@ -290,12 +312,6 @@ class CudaBackend(Backend):
         if plans is None:
             plans = self._plans[handle] = {}
         return plans
-
-    def _notify_args(self, counts: int, num_experts: int, recv_slots: int, summary: int) -> lay.NotifyArgs:
-        """The notify's arguments over a layout's counts `[R + E + 1]` (rows per rank, per expert, flags)."""
-        R = self.num_ranks
-        return lay.NotifyArgs(counts, counts + 8 * R, counts + 8 * (R + num_experts), self.pending_flags.data_ptr(),
-                              recv_slots, summary, _PHASE["dispatch notify"], 0)
 
     def _check_num_sms(self, num_sms: int) -> None:
         # Senders and receivers of one kernel must all be resident at once: one block per SM at most.
@@ -359,94 +375,67 @@ class CudaBackend(Backend):
         return self._fresh_dispatch(c)
 
     def _wire(self, c):
-        """`(data as uint8 rows or the rows themselves, scales or None)` as they travel."""
+        """`(rows, scales or None)` as they travel: x, or FP8 rows (`torch.float8_e4m3fn`, so the received rows
+        come out in that dtype) and their scales."""
         if c.wire_format is None:
             return c.x, None
-        wire = self._wire_tensors(c)
-        return (wire["x"], None) if c.wire_format is None else (wire["q"], wire["scales"])
-
-    def _outputs_x(self, c, num_rows: int, scales: Optional[torch.Tensor]):
-        out_dtype = c.x.dtype if c.wire_format is None else torch.float8_e4m3fn
-        out_x = torch.empty(num_rows, c.hidden, dtype=out_dtype, device=self.device)
-        out_scales = None if scales is None else torch.empty(num_rows, c.hidden // 128, dtype=scales.dtype,
-                                                             device=self.device)
-        return out_x, out_scales
+        return quant.quantize(c.x, c.quantize) if c.quantize is not None else (c.fp8_q, c.fp8_scales)
 
     def _finish_x(self, c, out_x: torch.Tensor, out_scales: Optional[torch.Tensor]):
         if out_scales is None:
             return out_x
         return quant.dequantize(out_x, out_scales) if c.dequantize else (out_x, out_scales)
 
+    def _fresh_plan(self, c, signature: list[int]) -> _Plan:
+        """A fresh dispatch's launch structs for this call signature (the host extension sets the pointers)."""
+        R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
+        L, cap = E // R, c.num_max_tokens_per_rank
+        weight_bytes = 0 if c.topk_weights is None else c.topk_weights.element_size()
+        params = self._dispatch_params(c, N, K, weight_bytes, signature)
+        summary = self._mapped_dev + lay.SUMMARY_OFFSET if c.do_cpu_sync else 0
+        notify = lay.NotifyArgs(pending_flags=self.pending_flags.data_ptr(), summary=summary,
+                                exchange_phase=_PHASE["dispatch notify"])
+        M = R * cap  # the worst case, sizing the outputs of a call without CPU sync
+        P = M * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
+        return _Plan((params, lay.LayoutArgs(), notify, lay.DispatchInputs(), lay.RecvOutputs()),
+                     offsets=workspace_offsets(N, K, R, E, cap, c.do_expand), num_rows=M, num_expand_rows=P)
+
     def _fresh_dispatch(self, c):
         """Layout, notify (the barrier with the call's signature, then the counts through the control slots), then
         one kernel that sends and receives at the same time."""
-        R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
-        L, cap, dev = E // R, c.num_max_tokens_per_rank, self.device
-        weights = c.topk_weights
         signature = c.signature()
-        key = (*signature, N, c.num_sms)
-        params = self._shapes.get(key)
-        if params is None:
+        key = (*signature, c.num_tokens, c.num_sms)
+        plan = self._shapes.get(key)
+        if plan is None:
             if len(self._shapes) >= MAX_SHAPES:  # token counts that vary without end: keep the cache bounded
                 self._shapes.clear()
-            params = self._dispatch_params(c, N, K, 0 if weights is None else weights.element_size(), signature)
-            self._shapes[key] = params
+            plan = self._shapes[key] = self._fresh_plan(c, signature)
+        params, layout_args, notify, inputs, outputs = plan.addresses
         data, scales = self._wire(c)
         stream = current_stream(self._device_index)
-
-        # The routing state in one int64 allocation (allocations cost host time): the handle's clean topk_idx
-        # [N, K] first (a view), then the private send_pos, counts, recv_slots, expert_rank and expand_row.
-        M_worst = R * cap
-        sizes = [N * K, N * R, R + E + 1, R * lay.SLOT_STRIDE, -(-N * K // 2), -(-M_worst * K // 2) * c.do_expand]
-        workspace = torch.empty(sum(sizes), dtype=torch.int64, device=dev)
-        base, offsets = workspace.data_ptr(), [0]
-        for size in sizes[:-1]:
-            offsets.append(offsets[-1] + 8 * size)
-        _, send_pos, counts, recv_slots, expert_rank, expand_row = (base + o for o in offsets)
-        clean_idx = workspace[:N * K].view(N, K)
-        # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's control
-        # slot and theirs into ours, read on the host when the call syncs.
-        summary = self._mapped_dev + lay.SUMMARY_OFFSET if c.do_cpu_sync else 0
-        notify = self._notify_args(counts, E, recv_slots, summary)
-        layout_args = lay.LayoutArgs(c.topk_idx.data_ptr(), clean_idx.data_ptr(), send_pos, expert_rank, counts,
-                                     counts + 8 * R, counts + 8 * (R + E))
-        self._check(self.kernels.layout(ctypes.byref(params), ctypes.byref(layout_args), ctypes.byref(notify),
-                                        stream), "dispatch layout and notify")
+        # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
+        # control slot and theirs into ours, read on the host when the call syncs.
+        workspace, clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets, stream)
         if c.do_cpu_sync:
-            M, rows_per_expert = self._read_summary(c, L)
+            M, rows_per_expert = self._read_summary(c, c.num_experts // self.num_ranks)
             aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in rows_per_expert]
             P = sum(aligned_list) if c.do_expand else M
         else:
-            aligned_list = None
-            M = M_worst
-            P = M_worst * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M_worst
-
+            aligned_list, M, P = None, plan.num_rows, plan.num_expand_rows
         # Send and receive.
-        out_x, out_scales = self._outputs_x(c, P, scales)
-        # The received routing in one int64 allocation: recv_topk_idx [M, K], recv_src_idx [M], the prefix sums.
-        routing = torch.empty(M * K + M + R + L, dtype=torch.int64, device=dev)
-        out_idx, out_src, psum = routing[:M * K].view(M, K), routing[M * K:M * K + M], routing[M * K + M:]
-        out_w = None
-        if weights is not None:
-            out_w = torch.empty((P,) if c.do_expand else (M, K), dtype=weights.dtype, device=dev)
-        inputs = lay.DispatchInputs(data.data_ptr(), _ptr(scales), clean_idx.data_ptr(), _ptr(weights), send_pos,
-                                    expert_rank)
-        outputs = lay.RecvOutputs(recv_slots, out_x.data_ptr(), _ptr(out_scales),
-                                  out_idx.data_ptr(), _ptr(out_w), out_src.data_ptr(),
-                                  expand_row if c.do_expand else 0, psum.data_ptr(), psum.data_ptr() + 8 * R, M, P,
-                                  int(c.do_expand), 0)
-        self._check(self.kernels.dispatch(ctypes.byref(params), ctypes.byref(inputs), ctypes.byref(outputs),
-                                          c.num_sms, 0, stream), "dispatch")
+        out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = self.launcher.dispatch(
+            params, inputs, outputs, data, scales, c.topk_weights, workspace, plan.offsets, M, P, c.do_expand,
+            c.num_sms, stream)
         self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
         handle = EPHandle(
             group=self.group, backend=self.name, epoch=self.epoch,
-            num_experts=E, num_topk=K, num_tokens=N, num_max_tokens_per_rank=cap,
-            do_expand=c.do_expand, expert_alignment=c.expert_alignment, num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync,
+            num_experts=c.num_experts, num_topk=c.num_topk, num_tokens=c.num_tokens,
+            num_max_tokens_per_rank=c.num_max_tokens_per_rank, do_expand=c.do_expand,
+            expert_alignment=c.expert_alignment, num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync,
             topk_idx=clean_idx, recv_src_idx=out_src, recv_topk_idx=out_idx, recv_topk_weights=out_w,
-            psum_num_recv_tokens_per_rank=psum[:R], psum_num_recv_tokens_per_expert=psum[R:],
+            psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
             num_recv_tokens=P if c.do_cpu_sync else None, num_recv_tokens_per_expert_list=aligned_list,
-            num_recv_rows=P, layout=CudaLayout(workspace, send_pos, counts, recv_slots, expert_rank,
-                                               expand_row if c.do_expand else 0))
+            num_recv_rows=P, layout=CudaLayout(workspace, plan.offsets, c.do_expand))
         recv_x = self._finish_x(c, out_x, out_scales)
         return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
 
@@ -459,22 +448,17 @@ class CudaBackend(Backend):
         key = ("dispatch", c.x.dtype if c.x is not None else None, c.wire_format, c.dequantize, c.hidden, c.num_sms)
         plan = plans.get(key)
         if plan is None:
-            M = handle.recv_src_idx.shape[0]
-            plan = _Plan(self._dispatch_params(c, handle.num_tokens, handle.num_topk, 0,
-                                               c.signature()),
-                         inputs=lay.DispatchInputs(0, 0, handle.topk_idx.data_ptr(), 0, layout.send_pos,
-                                                   layout.expert_rank),
-                         outputs=lay.RecvOutputs(layout.recv_slots, 0, 0, 0, 0, 0,
-                                                 layout.expand_row, 0, 0, M, handle.num_recv_rows,
-                                                 int(handle.do_expand), 0))
-            plan.refs = (ctypes.byref(plan.params), ctypes.byref(plan.inputs), ctypes.byref(plan.outputs))
-            plans[key] = plan
+            params = self._dispatch_params(c, handle.num_tokens, handle.num_topk, 0, c.signature())
+            inputs = lay.DispatchInputs(clean_idx=handle.topk_idx.data_ptr(), send_pos=layout.pointer(SEND_POS),
+                                        expert_rank=layout.pointer(EXPERT_RANK))
+            outputs = lay.RecvOutputs(counts=layout.pointer(RECV_SLOTS), expand_row=layout.pointer(EXPAND_ROW),
+                                      num_rows=handle.recv_src_idx.shape[0], num_expand_rows=handle.num_recv_rows,
+                                      do_expand=int(handle.do_expand))
+            plan = plans[key] = _Plan((params, inputs, outputs))
         data, scales = self._wire(c)
-        stream = current_stream(self._device_index)
-        out_x, out_scales = self._outputs_x(c, handle.num_recv_rows, scales)
-        plan.inputs.x, plan.inputs.scales = data.data_ptr(), _ptr(scales)
-        plan.outputs.x, plan.outputs.scales = out_x.data_ptr(), _ptr(out_scales)
-        self._check(self.kernels.dispatch(*plan.refs, c.num_sms, 1, stream), "dispatch")
+        params, inputs, outputs = plan.addresses
+        out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, handle.num_recv_rows,
+                                                          c.num_sms, current_stream(self._device_index))
         recv_x = self._finish_x(c, out_x, out_scales)
         return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), [], []
 
@@ -506,27 +490,11 @@ class CudaBackend(Backend):
         if plan is None:
             plan = self._combine_plan(c)
             plans[key] = plan
-        N, K, dev = handle.num_tokens, handle.num_topk, self.device
-        combined = torch.empty(N, c.x.shape[1], dtype=c.x.dtype, device=dev)
-        combined_w = None if weights is None else torch.empty(N, K, dtype=weights.dtype, device=dev)
-        num_rounds, num_slots = plan.num_rounds, plan.num_slots
-        acc = None
-        if num_rounds > 1:
-            acc = torch.empty(N, c.x.shape[1], dtype=torch.float64 if c.x.dtype == torch.float64 else torch.float32,
-                              device=dev)
-        args = plan.args
-        args.x, args.weights, args.acc, args.out, args.out_weights = (
-            c.x.data_ptr(), _ptr(weights), _ptr(acc), combined.data_ptr(), _ptr(combined_w))
         bias = c.bias
-        args.bias0 = bias[0].data_ptr() if bias else 0
-        args.bias1 = bias[1].data_ptr() if len(bias) > 1 else 0
-        stream = current_stream(self._device_index)
-        dtype = DTYPE_CODES[c.x.dtype]
-        for r in range(num_rounds):
-            if num_rounds > 1:  # one round: set once in the plan
-                args.slot_begin, args.slot_end = r * num_slots, min(K, (r + 1) * num_slots)
-                args.first_round, args.last_round = int(r == 0), int(r == num_rounds - 1)
-            self._check(self.kernels.combine(*plan.refs, dtype, c.num_sms, stream), "combine")
+        combined, combined_w = self.launcher.combine(
+            *plan.addresses, c.x, weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None,
+            handle.num_tokens, DTYPE_CODES[c.x.dtype], plan.num_slots, plan.num_rounds, c.num_sms,
+            current_stream(self._device_index))
         return (combined, combined_w), [], []
 
     def _combine_plan(self, c) -> _Plan:
@@ -548,16 +516,11 @@ class CudaBackend(Backend):
         params = self._params(handle.num_tokens, cap, handle.num_experts, K, row, data_bytes, 0, wb, 1, num_send,
                               "combine", rows_per_token=num_slots, signature=c.signature())
         args = lay.CombineArgs(
-            psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.expand_row,
-            send_pos=layout.send_pos, clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
+            psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.pointer(EXPAND_ROW),
+            send_pos=layout.pointer(SEND_POS), clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
             num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots, slot_begin=0,
             slot_end=min(K, num_slots), first_round=1, last_round=int(num_slots >= K or not handle.do_expand))
-        return _Plan(params, args=args, refs=(ctypes.byref(params), ctypes.byref(args)), num_slots=num_slots,
-                     num_rounds=-(-K // num_slots) if handle.do_expand else 1)
+        return _Plan((params, args), num_slots=num_slots, num_rounds=-(-K // num_slots) if handle.do_expand else 1)
 
 
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-__all__ = ["CudaBackend", "CudaLayout", "CudaTuning", "num_send_blocks", "why_not_usable"]
+__all__ = ["CudaBackend", "CudaLayout", "CudaTuning", "num_send_blocks", "why_not_usable", "workspace_offsets"]

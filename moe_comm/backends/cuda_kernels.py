@@ -3,22 +3,29 @@ declare every function's argument and return types, check that the compiler laid
 `moe_comm.layout` did (size and every field offset), and raise a failed launch as a RuntimeError that names the
 failed condition with its values (the launchers' `moe_comm_last_error`).
 
-ctypes, not a torch extension: the kernel library has no torch headers, so the CPU CI machine (whose torch has no
-CUDA parts) compiles it, a cold build takes seconds, and one library serves every torch version. The host path
-keeps a crossing cheap by building each call's argument structs once per shape (`moe_comm.backends.cuda`).
+Two builds: the kernel library has no torch headers, so the CPU CI machine (whose torch has no CUDA parts) compiles
+it, a cold build takes seconds, and one library serves every torch version; ctypes opens it for what the host calls
+rarely (host-mapped memory, the ABI table). Every launch goes through the host extension (`csrc/torch/ops.cpp`, a
+Python module built against the installed torch), which allocates a call's outputs, sets its pointers in the
+launch structs the backend built once per shape, and calls the library's launchers at the addresses given to it:
+one crossing per launch with no Python in between (`moe_comm.backends.cuda`).
 """
 
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from types import ModuleType
 from typing import Sequence
 
 import torch
 
 from .. import jit, layout
+from ..jit.extension import extension_compile_check, load_extension
 
 LIBRARY = "moe_comm_kernels"
+EXTENSION = "moe_comm_host"
+EXTENSION_SOURCES = ("ops.cpp",)
 # Launchers over header-only device code: csrc/kernels/<op>.cu includes csrc/include/moe_comm/impls/<op>.cuh
 # (layout.cu launches the layout and the notify, runtime.cu holds host-mapped memory, errors and the ABI table).
 KERNEL_SOURCES = ("runtime.cu", "layout.cu", "dispatch.cu", "combine.cu")
@@ -50,10 +57,27 @@ def generated_headers() -> dict[str, str]:
     return {"moe_comm/abi.h": layout.render_header()}
 
 
+def extension_sources() -> list[Path]:
+    return [jit.CSRC_DIR / "torch" / name for name in EXTENSION_SOURCES]
+
+
 def compile_check(flags: Sequence[str] = ()) -> float:
     """Prove that the kernel library compiles for sm_90a (CI, no GPU needed); returns the seconds it took."""
     return jit.compile_check(kernel_sources(), include_dirs=[INCLUDE_DIR], generated=generated_headers(),
                              flags=flags)
+
+
+def extension_check() -> float:
+    """Prove that the host extension builds against this torch and imports; returns the seconds it took."""
+    return extension_compile_check(EXTENSION, extension_sources(), include_dirs=[INCLUDE_DIR],
+                                   generated=generated_headers())
+
+
+def host_extension() -> ModuleType:
+    """The host extension (csrc/torch/ops.cpp), built at first use and loaded once per process: its `Launcher`
+    takes the addresses of the kernel library's moe_comm_layout, moe_comm_dispatch, moe_comm_combine and
+    moe_comm_last_error."""
+    return load_extension(EXTENSION, extension_sources(), include_dirs=[INCLUDE_DIR], generated=generated_headers())
 
 
 class Kernels:
@@ -78,6 +102,9 @@ class Kernels:
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, name[len("moe_comm_"):], fn)
         self._check_abi()
+        # Launches: `launcher.layout(...)`, `.dispatch`, `.cached_dispatch`, `.combine` (csrc/torch/ops.cpp).
+        self.launcher = host_extension().Launcher(*(ctypes.cast(fn, ctypes.c_void_p).value
+                                        for fn in (self.layout, self.dispatch, self.combine, self.last_error)))
 
     def _check_abi(self) -> None:
         expected = layout.abi_table()
@@ -112,4 +139,5 @@ def current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
-__all__ = ["Kernels", "load_kernels", "compile_check", "kernel_sources", "generated_headers", "current_stream"]
+__all__ = ["Kernels", "load_kernels", "compile_check", "extension_check", "host_extension", "kernel_sources",
+           "extension_sources", "generated_headers", "current_stream"]

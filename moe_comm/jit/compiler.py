@@ -229,16 +229,23 @@ def _plan(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], flag
     final_flags = (*DEFAULT_FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}", *flags)
     nvcc = find_nvcc()
 
-    # Length-prefixed fields, so no two different inputs hash the same byte stream
+    key = build_key([name, _nvcc_version_of(nvcc), arch, "\0".join(final_flags)], source_paths, dir_paths, gen_files)
+    return _Plan(name, key, nvcc, final_flags, dir_paths, source_paths, gen_files)
+
+
+def build_key(fields: Sequence[str], sources: tuple[Path, ...], include_dirs: tuple[Path, ...],
+              generated: tuple[tuple[str, str], ...]) -> str:
+    """sha256 hex digest over `fields`, the source names, the generated headers and the bytes of every file
+    reachable from the sources (`_reachable_files`), each length-prefixed so that no two different inputs hash the
+    same byte stream."""
     digest = hashlib.sha256()
-    fields = [name.encode(), _nvcc_version_of(nvcc).encode(), arch.encode(), "\0".join(final_flags).encode(),
-              "\0".join(p.name for p in source_paths).encode()]
-    fields += [f"{relative}\0{text}".encode() for relative, text in gen_files]
-    fields += [data for _, data in _reachable_files(source_paths, dir_paths)]
-    for field in fields:
+    data = [*(f.encode() for f in fields), "\0".join(p.name for p in sources).encode()]
+    data += [f"{relative}\0{text}".encode() for relative, text in generated]
+    data += [content for _, content in _reachable_files(sources, include_dirs)]
+    for field in data:
         digest.update(len(field).to_bytes(8, "little"))
         digest.update(field)
-    return _Plan(name, digest.hexdigest(), nvcc, final_flags, dir_paths, source_paths, gen_files)
+    return digest.hexdigest()
 
 
 def _reachable_files(sources: tuple[Path, ...], include_dirs: tuple[Path, ...]) -> list[tuple[Path, bytes]]:
@@ -267,33 +274,43 @@ def _reachable_files(sources: tuple[Path, ...], include_dirs: tuple[Path, ...]) 
 def _build(plan: _Plan, root: Path, timeout_s: float) -> Path:
     if not timeout_s > 0:
         raise ValueError(f"{timeout_s=} must be positive")
-    final = root / plan.folder_name
-    library = final / f"{plan.name}.so"
-    if library.is_file():
-        _say(f"cache hit {library}")
-        return library
+    library, _ = build_once(root, plan.folder_name, f"{plan.name}.so", lambda tmp: _compile(plan, tmp, timeout_s),
+                            timeout_s)
+    return library
+
+
+def build_once(root: Path, folder_name: str, product: str, compile_into, timeout_s: float) -> tuple[Path, object]:
+    """`root/folder_name/product`, built by `compile_into(temp folder)` unless it exists: under the key's lock, in
+    a private temp folder renamed into place, so the key folder only ever appears complete. Returns the path and
+    what `compile_into` returned (None on a cache hit)."""
+    final = root / folder_name
+    path = final / product
+    if path.is_file():
+        _say(f"cache hit {path}")
+        return path, None
 
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f"{plan.folder_name}.lock", timeout_s):
+    with _locked(root / f"{folder_name}.lock", timeout_s):
         # Another rank may have finished while this one waited
-        if library.is_file():
-            _say(f"cache hit {library} (built by another process)")
-            return library
+        if path.is_file():
+            _say(f"cache hit {path} (built by another process)")
+            return path, None
         # Holding the lock, nothing else builds this key: leftovers are from killed builds
         if final.exists():
             shutil.rmtree(final)
-        for stale in root.glob(f".tmp-{plan.folder_name}-*"):
+        for stale in root.glob(f".tmp-{folder_name}-*"):
             shutil.rmtree(stale, ignore_errors=True)
 
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{plan.folder_name}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder_name}-", dir=root))
+        start = time.monotonic()
         try:
-            seconds = _compile(plan, tmp, timeout_s)
+            result = compile_into(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    _say(f"built {plan.folder_name} in {seconds:.1f} s -> {library}")
-    return library
+    _say(f"built {folder_name} in {time.monotonic() - start:.1f} s -> {path}")
+    return path, result
 
 
 def _compile(plan: _Plan, folder: Path, timeout_s: float) -> float:

@@ -1,0 +1,220 @@
+// The host path of the CUDA backend's calls, as a Python extension built against the installed torch
+// (moe_comm.jit.load_extension): one crossing from Python allocates a call's outputs with torch's caching
+// allocator, sets the per-call pointers in the launch structs that moe_comm.backends.cuda built once per shape,
+// and launches through the kernel library. ctypes crossings and torch.empty from Python cost more host time than
+// the kernels run at small sizes (benchmarks/host-path_*.md).
+//
+// The kernel library stays free of torch headers (the CPU CI machine compiles it; one build serves every torch):
+// this module reaches its launchers through the addresses given to `Launcher`, and shares only the generated
+// struct definitions (moe_comm/abi.h, from moe_comm/layout.py) with it.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "moe_comm/abi.h"
+
+namespace py = pybind11;
+using namespace moe_comm;
+
+namespace {
+
+using Stream = void*;  // cudaStream_t, an opaque pointer
+using LayoutFn = int (*)(const EpParams*, const LayoutArgs*, const NotifyArgs*, Stream);
+using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOutputs*, int, int, Stream);
+using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, Stream);
+using LastErrorFn = const char* (*)();
+using OptionalTensor = std::optional<at::Tensor>;
+
+// Element offsets inside a fresh dispatch's int64 workspace (moe_comm.backends.cuda.CudaLayout): the clean topk_idx
+// at 0, then these, then the total length.
+enum WorkspaceOffset { kSendPos, kCounts, kRecvSlots, kExpertRank, kExpandRow, kWorkspaceLength, kNumOffsets };
+
+template <typename T>
+T* at_address(uintptr_t address) {
+    return reinterpret_cast<T*>(address);
+}
+
+uint8_t* bytes_of(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+uint8_t* bytes_of(const OptionalTensor& t) { return t ? bytes_of(*t) : nullptr; }
+py::object or_none(const OptionalTensor& t) { return t ? py::cast(*t) : py::none(); }
+
+class Launcher {
+public:
+    // Addresses of the kernel library's moe_comm_layout, moe_comm_dispatch, moe_comm_combine and
+    // moe_comm_last_error (kernels/*.cu; moe_comm.backends.cuda_kernels.SIGNATURES).
+    Launcher(uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t last_error)
+        : layout_(reinterpret_cast<LayoutFn>(layout)),
+          dispatch_(reinterpret_cast<DispatchFn>(dispatch)),
+          combine_(reinterpret_cast<CombineFn>(combine)),
+          last_error_(reinterpret_cast<LastErrorFn>(last_error)) {}
+
+    // A fresh dispatch's first launch: the routing workspace (`offsets`: WorkspaceOffset), then the layout kernel,
+    // whose last block runs the notify. Returns (workspace, clean topk_idx [N, K], a view at its start).
+    py::tuple layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
+                     const std::vector<int64_t>& offsets, uintptr_t stream) const {
+        check_offsets(offsets);
+        const EpParams* p = at_address<const EpParams>(params);
+        at::Tensor workspace = at::empty({offsets[kWorkspaceLength]}, topk_idx.options());
+        int64_t* base = workspace.data_ptr<int64_t>();
+        int64_t* counts = base + offsets[kCounts];  // rows per rank [R], rows per expert [E], error flags [1]
+        auto* a = at_address<LayoutArgs>(args);
+        a->topk_idx = topk_idx.data_ptr<int64_t>();
+        a->clean_idx = base;
+        a->send_pos = base + offsets[kSendPos];
+        a->expert_rank = reinterpret_cast<int32_t*>(base + offsets[kExpertRank]);
+        a->num_tokens_per_rank = counts;
+        a->num_tokens_per_expert = counts + p->num_ranks;
+        a->flags = counts + p->num_ranks + p->num_experts;
+        auto* n = at_address<NotifyArgs>(notify);
+        n->num_tokens_per_rank = a->num_tokens_per_rank;
+        n->num_tokens_per_expert = a->num_tokens_per_expert;
+        n->flags = a->flags;
+        n->recv_slots = base + offsets[kRecvSlots];
+        check(layout_(p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
+        return py::make_tuple(workspace, workspace.narrow(0, 0, p->num_tokens * p->num_topk)
+                                             .view({p->num_tokens, p->num_topk}));
+    }
+
+    // A fresh dispatch's second launch, along the workspace of `layout`: `num_rows` (M) received rows,
+    // `num_expand_rows` (P, = M without expand) output rows. Returns (x [P, H] in data's dtype, scales [P, S] or
+    // None, topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None), the
+    // routing outputs as views of one int64 allocation.
+    py::tuple dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
+                       const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& workspace,
+                       const std::vector<int64_t>& offsets, int64_t num_rows, int64_t num_expand_rows,
+                       bool do_expand, int num_blocks, uintptr_t stream) const {
+        check_offsets(offsets);
+        const EpParams* p = at_address<const EpParams>(params);
+        const int64_t M = num_rows, P = num_expand_rows, K = p->num_topk, R = p->num_ranks;
+        const int64_t L = p->num_local_experts;
+        at::Tensor x = at::empty({P, data.size(1)}, data.options());
+        OptionalTensor out_scales, out_weights;
+        if (scales) out_scales = at::empty({P, scales->size(1)}, scales->options());
+        if (weights) {
+            out_weights = do_expand ? at::empty({P}, weights->options()) : at::empty({M, K}, weights->options());
+        }
+        at::Tensor routing = at::empty({M * K + M + R + L}, workspace.options());
+        int64_t* base = workspace.data_ptr<int64_t>();
+        int64_t* recv = routing.data_ptr<int64_t>();  // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
+
+        auto* in = at_address<DispatchInputs>(inputs);
+        in->x = bytes_of(data);
+        in->scales = bytes_of(scales);
+        in->clean_idx = base;
+        in->weights = bytes_of(weights);
+        in->send_pos = base + offsets[kSendPos];
+        in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kExpertRank]);
+        auto* out = at_address<RecvOutputs>(outputs);
+        out->counts = base + offsets[kRecvSlots];
+        out->x = bytes_of(x);
+        out->scales = bytes_of(out_scales);
+        out->topk_idx = recv;
+        out->weights = bytes_of(out_weights);
+        out->src_idx = recv + M * K;
+        out->expand_row = do_expand ? reinterpret_cast<int32_t*>(base + offsets[kExpandRow]) : nullptr;
+        out->psum_rank = recv + M * K + M;
+        out->psum_expert = recv + M * K + M + R;
+        out->num_rows = M;
+        out->num_expand_rows = P;
+        out->do_expand = do_expand ? 1 : 0;
+        check(dispatch_(p, in, out, num_blocks, 0, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        return py::make_tuple(x, or_none(out_scales), routing.narrow(0, 0, M * K).view({M, K}),
+                              routing.narrow(0, M * K, M), routing.narrow(0, M * K + M, R),
+                              routing.narrow(0, M * K + M + R, L), or_none(out_weights));
+    }
+
+    // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows. Returns (x, scales or None).
+    py::tuple cached_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
+                              const OptionalTensor& scales, int64_t num_rows, int num_blocks,
+                              uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        at::Tensor x = at::empty({num_rows, data.size(1)}, data.options());
+        OptionalTensor out_scales;
+        if (scales) out_scales = at::empty({num_rows, scales->size(1)}, scales->options());
+        auto* in = at_address<DispatchInputs>(inputs);
+        in->x = bytes_of(data);
+        in->scales = bytes_of(scales);
+        auto* out = at_address<RecvOutputs>(outputs);
+        out->x = bytes_of(x);
+        out->scales = bytes_of(out_scales);
+        check(dispatch_(p, in, out, num_blocks, 1, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        return py::make_tuple(x, or_none(out_scales));
+    }
+
+    // A combine of `x` into [num_tokens, H], in `num_rounds` launches of `num_slots` slots each (an expand combine
+    // whose rows do not fit the region at once; the rounds accumulate in fp32/fp64). `dtype`: the kernel's code
+    // for x's dtype (moe_comm.backends.common.DTYPE_CODES). Returns (combined, combined weights or None).
+    py::tuple combine(uintptr_t params, uintptr_t args, const at::Tensor& x, const OptionalTensor& weights,
+                      const OptionalTensor& bias0, const OptionalTensor& bias1, int64_t num_tokens, int dtype,
+                      int num_slots, int num_rounds, int num_blocks, uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        const int K = p->num_topk;
+        at::Tensor combined = at::empty({num_tokens, x.size(1)}, x.options());
+        OptionalTensor combined_weights, acc;
+        if (weights) combined_weights = at::empty({num_tokens, K}, weights->options());
+        if (num_rounds > 1) {
+            const auto acc_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+            acc = at::empty({num_tokens, x.size(1)}, x.options().dtype(acc_dtype));
+        }
+        auto* a = at_address<CombineArgs>(args);
+        a->x = bytes_of(x);
+        a->weights = bytes_of(weights);
+        a->acc = bytes_of(acc);
+        a->bias0 = bytes_of(bias0);
+        a->bias1 = bytes_of(bias1);
+        a->out = bytes_of(combined);
+        a->out_weights = bytes_of(combined_weights);
+        for (int r = 0; r < num_rounds; ++r) {
+            if (num_rounds > 1) {  // one round: the plan set the slots once
+                a->slot_begin = r * num_slots;
+                a->slot_end = std::min(K, (r + 1) * num_slots);
+                a->first_round = r == 0;
+                a->last_round = r == num_rounds - 1;
+            }
+            check(combine_(p, a, dtype, num_blocks, reinterpret_cast<Stream>(stream)), p, "combine");
+        }
+        return py::make_tuple(combined, or_none(combined_weights));
+    }
+
+private:
+    static void check_offsets(const std::vector<int64_t>& offsets) {
+        if (offsets.size() != kNumOffsets) {
+            throw std::invalid_argument("workspace offsets: " + std::to_string(offsets.size()) + " values, expected " +
+                                        std::to_string(kNumOffsets));
+        }
+    }
+
+    // A launcher's failure as a RuntimeError with its own message (the condition and values, or the CUDA error).
+    void check(int result, const EpParams* p, const char* what) const {
+        if (result) {
+            throw std::runtime_error(std::string("moe_comm: ") + what + " failed on rank " + std::to_string(p->rank) +
+                                     ": " + last_error_());
+        }
+    }
+
+    LayoutFn layout_;
+    DispatchFn dispatch_;
+    CombineFn combine_;
+    LastErrorFn last_error_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "moe_comm's host path: allocate, set the per-call pointers, launch (moe_comm/csrc/torch/ops.cpp)";
+    py::class_<Launcher>(m, "Launcher", py::module_local())
+        .def(py::init([](uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t last_error) {
+            if (!layout || !dispatch || !combine || !last_error) throw std::invalid_argument("a launcher address is 0");
+            return Launcher(layout, dispatch, combine, last_error);
+        }))
+        .def("layout", &Launcher::layout)
+        .def("dispatch", &Launcher::dispatch)
+        .def("cached_dispatch", &Launcher::cached_dispatch)
+        .def("combine", &Launcher::combine);
+}
