@@ -101,6 +101,20 @@ def combine_row(data_bytes: int, weights_per_row: int, weight_bytes: int) -> Row
     return RowFormat(meta, meta, meta, meta, tag, tag + TAG_BYTES)
 
 
+LAYOUT_MIN_CHUNK = 32  # tokens per layout block at least: a pass of the placing warp
+
+
+def layout_blocks(num_tokens: int, num_sms: int) -> int:
+    """Blocks of a dispatch's layout kernel: one per SM at most (they meet at grid-wide barriers), each a chunk of
+    at least LAYOUT_MIN_CHUNK tokens."""
+    return max(1, min(num_sms, -(-num_tokens // LAYOUT_MIN_CHUNK)))
+
+
+def layout_scratch_ints(num_blocks: int, num_ranks: int, num_experts: int) -> int:
+    """int32 values of the layout kernel's scratch: per block, a count per column (ranks, experts, flags)."""
+    return num_blocks * (num_ranks + num_experts + 1)
+
+
 def summary_len(num_ranks: int, num_local_experts: int) -> int:
     """int64 values of the notify summary: per source [rows, flags], pending flags per source, rows in all, rows per
     local expert."""
@@ -164,6 +178,9 @@ STRUCTS = {
         ("int64_t*", "num_tokens_per_rank", "[R]"),
         ("int64_t*", "num_tokens_per_expert", "[E]"),
         ("int64_t*", "flags", "[1] error flags: 1 out of range, 2 duplicate expert in a row"),
+        ("int32_t*", "scratch", "[num_blocks][R + E + 1] per-chunk counts, then their prefixes"),
+        ("int32_t", "num_blocks", "co-resident blocks, each a chunk of tokens (layout_blocks)"),
+        ("int32_t", "padding", ""),
     ],
     "NotifyArgs": [  # notify kernel: barrier, counts into every peer's control slot, exchange, copies
         ("const int64_t*", "num_tokens_per_rank", "[R] rows this rank sends to each rank"),
@@ -293,5 +310,6 @@ def render_header() -> str:
 
 
 __all__ = ["MAX_RANKS", "SIGNATURE_LEN", "MAX_ROUND_SLOTS", "RECV_TABLE_LIMIT", "CONTROL_BYTES", "SLOT_STRIDE",
-           "TAG_BYTES", "RowFormat", "dispatch_row", "combine_row", "summary_len", "recv_table_bytes", "STRUCTS",
-           "CTYPES_STRUCTS", "abi_table", "render_header"]
+           "TAG_BYTES", "LAYOUT_MIN_CHUNK", "RowFormat", "dispatch_row", "combine_row", "layout_blocks",
+           "layout_scratch_ints", "summary_len", "recv_table_bytes", "STRUCTS", "CTYPES_STRUCTS", "abi_table",
+           "render_header"]

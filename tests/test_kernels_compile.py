@@ -133,7 +133,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     launcher = fake.launcher()
     N, K, R, E, L, H, cap = 5, 3, 2, 8, 4, 256, 6
     params = _params()
-    offsets = workspace_offsets(N, K, R, E, cap, True)
+    offsets = workspace_offsets(N, K, R, E, cap, True, 3)
     args, notify = layout.LayoutArgs(), layout.NotifyArgs(pending_flags=64, summary=128, exchange_phase=1)
     topk_idx = torch.zeros(N, K, dtype=torch.int64)
     workspace, clean_idx = launcher.layout(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify),
@@ -146,6 +146,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     assert (name, stream, p.rank) == ("layout", 1234, 1)
     assert (a.topk_idx, a.clean_idx, a.send_pos, a.expert_rank) == (topk_idx.data_ptr(), base, at(0), at(3))
     assert (a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags) == (at(1), at(1) + 8 * R, at(1) + 8 * (R + E))
+    assert a.scratch == at(5) and offsets[6] - offsets[5] == -(-3 * (R + E + 1) // 2)
     assert (n.num_tokens_per_rank, n.num_tokens_per_expert, n.flags, n.recv_slots) == (
         a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags, at(2))
     assert (n.pending_flags, n.summary, n.exchange_phase) == (64, 128, 1)  # the plan's, untouched
@@ -230,8 +231,8 @@ def test_host_extension_raises_the_launchers_message(kernels):
     with pytest.raises(RuntimeError, match=r"dispatch layout and notify failed on rank 1: layout.cu:\d+: .*"
                                            r"num_ranks=0, kMaxRanks=32"):
         kernels.launcher.layout(ctypes.addressof(bad), ctypes.addressof(args), ctypes.addressof(notify),
-                                torch.zeros(5, 3, dtype=torch.int64), [15, 25, 36, 100, 108, 108], 0)
-    with pytest.raises(ValueError, match="workspace offsets: 2 values, expected 6"):
+                                torch.zeros(5, 3, dtype=torch.int64), [15, 25, 36, 100, 108, 108, 120], 0)
+    with pytest.raises(ValueError, match="workspace offsets: 2 values, expected 7"):
         kernels.launcher.layout(ctypes.addressof(params), 0, 0, torch.zeros(5, 3, dtype=torch.int64), [1, 2], 0)
     with pytest.raises(ValueError, match="a launcher address is 0"):
         cuda_kernels.host_extension().Launcher(0, 0, 0, 0)

@@ -84,12 +84,13 @@ def num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool, frac
 
 
 def workspace_offsets(num_tokens: int, num_topk: int, num_ranks: int, num_experts: int, cap: int,
-                      do_expand: bool) -> tuple[int, ...]:
+                      do_expand: bool, layout_blocks: int) -> tuple[int, ...]:
     """Element offsets of the pieces of a fresh dispatch's int64 workspace (`CudaLayout`) after its clean topk_idx
-    `[N, K]` at 0: send_pos, counts, recv_slots, expert_rank, expand_row, then the total length (the host
-    extension's WorkspaceOffset order)."""
+    `[N, K]` at 0: send_pos, counts, recv_slots, expert_rank, expand_row, the layout kernel's scratch, then the
+    total length (the host extension's WorkspaceOffset order)."""
     N, K, R = num_tokens, num_topk, num_ranks
-    sizes = (N * K, N * R, R + num_experts + 1, R * lay.SLOT_STRIDE, -(-N * K // 2), -(-R * cap * K // 2) * do_expand)
+    sizes = (N * K, N * R, R + num_experts + 1, R * lay.SLOT_STRIDE, -(-N * K // 2), -(-R * cap * K // 2) * do_expand,
+             -(-lay.layout_scratch_ints(layout_blocks, R, num_experts) // 2))
     offsets = [sizes[0]]
     for size in sizes[1:]:
         offsets.append(offsets[-1] + size)
@@ -108,7 +109,8 @@ class CudaLayout:
         sent there), counts `[R + E + 1]` int64 (rows per destination rank, rows per expert, error flags),
         recv_slots `[R, SLOT_STRIDE]` int64 (copy of the control slots this dispatch received, for the receivers of
         cached dispatches), expert_rank `[N, K]` int32 (tokens before this one that chose the slot's expert),
-        expand_row `[M, K]` int32 (expand only: output row of each (received row, slot)).
+        expand_row `[M, K]` int32 (expand only: output row of each (received row, slot)), the layout kernel's scratch
+    (`moe_comm.layout.layout_scratch_ints`, ~130 KB at 132 blocks and 256 experts; used by that kernel only).
     """
 
     workspace: torch.Tensor
@@ -397,8 +399,10 @@ class CudaBackend(Backend):
                                 exchange_phase=_PHASE["dispatch notify"])
         M = R * cap  # the worst case, sizing the outputs of a call without CPU sync
         P = M * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
-        return _Plan((params, lay.LayoutArgs(), notify, lay.DispatchInputs(), lay.RecvOutputs()),
-                     offsets=workspace_offsets(N, K, R, E, cap, c.do_expand), num_rows=M, num_expand_rows=P)
+        blocks = lay.layout_blocks(N, self.num_device_sms)
+        return _Plan((params, lay.LayoutArgs(num_blocks=blocks), notify, lay.DispatchInputs(), lay.RecvOutputs()),
+                     offsets=workspace_offsets(N, K, R, E, cap, c.do_expand, blocks), num_rows=M,
+                     num_expand_rows=P)
 
     def _fresh_dispatch(self, c):
         """Layout, notify (the barrier with the call's signature, then the counts through the control slots), then

@@ -20,19 +20,8 @@ extern "C" int moe_comm_dispatch(const EpParams* p, const DispatchInputs* in, co
     MOE_COMM_REQUIRE(plan.table_bytes <= kRecvTableLimit && plan.warps >= 1,
                      "count tables %lld bytes (limit %lld), copying warps %d", static_cast<long long>(plan.table_bytes),
                      static_cast<long long>(kRecvTableLimit), plan.warps);
-    // The opt-in to more than 48 KB of shared memory is a per-device setting of the function: once per device.
     static bool opted_in[kMaxDevices] = {};
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    MOE_COMM_REQUIRE(err == cudaSuccess && device >= 0 && device < kMaxDevices, "cudaGetDevice: %s, device=%d",
-                     cudaGetErrorString(err), device);
-    if (!opted_in[device]) {
-        err = cudaFuncSetAttribute(dispatch_impl, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem);
-        if (err != cudaSuccess) cudaGetLastError();  // not sticky: later launches must not report it again
-        MOE_COMM_REQUIRE(err == cudaSuccess, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize=%lld): %s",
-                         static_cast<long long>(kMaxDynamicSmem), cudaGetErrorString(err));
-        opted_in[device] = true;
-    }
+    if (opt_in_shared_memory(dispatch_impl, opted_in)) return 1;
     EpParams q = *p;
     q.with_barrier = with_barrier ? 1 : 0;
     dispatch_impl<<<num_blocks, kThreadsPerBlock, plan.smem_bytes, stream>>>(q, *in, *out);

@@ -1,5 +1,5 @@
 // Launcher of the first step of a fresh dispatch: the layout with the notify run by its last block
-// (include/moe_comm/impls/layout.cuh, impls/notify.cuh).
+// (include/moe_comm/impls/layout.cuh, impls/notify.cuh), a cooperative launch (its blocks meet at grid barriers).
 #include "moe_comm/host/launch.h"
 #include "moe_comm/impls/layout.cuh"
 
@@ -22,11 +22,28 @@ int check_notify(const EpParams* p, const NotifyArgs* n) {
 
 extern "C" int moe_comm_layout(const EpParams* p, const LayoutArgs* a, const NotifyArgs* n, cudaStream_t stream) {
     if (check_notify(p, n)) return 1;
-    MOE_COMM_REQUIRE(p->num_experts % p->num_ranks == 0, "num_experts=%d, num_ranks=%d", p->num_experts,
-                     p->num_ranks);
+    MOE_COMM_REQUIRE(p->num_experts % p->num_ranks == 0 && p->num_local_experts == p->num_experts / p->num_ranks,
+                     "num_experts=%d, num_ranks=%d, num_local_experts=%d", p->num_experts, p->num_ranks,
+                     p->num_local_experts);
+    MOE_COMM_REQUIRE(a->num_blocks >= 1 && a->num_blocks <= kLayoutThreads && a->scratch != nullptr,
+                     "num_blocks=%d (at most %d), scratch=%p", a->num_blocks, kLayoutThreads,
+                     static_cast<void*>(a->scratch));
+    // Shared memory: a count per column (ranks, experts, flags), then a running count and a hit mask per column.
+    const int64_t smem_bytes = 8 * static_cast<int64_t>(p->num_ranks + p->num_experts + 1);
+    MOE_COMM_REQUIRE(smem_bytes <= kMaxDynamicSmem, "num_experts=%d needs %lld bytes of shared memory (limit %lld)",
+                     p->num_experts, static_cast<long long>(smem_bytes), static_cast<long long>(kMaxDynamicSmem));
+    static bool opted_in[kMaxDevices] = {};
+    if (opt_in_shared_memory(layout_notify_impl, opted_in)) return 1;
     EpParams q = *p;
     q.with_barrier = 0;  // the notify runs its own barrier
-    const int num_blocks = p->num_ranks + p->num_experts;  // one per destination rank, then one per expert
-    layout_notify_impl<<<num_blocks, kLayoutThreads, 0, stream>>>(q, *a, *n);
-    return launch_result("layout_notify_impl", num_blocks, kLayoutThreads, 0);
+    LayoutArgs args = *a;
+    NotifyArgs notify = *n;
+    void* kernel_args[] = {&q, &args, &notify};
+    const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(layout_notify_impl), a->num_blocks,
+                                      kLayoutThreads, kernel_args, smem_bytes, stream);
+    if (err != cudaSuccess) cudaGetLastError();
+    MOE_COMM_REQUIRE(err == cudaSuccess, "cooperative launch of layout_notify_impl (%d blocks x %d threads, %lld "
+                     "bytes of dynamic shared memory): %s", a->num_blocks, kLayoutThreads,
+                     static_cast<long long>(smem_bytes), cudaGetErrorString(err));
+    return 0;
 }

@@ -31,9 +31,11 @@ using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, Stream)
 using LastErrorFn = const char* (*)();
 using OptionalTensor = std::optional<at::Tensor>;
 
-// Element offsets inside a fresh dispatch's int64 workspace (moe_comm.backends.cuda.CudaLayout): the clean topk_idx
-// at 0, then these, then the total length.
-enum WorkspaceOffset { kSendPos, kCounts, kRecvSlots, kExpertRank, kExpandRow, kWorkspaceLength, kNumOffsets };
+// Element offsets inside a fresh dispatch's int64 workspace (moe_comm.backends.cuda.workspace_offsets): the clean
+// topk_idx at 0, then these, then the total length.
+enum WorkspaceOffset {
+    kSendPos, kCounts, kRecvSlots, kExpertRank, kExpandRow, kLayoutScratch, kWorkspaceLength, kNumOffsets
+};
 
 template <typename T>
 T* at_address(uintptr_t address) {
@@ -71,6 +73,7 @@ public:
         a->num_tokens_per_rank = counts;
         a->num_tokens_per_expert = counts + p->num_ranks;
         a->flags = counts + p->num_ranks + p->num_experts;
+        a->scratch = reinterpret_cast<int32_t*>(base + offsets[kLayoutScratch]);
         auto* n = at_address<NotifyArgs>(notify);
         n->num_tokens_per_rank = a->num_tokens_per_rank;
         n->num_tokens_per_expert = a->num_tokens_per_expert;

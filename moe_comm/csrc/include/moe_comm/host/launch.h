@@ -56,3 +56,25 @@ int copy_block_times(const Times& times, uint64_t* host, int num_blocks) {
             return 1;                                                                                          \
         }                                                                                                      \
     } while (0)
+
+namespace moe_comm {
+
+// The opt-in to more than 48 KB of dynamic shared memory is a per-device setting of a kernel function: made once
+// per device (`opted_in`: the launcher's own flags).
+template <typename Kernel>
+int opt_in_shared_memory(Kernel kernel, bool (&opted_in)[kMaxDevices]) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    MOE_COMM_REQUIRE(err == cudaSuccess && device >= 0 && device < kMaxDevices, "cudaGetDevice: %s, device=%d",
+                     cudaGetErrorString(err), device);
+    if (!opted_in[device]) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem);
+        if (err != cudaSuccess) cudaGetLastError();  // not sticky: later launches must not report it again
+        MOE_COMM_REQUIRE(err == cudaSuccess, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize=%lld): %s",
+                         static_cast<long long>(kMaxDynamicSmem), cudaGetErrorString(err));
+        opted_in[device] = true;
+    }
+    return 0;
+}
+
+}  // namespace moe_comm

@@ -3,7 +3,7 @@
 #pragma once
 
 #include <cstdint>
-#include <cub/block/block_scan.cuh>
+#include <cooperative_groups.h>
 
 #include "moe_comm/abi.h"
 #include "moe_comm/common/rows.cuh"
@@ -12,88 +12,179 @@
 
 namespace moe_comm {
 
-// Layout: one block per column (R destination ranks, then E experts). A column's block walks the tokens in order,
-// one token per thread and pass, so positions are deterministic: send_pos[t, d] = tokens before t that go to
-// rank d; expert_rank[t, j] = tokens before t that chose slot j's expert. Block 0 also writes the cleaned routing
-// (invalid slots -> -1) and the error flags (1: out of range, 2: duplicate expert in a row).
-// NOTES: a row is read into registers once (up to kMaxLayoutTopk slots): re-reading it from global memory inside
-// the duplicate check, behind stores the compiler must assume may alias, made this kernel 10x slower.
+// Layout: `a.num_blocks` co-resident blocks (a cooperative launch), block b owning a contiguous chunk of tokens,
+// in three phases between grid-wide barriers; every token's row is read twice and positions are deterministic
+// (send_pos[t, d] = tokens before t that go to rank d; expert_rank[t, j] = tokens before t that chose slot j's
+// expert). Columns: R destination ranks, then E experts, then one for the error flags.
+//  1. count: the chunk's hits per column into scratch[b][column] (shared-memory atomics: counts only), its flags
+//     (1 out of range, 2 duplicate expert in a row) into the flags column; the cleaned routing (invalid slots ->
+//     -1) and expert_rank -1 for invalid slots.
+//  2. scan: a warp per column (columns b, b + G, ... for block b): the exclusive prefix over the chunks, in place,
+//     and the column's total into num_tokens_per_rank / num_tokens_per_expert (the flags column: ORed into flags).
+//  3. place: warp 0 walks the chunk in token order, a token per lane and pass: each lane marks its token's columns
+//     in a shared bit mask per column, so its position in a column is the column's running count (from the
+//     prefix) plus the lanes before it that hit the column.
 // The last block to finish runs the notify (notify_block) on the complete counts: one launch for both.
+// NOTES: benchmarks/NOTES.md (session 7) has the measurements against the one-block-per-column kernel it replaced
+// (which read every row once per column: 46 us at 4096 tokens, top-8 of 256).
 // ------------------------------------------------------------------------------------------------------------
-__device__ void layout_column(const int64_t* __restrict__ topk_idx, int64_t num_tokens, int num_topk,
-                              int num_experts, int num_ranks, int64_t* __restrict__ clean_idx,
-                              int64_t* __restrict__ send_pos, int32_t* __restrict__ expert_rank,
-                              int64_t* num_tokens_per_rank, int64_t* num_tokens_per_expert, int64_t* flags) {
-    using Scan = cub::BlockScan<int, kLayoutThreads>;
-    __shared__ typename Scan::TempStorage scan_storage;
-    __shared__ int flag_bits;
-    const int column = blockIdx.x;
-    const bool is_rank = column < num_ranks;
-    const int target = is_rank ? column : column - num_ranks;
-    const int num_local = num_experts / num_ranks;
-    if (threadIdx.x == 0) flag_bits = 0;
-    __syncthreads();
-
-    int64_t carry = 0;
-    int my_flags = 0;
-    for (int64_t base = 0; base < num_tokens; base += kLayoutThreads) {
-        const int64_t t = base + threadIdx.x;
-        int hit_slot = -1;
-        if (t < num_tokens) {
-            const int64_t* src = topk_idx + t * num_topk;
-            int64_t row[kMaxLayoutTopk];
-#pragma unroll
-            for (int j = 0; j < kMaxLayoutTopk; ++j) row[j] = j < num_topk ? src[j] : -1;
-            // Slot j of this token: valid (in range, not a repeat of an earlier slot), hit, cleaned copy, flags.
-            auto visit = [&](int j, int64_t e, bool duplicate) {
-                const bool out_of_range = e < -1 || e >= num_experts;
-                duplicate = duplicate && e >= 0 && !out_of_range;
-                const bool valid = e >= 0 && !out_of_range && !duplicate;
-                if (valid && (is_rank ? e / num_local == target : e == target)) hit_slot = j;
-                if (column == 0) {
-                    clean_idx[t * num_topk + j] = valid ? e : -1;
-                    if (!valid) expert_rank[t * num_topk + j] = -1;
-                    my_flags |= (out_of_range ? 1 : 0) | (duplicate ? 2 : 0);
-                }
-            };
-#pragma unroll
-            for (int j = 0; j < kMaxLayoutTopk; ++j) {
-                if (j >= num_topk) break;
-                bool duplicate = false;
-#pragma unroll
-                for (int k = 0; k < j; ++k) duplicate |= row[k] == row[j];
-                visit(j, row[j], duplicate);
-            }
-            for (int j = kMaxLayoutTopk; j < num_topk; ++j) {  // rare wide rows: the extra slots from memory
-                bool duplicate = false;
-                for (int k = 0; k < j; ++k) duplicate |= src[k] == src[j];
-                visit(j, src[j], duplicate);
-            }
-        }
-        int prefix, total;
-        Scan(scan_storage).ExclusiveSum(hit_slot >= 0 ? 1 : 0, prefix, total);
-        if (t < num_tokens) {
-            if (is_rank)
-                send_pos[t * num_ranks + target] = hit_slot >= 0 ? carry + prefix : -1;
-            else if (hit_slot >= 0)
-                expert_rank[t * num_topk + hit_slot] = static_cast<int32_t>(carry + prefix);
-        }
-        carry += total;
-        __syncthreads();  // scan_storage is reused by the next pass
+// Slot j of a row, holding `e` (the first kMaxLayoutTopk slots in registers, indexed by constants only): the expert,
+// or -1 when invalid (out of range, or a repeat of an earlier slot of the row); `flags` collects why.
+// NOTES: reading the row from global memory inside the duplicate check, behind stores the compiler must assume may
+// alias, made the layout 10x slower: the row is read into registers once.
+__device__ __forceinline__ int64_t clean_slot(int64_t e, const int64_t (&row)[kMaxLayoutTopk], const int64_t* src,
+                                              int j, int num_experts, int& flags) {
+    if (e < -1 || e >= num_experts) {
+        flags |= 1;
+        return -1;
     }
-    if (column == 0 && my_flags) atomicOr(&flag_bits, my_flags);
+    if (e < 0) return -1;
+    bool duplicate = false;
+#pragma unroll
+    for (int k = 0; k < kMaxLayoutTopk; ++k) duplicate |= k < j && row[k] == e;
+    for (int k = kMaxLayoutTopk; k < j; ++k) duplicate |= src[k] == e;
+    if (duplicate) flags |= 2;
+    return duplicate ? -1 : e;
+}
+
+__device__ void layout_count(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end, int* counts) {
+    const int K = p.num_topk, R = p.num_ranks, L = p.num_local_experts;
+    const int columns = R + p.num_experts;
+    for (int c = threadIdx.x; c <= columns; c += blockDim.x) counts[c] = 0;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (is_rank) num_tokens_per_rank[target] = carry;
-        else num_tokens_per_expert[target] = carry;
-        if (column == 0) flags[0] = flag_bits;
+    int flags = 0;
+    for (int64_t t = begin + threadIdx.x; t < end; t += blockDim.x) {
+        const int64_t* src = a.topk_idx + t * K;
+        int64_t row[kMaxLayoutTopk];
+#pragma unroll
+        for (int j = 0; j < kMaxLayoutTopk; ++j) row[j] = j < K ? src[j] : -1;
+        uint32_t ranks = 0;
+        auto visit = [&](int j, int64_t value) {
+            const int64_t e = clean_slot(value, row, src, j, p.num_experts, flags);
+            a.clean_idx[t * K + j] = e;
+            if (e < 0) {
+                a.expert_rank[t * K + j] = -1;
+                return;
+            }
+            atomicAdd(&counts[R + e], 1);
+            ranks |= 1u << (e / L);
+        };
+#pragma unroll
+        for (int j = 0; j < kMaxLayoutTopk; ++j) {  // unrolled: the row stays in registers
+            if (j >= K) break;
+            visit(j, row[j]);
+        }
+        for (int j = kMaxLayoutTopk; j < K; ++j) visit(j, src[j]);  // rare wide rows: the extra slots from memory
+        for (; ranks; ranks &= ranks - 1) atomicAdd(&counts[__ffs(ranks) - 1], 1);
+    }
+    if (flags) atomicOr(&counts[columns], flags);
+    __syncthreads();
+    int* mine = a.scratch + static_cast<int64_t>(blockIdx.x) * (columns + 1);
+    for (int c = threadIdx.x; c <= columns; c += blockDim.x) mine[c] = counts[c];
+}
+
+__device__ void layout_scan(const EpParams& p, const LayoutArgs& a) {
+    const int columns = p.num_ranks + p.num_experts;
+    const int lane = threadIdx.x % kWarpSize, G = gridDim.x;
+    const int per_lane = (G + kWarpSize - 1) / kWarpSize;  // chunks each lane adds up
+    const int first_warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+    for (int c = first_warp; c <= columns; c += G * (blockDim.x / kWarpSize)) {
+        int* column = a.scratch + c;  // chunk b's value at column[b * (columns + 1)]
+        const int stride = columns + 1;
+        int sum = 0, bits = 0;
+        for (int i = 0; i < per_lane; ++i) {
+            const int b = lane * per_lane + i;
+            const int v = b < G ? __ldcg(column + static_cast<int64_t>(b) * stride) : 0;
+            sum += v;
+            bits |= v;
+        }
+        if (c == columns) {  // the flags column
+#pragma unroll
+            for (int o = kWarpSize / 2; o; o /= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
+            if (lane == 0) a.flags[0] = bits;
+            continue;
+        }
+        int inclusive = sum;
+#pragma unroll
+        for (int o = 1; o < kWarpSize; o *= 2) {
+            const int up = __shfl_up_sync(0xffffffffu, inclusive, o);
+            if (lane >= o) inclusive += up;
+        }
+        int running = inclusive - sum;  // exclusive prefix of this lane's first chunk
+        for (int i = 0; i < per_lane; ++i) {
+            const int b = lane * per_lane + i;
+            if (b >= G) break;
+            const int v = __ldcg(column + static_cast<int64_t>(b) * stride);
+            column[static_cast<int64_t>(b) * stride] = running;
+            running += v;
+        }
+        const int total = __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
+        if (lane == 0) {
+            if (c < p.num_ranks) a.num_tokens_per_rank[c] = total;
+            else a.num_tokens_per_expert[c - p.num_ranks] = total;
+        }
     }
 }
 
+__device__ void layout_place(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end, int* run,
+                             uint32_t* hits) {
+    const int K = p.num_topk, R = p.num_ranks, L = p.num_local_experts;
+    const int columns = R + p.num_experts;
+    const int* prefix = a.scratch + static_cast<int64_t>(blockIdx.x) * (columns + 1);
+    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+        run[c] = __ldcg(prefix + c);
+        hits[c] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x >= kWarpSize) return;
+    const int lane = threadIdx.x;
+    const uint32_t before = (1u << lane) - 1;
+    for (int64_t pass = begin; pass < end; pass += kWarpSize) {
+        const int64_t t = pass + lane;
+        const int64_t* row = a.clean_idx + t * K;
+        uint32_t ranks = 0;
+        if (t < end) {  // mark this token's columns
+            for (int j = 0; j < K; ++j) {
+                const int64_t e = row[j];
+                if (e < 0) continue;
+                atomicOr(&hits[R + e], 1u << lane);
+                ranks |= 1u << (e / L);
+            }
+            for (uint32_t r = ranks; r; r &= r - 1) atomicOr(&hits[__ffs(r) - 1], 1u << lane);
+        }
+        __syncwarp();
+        if (t < end) {  // positions: the running count plus the lanes before this one
+            for (int j = 0; j < K; ++j) {
+                const int64_t e = row[j];
+                if (e >= 0) a.expert_rank[t * K + j] = run[R + e] + __popc(hits[R + e] & before);
+            }
+            for (int d = 0; d < R; ++d)
+                a.send_pos[t * R + d] = (ranks >> d) & 1 ? run[d] + __popc(hits[d] & before) : -1;
+        }
+        __syncwarp();
+        for (int c = lane; c < columns; c += kWarpSize) {  // advance the columns this pass hit
+            const uint32_t m = hits[c];
+            if (m) {
+                run[c] += __popc(m);
+                hits[c] = 0;
+            }
+        }
+        __syncwarp();
+    }
+}
 
+// Dynamic shared memory: counts [columns + 1] in phase 1, then run [columns] and hits [columns] in phase 3.
 __global__ void __launch_bounds__(kLayoutThreads) layout_notify_impl(EpParams p, LayoutArgs a, NotifyArgs n) {
-    layout_column(a.topk_idx, p.num_tokens, p.num_topk, p.num_experts, p.num_ranks, a.clean_idx, a.send_pos,
-                  a.expert_rank, a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags);
+    extern __shared__ int layout_smem[];
+    namespace cg = cooperative_groups;
+    const int64_t chunk = (p.num_tokens + gridDim.x - 1) / gridDim.x;
+    const int64_t begin = min(p.num_tokens, blockIdx.x * chunk), end = min(p.num_tokens, begin + chunk);
+    layout_count(p, a, begin, end, layout_smem);
+    cg::this_grid().sync();
+    layout_scan(p, a);
+    cg::this_grid().sync();
+    const int columns = p.num_ranks + p.num_experts;
+    layout_place(p, a, begin, end, layout_smem, reinterpret_cast<uint32_t*>(layout_smem + columns));
     if (kernel_done(p)) notify_block(p, n);
 }
 
