@@ -19,8 +19,8 @@ namespace moe_comm {
 //  1. count: the chunk's hits per column into scratch[b][column] (shared-memory atomics: counts only), its flags
 //     (1 out of range, 2 duplicate expert in a row) into the flags column; the cleaned routing (invalid slots ->
 //     -1) and expert_rank -1 for invalid slots.
-//  2. scan: a warp per column (columns b, b + G, ... for block b): the exclusive prefix over the chunks, in place,
-//     and the column's total into num_tokens_per_rank / num_tokens_per_expert (the flags column: ORed into flags).
+//  2. scan: a group of lanes per column: the exclusive prefix over the chunks, in place, and the column's total into
+//     num_tokens_per_rank / num_tokens_per_expert (the flags column: ORed into flags).
 //  3. place: warp 0 walks the chunk in token order, a token per lane and pass: each lane marks its token's columns
 //     in a shared bit mask per column, so its position in a column is the column's running count (from the
 //     prefix) plus the lanes before it that hit the column.
@@ -84,44 +84,50 @@ __device__ void layout_count(const EpParams& p, const LayoutArgs& a, int64_t beg
 }
 
 __device__ void layout_scan(const EpParams& p, const LayoutArgs& a) {
-    const int columns = p.num_ranks + p.num_experts;
-    const int lane = threadIdx.x % kWarpSize, G = gridDim.x;
-    const int per_lane = (G + kWarpSize - 1) / kWarpSize;  // chunks each lane adds up
-    const int first_warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
-    for (int c = first_warp; c <= columns; c += G * (blockDim.x / kWarpSize)) {
-        int* column = a.scratch + c;  // chunk b's value at column[b * (columns + 1)]
-        const int stride = columns + 1;
+    // A group of `width` lanes per column (a power of two covering the chunks, at most a warp), each lane holding
+    // up to kMaxScanPerLane chunks' counts in registers; groups of a warp take consecutive columns, so every lane
+    // runs the same iterations (the shuffles need the whole warp).
+    constexpr int kMaxScanPerLane = kLayoutThreads / kWarpSize;  // gridDim.x <= kLayoutThreads (the launcher)
+    const int columns = p.num_ranks + p.num_experts, stride = columns + 1, G = gridDim.x;
+    int width = 1;
+    while (width < kWarpSize && width < G) width *= 2;
+    const int per_lane = (G + width - 1) / width;
+    const int lane = threadIdx.x % kWarpSize, sub = lane % width, groups_per_warp = kWarpSize / width;
+    const int warps = blockDim.x / kWarpSize, warp = blockIdx.x * warps + threadIdx.x / kWarpSize;
+    for (int first = warp * groups_per_warp; first <= columns; first += G * warps * groups_per_warp) {
+        const int c = first + lane / width;
+        int v[kMaxScanPerLane];
         int sum = 0, bits = 0;
-        for (int i = 0; i < per_lane; ++i) {
-            const int b = lane * per_lane + i;
-            const int v = b < G ? __ldcg(column + static_cast<int64_t>(b) * stride) : 0;
-            sum += v;
-            bits |= v;
-        }
-        if (c == columns) {  // the flags column
 #pragma unroll
-            for (int o = kWarpSize / 2; o; o /= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
-            if (lane == 0) a.flags[0] = bits;
-            continue;
+        for (int i = 0; i < kMaxScanPerLane; ++i) {
+            const int b = sub * per_lane + i;
+            v[i] = i < per_lane && b < G && c <= columns ? __ldcg(a.scratch + static_cast<int64_t>(b) * stride + c) : 0;
+            sum += v[i];
+            bits |= v[i];
         }
         int inclusive = sum;
 #pragma unroll
         for (int o = 1; o < kWarpSize; o *= 2) {
-            const int up = __shfl_up_sync(0xffffffffu, inclusive, o);
-            if (lane >= o) inclusive += up;
+            const int up = __shfl_up_sync(0xffffffffu, inclusive, o, width);
+            if (o < width && sub >= o) inclusive += up;
+        }
+#pragma unroll
+        for (int o = 1; o < kWarpSize; o *= 2) bits |= o < width ? __shfl_xor_sync(0xffffffffu, bits, o, width) : 0;
+        if (c > columns) continue;
+        if (c == columns) {  // the flags column
+            if (sub == 0) a.flags[0] = bits;
+            continue;
         }
         int running = inclusive - sum;  // exclusive prefix of this lane's first chunk
-        for (int i = 0; i < per_lane; ++i) {
-            const int b = lane * per_lane + i;
-            if (b >= G) break;
-            const int v = __ldcg(column + static_cast<int64_t>(b) * stride);
-            column[static_cast<int64_t>(b) * stride] = running;
-            running += v;
+#pragma unroll
+        for (int i = 0; i < kMaxScanPerLane; ++i) {
+            const int b = sub * per_lane + i;
+            if (i < per_lane && b < G) a.scratch[static_cast<int64_t>(b) * stride + c] = running;
+            running += v[i];
         }
-        const int total = __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
-        if (lane == 0) {
-            if (c < p.num_ranks) a.num_tokens_per_rank[c] = total;
-            else a.num_tokens_per_expert[c - p.num_ranks] = total;
+        if (sub == width - 1) {  // the group's last lane holds the column's total
+            if (c < p.num_ranks) a.num_tokens_per_rank[c] = inclusive;
+            else a.num_tokens_per_expert[c - p.num_ranks] = inclusive;
         }
     }
 }
