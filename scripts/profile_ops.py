@@ -16,8 +16,8 @@ dispatch (BF16 and FP8), a combine and a fresh dispatch's layout kernel at the l
 
 The per-SM copy floor the kernels are measured against is benchmarks/microbench/copy_bench.cu.
 
-    python scripts/profile_ops.py [--num-ranks 2] [--tokens 128 4096] [--iters 50] [--out DIR]
-                                  [--variants unroll=8,send=0.6 ...]
+    python scripts/profile_ops.py [--num-ranks 2] [--tokens 128 4096] [--iters 50] [--out DIR] [--json FILE]
+                                  [--ops-only] [--variants unroll=8,send=0.6 ...]
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
+import sys
 import time
 from collections import defaultdict
 
@@ -35,7 +37,7 @@ import torch
 import moe_comm
 from moe_comm import quant
 from moe_comm.testing import parallel_launch
-from moe_comm.testing.bench import loop_times
+from moe_comm.testing.bench import loop_times, run_metadata
 from moe_comm.testing.routing import Case, rank_inputs
 
 
@@ -238,12 +240,14 @@ def cprofile(fn, iters: int, title: str, top: int = 14) -> str:
     return f"\ncProfile, {title}, {iters} calls:\n{text.getvalue()}"
 
 
-def profile_rank(rank: int, world_size: int, args: dict) -> str:
+def profile_rank(rank: int, world_size: int, args: dict) -> tuple[str, list[dict]]:
+    """The report's text and its rows (`--json`): per token count and op, host and stream us per call and the
+    device us of each kernel."""
     device = torch.device("cuda", rank)
     E, K, hidden = 256, 8, 7168
     cap = max(args["tokens"])
     buf = moe_comm.Buffer(None, num_max_tokens_per_rank=cap, hidden=hidden, num_topk=K, backend="cuda")
-    iters, lines = args["iters"], []
+    iters, lines, rows = args["iters"], [], []
     for num_tokens in args["tokens"]:
         case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
                     num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=cap, drop_prob=0.0)
@@ -258,9 +262,12 @@ def profile_rank(rank: int, world_size: int, args: dict) -> str:
                 fn()
             host, stream = loop_times(fn, iters, device)
             lines.append(f"\n{num_tokens} tokens, {name}: host {host:.1f} us/call, stream {stream:.1f} us/call")
-            for kernel, us in kernel_times(fn, iters).items():
+            kernels = kernel_times(fn, iters)
+            for kernel, us in kernels.items():
                 lines.append(f"    {us:9.1f} us  {100 * us / stream:5.1f}%  {kernel}")
-        if num_tokens == min(args["tokens"]):
+            rows.append({"tokens": num_tokens, "op": name, "host_us": round(host, 2), "stream_us": round(stream, 2),
+                         "kernel_us": {kernel.split("(")[0]: round(us, 2) for kernel, us in kernels.items()}})
+        if num_tokens == min(args["tokens"]) and not args["ops_only"]:
             lines += host_breakdown(buf, x, handle, recv_x, 200)
             for name, fn in ops.items():
                 pieces = host_pieces(buf._impl, fn, iters)
@@ -269,7 +276,7 @@ def profile_rank(rank: int, world_size: int, args: dict) -> str:
             for name, fn in ops.items():
                 lines.append(cprofile(fn, iters, f"{name} at {num_tokens} tokens"))
     buf.destroy()
-    return "\n".join(lines)
+    return "\n".join(lines), rows
 
 
 def main() -> None:
@@ -279,10 +286,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile.txt")
     parser.add_argument("--variants", nargs="*", default=None, help="kernel build variants to compare")
+    parser.add_argument("--json", default=None, help="write the op rows and the run's metadata to this file")
+    parser.add_argument("--ops-only", action="store_true",
+                        help="only the public-API op timings (no host breakdown): runs against an older moe_comm "
+                             "too (PYTHONPATH), for before/after comparisons in one sitting")
     args = parser.parse_args()
-    fn = variants_rank if args.variants else profile_rank
-    report = parallel_launch(args.num_ranks, fn, {"tokens": args.tokens, "iters": args.iters, "variants": args.variants},
-                             backend="nccl", timeout_s=600)[0]
+    options = {"tokens": args.tokens, "iters": args.iters, "variants": args.variants, "ops_only": args.ops_only}
+    if args.variants:
+        report = parallel_launch(args.num_ranks, variants_rank, options, backend="nccl", timeout_s=600)[0]
+    else:
+        report, rows = parallel_launch(args.num_ranks, profile_rank, options, backend="nccl", timeout_s=600)[0]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"metadata": run_metadata(sys.argv), "rows": rows}, f, indent=1)
     print(report)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
