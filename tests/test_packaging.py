@@ -147,9 +147,9 @@ def test_wheel_ships_the_package_and_every_kernel_source(wheel):
     assert kernels and not kernels - shipped, f"package-data globs miss {sorted(kernels - shipped)}"
     assert shipped == package, f"missing {sorted(package - shipped)}, not in the tree {sorted(shipped - package)}"
     assert not [n for n in names if n.split("/")[0] in NOT_SHIPPED]
-    # Only torch at run time (everything else is an extra)
+    # Only torch and ninja (the host extension's build) at run time: everything else is an extra
     runtime = [r for r in requires if "extra ==" not in r]
-    assert [re.match(r"[A-Za-z0-9_.-]+", r).group() for r in runtime] == ["torch"], runtime
+    assert [re.match(r"[A-Za-z0-9_.-]+", r).group() for r in runtime] == ["torch", "ninja"], runtime
 
 
 def test_installed_copy_dispatches_and_combines_on_cpu(venv_python, tmp_path):
