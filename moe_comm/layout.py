@@ -102,12 +102,13 @@ def combine_row(data_bytes: int, weights_per_row: int, weight_bytes: int) -> Row
 
 
 LAYOUT_MIN_CHUNK = 32  # tokens per layout block at least: a pass of the placing warp
+LAYOUT_MAX_BLOCKS = 256  # a column's scan holds at most 8 chunks per lane
 
 
 def layout_blocks(num_tokens: int, num_sms: int) -> int:
     """Blocks of a dispatch's layout kernel: one per SM at most (they meet at grid-wide barriers), each a chunk of
     at least LAYOUT_MIN_CHUNK tokens."""
-    return max(1, min(num_sms, -(-num_tokens // LAYOUT_MIN_CHUNK)))
+    return max(1, min(num_sms, LAYOUT_MAX_BLOCKS, -(-num_tokens // LAYOUT_MIN_CHUNK)))
 
 
 def layout_scratch_ints(num_blocks: int, num_ranks: int, num_experts: int) -> int:
@@ -242,6 +243,7 @@ STRUCTS = {
 CONSTANTS = {  # name in C -> (value, C type)
     "kMaxRanks": (MAX_RANKS, "int"), "kSignatureLen": (SIGNATURE_LEN, "int"),
     "kMaxRoundSlots": (MAX_ROUND_SLOTS, "int"), "kRecvTableLimit": (RECV_TABLE_LIMIT, "int64_t"),
+    "kLayoutMaxBlocks": (LAYOUT_MAX_BLOCKS, "int"),
     "kControlBytes": (CONTROL_BYTES, "int64_t"), "kBarrierFlagsOffset": (BARRIER_FLAGS_OFFSET, "int64_t"),
     "kExchangeFlagsOffset": (EXCHANGE_FLAGS_OFFSET, "int64_t"), "kBarrierSeqOffset": (BARRIER_SEQ_OFFSET, "int64_t"),
     "kExchangeSeqOffset": (EXCHANGE_SEQ_OFFSET, "int64_t"),
@@ -310,6 +312,6 @@ def render_header() -> str:
 
 
 __all__ = ["MAX_RANKS", "SIGNATURE_LEN", "MAX_ROUND_SLOTS", "RECV_TABLE_LIMIT", "CONTROL_BYTES", "SLOT_STRIDE",
-           "TAG_BYTES", "LAYOUT_MIN_CHUNK", "RowFormat", "dispatch_row", "combine_row", "layout_blocks",
+           "TAG_BYTES", "LAYOUT_MIN_CHUNK", "LAYOUT_MAX_BLOCKS", "RowFormat", "dispatch_row", "combine_row", "layout_blocks",
            "layout_scratch_ints", "summary_len", "recv_table_bytes", "STRUCTS", "CTYPES_STRUCTS", "abi_table",
            "render_header"]

@@ -236,3 +236,10 @@ def test_host_extension_raises_the_launchers_message(kernels):
         kernels.launcher.layout(ctypes.addressof(params), 0, 0, torch.zeros(5, 3, dtype=torch.int64), [1, 2], 0)
     with pytest.raises(ValueError, match="a launcher address is 0"):
         cuda_kernels.host_extension().Launcher(0, 0, 0, 0)
+
+
+def test_host_extension_builds_again_in_one_process(kernels):
+    """A second build in one process (the fixture built one) still produces `moe_comm_host.so` in its cache folder
+    (torch's extension versioner would name it `moe_comm_host_v1`, which no later process looks for): the build
+    raises if its product is missing."""
+    assert cuda_kernels.extension_check() > 0

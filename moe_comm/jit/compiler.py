@@ -305,6 +305,8 @@ def build_once(root: Path, folder_name: str, product: str, compile_into, timeout
         start = time.monotonic()
         try:
             result = compile_into(tmp)
+            if not (tmp / product).is_file():
+                raise RuntimeError(f"the build of {folder_name} finished without {product} in {tmp}")
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -94,6 +94,9 @@ def _compile(name: str, sources, include_dirs, generated, folder: Path) -> Modul
         path = folder / "gen" / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    # cpp_extension renames a second build of the same name in one process (`<name>_v1`, keyed by the build folder,
+    # which is a fresh temp folder each time): the module would not be found under its name in the cache.
+    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
     return cpp_extension.load(name, [str(s) for s in sources], extra_cflags=["-O2"],
                               extra_include_paths=[str(folder / "gen"), *map(str, include_dirs)],
                               build_directory=str(folder), with_cuda=False, verbose=False)

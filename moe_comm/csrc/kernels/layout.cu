@@ -25,8 +25,8 @@ extern "C" int moe_comm_layout(const EpParams* p, const LayoutArgs* a, const Not
     MOE_COMM_REQUIRE(p->num_experts % p->num_ranks == 0 && p->num_local_experts == p->num_experts / p->num_ranks,
                      "num_experts=%d, num_ranks=%d, num_local_experts=%d", p->num_experts, p->num_ranks,
                      p->num_local_experts);
-    MOE_COMM_REQUIRE(a->num_blocks >= 1 && a->num_blocks <= kLayoutThreads && a->scratch != nullptr,
-                     "num_blocks=%d (at most %d), scratch=%p", a->num_blocks, kLayoutThreads,
+    MOE_COMM_REQUIRE(a->num_blocks >= 1 && a->num_blocks <= kLayoutMaxBlocks && a->scratch != nullptr,
+                     "num_blocks=%d (at most %d), scratch=%p", a->num_blocks, kLayoutMaxBlocks,
                      static_cast<void*>(a->scratch));
     // Shared memory: a count per column (ranks, experts, flags), then a running count and a hit mask per column.
     const int64_t smem_bytes = 8 * static_cast<int64_t>(p->num_ranks + p->num_experts + 1);

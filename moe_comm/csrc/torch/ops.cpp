@@ -62,6 +62,10 @@ public:
                      const std::vector<int64_t>& offsets, uintptr_t stream) const {
         check_offsets(offsets);
         const EpParams* p = at_address<const EpParams>(params);
+        require(topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
+                    topk_idx.numel() == p->num_tokens * p->num_topk,
+                "topk_idx must be contiguous int64 of num_tokens x num_topk = " +
+                    std::to_string(p->num_tokens * p->num_topk) + " values");
         at::Tensor workspace = at::empty({offsets[kWorkspaceLength]}, topk_idx.options());
         int64_t* base = workspace.data_ptr<int64_t>();
         int64_t* counts = base + offsets[kCounts];  // rows per rank [R], rows per expert [E], error flags [1]
@@ -79,7 +83,7 @@ public:
         n->num_tokens_per_expert = a->num_tokens_per_expert;
         n->flags = a->flags;
         n->recv_slots = base + offsets[kRecvSlots];
-        check(layout_(p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
+        check(released(layout_, p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
         return py::make_tuple(workspace, workspace.narrow(0, 0, p->num_tokens * p->num_topk)
                                              .view({p->num_tokens, p->num_topk}));
     }
@@ -93,6 +97,7 @@ public:
                        const std::vector<int64_t>& offsets, int64_t num_rows, int64_t num_expand_rows,
                        bool do_expand, int num_blocks, uintptr_t stream) const {
         check_offsets(offsets);
+        require(workspace.numel() >= offsets[kWorkspaceLength], "workspace shorter than its offsets");
         const EpParams* p = at_address<const EpParams>(params);
         const int64_t M = num_rows, P = num_expand_rows, K = p->num_topk, R = p->num_ranks;
         const int64_t L = p->num_local_experts;
@@ -126,7 +131,7 @@ public:
         out->num_rows = M;
         out->num_expand_rows = P;
         out->do_expand = do_expand ? 1 : 0;
-        check(dispatch_(p, in, out, num_blocks, 0, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        check(released(dispatch_, p, in, out, num_blocks, 0, reinterpret_cast<Stream>(stream)), p, "dispatch");
         return py::make_tuple(x, or_none(out_scales), routing.narrow(0, 0, M * K).view({M, K}),
                               routing.narrow(0, M * K, M), routing.narrow(0, M * K + M, R),
                               routing.narrow(0, M * K + M + R, L), or_none(out_weights));
@@ -146,7 +151,7 @@ public:
         auto* out = at_address<RecvOutputs>(outputs);
         out->x = bytes_of(x);
         out->scales = bytes_of(out_scales);
-        check(dispatch_(p, in, out, num_blocks, 1, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        check(released(dispatch_, p, in, out, num_blocks, 1, reinterpret_cast<Stream>(stream)), p, "dispatch");
         return py::make_tuple(x, or_none(out_scales));
     }
 
@@ -180,17 +185,26 @@ public:
                 a->first_round = r == 0;
                 a->last_round = r == num_rounds - 1;
             }
-            check(combine_(p, a, dtype, num_blocks, reinterpret_cast<Stream>(stream)), p, "combine");
+            check(released(combine_, p, a, dtype, num_blocks, reinterpret_cast<Stream>(stream)), p, "combine");
         }
         return py::make_tuple(combined, or_none(combined_weights));
     }
 
 private:
+    // A launcher call without the GIL: a launch may block (a full launch queue), other Python threads go on.
+    template <typename Fn, typename... Args>
+    static int released(Fn fn, Args... args) {
+        py::gil_scoped_release no_gil;
+        return fn(args...);
+    }
+
+    static void require(bool condition, const std::string& what) {
+        if (!condition) throw std::invalid_argument(what);
+    }
+
     static void check_offsets(const std::vector<int64_t>& offsets) {
-        if (offsets.size() != kNumOffsets) {
-            throw std::invalid_argument("workspace offsets: " + std::to_string(offsets.size()) + " values, expected " +
-                                        std::to_string(kNumOffsets));
-        }
+        require(offsets.size() == kNumOffsets, "workspace offsets: " + std::to_string(offsets.size()) +
+                                                   " values, expected " + std::to_string(kNumOffsets));
     }
 
     // A launcher's failure as a RuntimeError with its own message (the condition and values, or the CUDA error).

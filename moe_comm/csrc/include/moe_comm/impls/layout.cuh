@@ -87,7 +87,7 @@ __device__ void layout_scan(const EpParams& p, const LayoutArgs& a) {
     // A group of `width` lanes per column (a power of two covering the chunks, at most a warp), each lane holding
     // up to kMaxScanPerLane chunks' counts in registers; groups of a warp take consecutive columns, so every lane
     // runs the same iterations (the shuffles need the whole warp).
-    constexpr int kMaxScanPerLane = kLayoutThreads / kWarpSize;  // gridDim.x <= kLayoutThreads (the launcher)
+    constexpr int kMaxScanPerLane = kLayoutMaxBlocks / kWarpSize;  // gridDim.x <= kLayoutMaxBlocks (the launcher)
     const int columns = p.num_ranks + p.num_experts, stride = columns + 1, G = gridDim.x;
     int width = 1;
     while (width < kWarpSize && width < G) width *= 2;
