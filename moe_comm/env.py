@@ -35,8 +35,8 @@ VARIABLES = {
         Variable("MOE_COMM_TEST_TIMEOUT", "float", 60.0,
                  "Collective timeout in seconds for the test launcher's process groups."),
         Variable("MOE_COMM_JIT_CACHE_DIR", "str", "~/.cache/moe_comm",
-                 "Root of the on-disk cache of JIT-built kernel libraries (one `<name>-<hash16>/` folder "
-                 "per build, plus its `.lock` file); `~` is expanded."),
+                 "Root of the on-disk cache of JIT-built kernel libraries and the host extension (one "
+                 "`<name>-<hash16>/` folder per build, plus its `.lock` file); `~` is expanded."),
         Variable("MOE_COMM_JIT_VERBOSE", "bool", False,
                  "Print one line to stderr per JIT build (with its seconds) or cache hit."),
         Variable("MOE_COMM_RANKS_PER_NODE", "int", None,
