@@ -36,7 +36,7 @@ from __future__ import annotations
 import ctypes
 import socket
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -143,6 +143,7 @@ class _Plan:
     num_expand_rows: int = 0
     num_slots: int = 1
     num_rounds: int = 1
+    addresses: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.addresses = tuple(ctypes.addressof(s) for s in self.structs)
