@@ -306,6 +306,8 @@ def backend_choice_rank(rank: int, world_size: int, broken: dict) -> object:
     def load_kernels(flags=()):
         if broken.get("kernels") == rank:
             raise RuntimeError("nvcc not found; searched $CUDA_HOME/bin/nvcc\nmore lines")
+        if broken.get("extension") == rank:  # the host extension built but does not import
+            raise ImportError("moe_comm_host.so: undefined symbol: _ZN3c10")
 
     peer = lambda a, b: broken.get("peer") != rank  # noqa: E731
     with mock.patch("torch.cuda.is_available", lambda: True), mock.patch("torch.cuda.current_device", lambda: 0), \
@@ -319,6 +321,8 @@ def test_backend_choice_is_the_same_on_every_rank(pools):
     verdicts = pools(2).run(backend_choice_rank, {"kernels": 1})
     assert verdicts[0] == verdicts[1], verdicts
     assert verdicts[0] == "rank 1: the kernels cannot be built or loaded (nvcc not found; searched $CUDA_HOME/bin/nvcc)"
+    verdicts = pools(2).run(backend_choice_rank, {"extension": 0})
+    assert verdicts == ["rank 0: the kernels cannot be built or loaded (moe_comm_host.so: undefined symbol: _ZN3c10)"] * 2
     verdicts = pools(2).run(backend_choice_rank, {"peer": 0, "kernels": 0})
     assert verdicts[0] == verdicts[1] == "rank 0: GPU 0 has no peer access to GPU(s) [1]", verdicts
 

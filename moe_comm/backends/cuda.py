@@ -169,7 +169,7 @@ def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None
     if not reasons:
         try:
             load_kernels((tuning or CudaTuning()).kernel_flags)
-        except (RuntimeError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError, ValueError, ImportError) as exc:  # ImportError: the host extension
             reasons.append(f"the kernels cannot be built or loaded ({str(exc).splitlines()[0]})")
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (socket.gethostname(), reasons), group=group)
