@@ -33,9 +33,10 @@ MAX_TIMEOUT_SECS = 7 * 24 * 3600  # a week: beyond it a timeout is a hang (and t
 FP8Tuple = tuple[torch.Tensor, torch.Tensor]
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, ~1 us per call of host time here.
+@dataclass(slots=True)
 class DispatchCall:
-    """A validated dispatch, as the backends receive it."""
+    """A validated dispatch, as the backends receive it (read-only by convention)."""
 
     x: Optional[torch.Tensor]          # [N, H] bf16/fp32/fp64, None for a pre-quantized tuple
     fp8_q: Optional[torch.Tensor]      # [N, H] float8_e4m3fn of a pre-quantized tuple
@@ -71,9 +72,9 @@ class DispatchCall:
             int(self.do_expand), self.expert_alignment, int(self.do_cpu_sync)])
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CombineCall:
-    """A validated combine, as the backends receive it."""
+    """A validated combine, as the backends receive it (read-only by convention)."""
 
     x: torch.Tensor                    # [P, H]
     handle: EPHandle
@@ -554,8 +555,9 @@ class Buffer:
             raise ValueError(f"expert_alignment={expert_alignment} exceeds {MAX_EXPERT_ALIGNMENT} (every expert "
                              f"block is padded up to it; grouped GEMMs ask for 16 to 256)")
         self._check_fits(num_max_tokens_per_rank, hidden, num_topk, elem_size, wire_format is not None)
-        if num_sms == 0:
-            num_sms = handle.num_sms if handle is not None else self.get_theoretical_num_sms(num_experts, num_topk)
+        if num_sms == 0:  # (the cache first: get_theoretical_num_sms checks its arguments again)
+            num_sms = handle.num_sms if handle is not None else \
+                self._num_sms_cache.get((num_experts, num_topk)) or self.get_theoretical_num_sms(num_experts, num_topk)
         return DispatchCall(
             x=x, fp8_q=fp8_q, fp8_scales=fp8_scales, wire_format=wire_format, quantize=quantize,
             dequantize=dequantize, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
