@@ -243,3 +243,15 @@ def test_host_extension_builds_again_in_one_process(kernels):
     (torch's extension versioner would name it `moe_comm_host_v1`, which no later process looks for): the build
     raises if its product is missing."""
     assert cuda_kernels.extension_check() > 0
+
+
+def test_host_extension_builds_with_the_ninja_package(kernels, monkeypatch):
+    """Without a ninja on PATH the build takes the pip package's binary (a dependency of moe_comm)."""
+    import ninja
+
+    from moe_comm.jit import extension
+
+    monkeypatch.setattr(extension.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored afterwards: the build prepends to it
+    assert cuda_kernels.extension_check() > 0
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
