@@ -81,13 +81,15 @@ def host_extension() -> ModuleType:
 
 
 class Kernels:
-    """The loaded kernel library with typed functions.
+    """The loaded kernel library with typed functions, and `launcher`, the host extension bound to its launchers.
 
     Arguments:
         flags: extra nvcc flags (build variants, e.g. `-DMOE_COMM_COPY_UNROLL=4`); each set is its own build.
 
     Raises:
-        RuntimeError: nvcc is missing or failed, or a struct's layout differs between ctypes and the compiler.
+        RuntimeError: nvcc, ninja or the C++ compiler is missing or failed, or a struct's layout differs between
+            ctypes and the compiler.
+        ImportError: the host extension built but does not load.
     """
 
     def __init__(self, flags: Sequence[str] = ()) -> None:
