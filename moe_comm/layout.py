@@ -116,6 +116,26 @@ def layout_scratch_ints(num_blocks: int, num_ranks: int, num_experts: int) -> in
     return num_blocks * (num_ranks + num_experts + 1)
 
 
+# A fresh dispatch's int64 workspace (moe_comm.backends.cuda.CudaLayout): its clean topk_idx [N, K] at 0, then these
+# pieces in this order; `workspace_offsets` gives each one's element offset, then the total length. The host extension
+# reads them at the indices kWorkspace<Piece> (generated below), kWorkspaceLength is the total's index.
+WORKSPACE_PIECES = ("send_pos", "counts", "recv_slots", "expert_rank", "expand_row", "layout_scratch")
+
+
+def workspace_offsets(num_tokens: int, num_topk: int, num_ranks: int, num_experts: int, cap: int,
+                      do_expand: bool, layout_blocks: int) -> tuple[int, ...]:
+    """Element offsets of WORKSPACE_PIECES, then the workspace's length: send_pos `[N, R]` int64, counts `[R + E + 1]`
+    int64, recv_slots `[R, SLOT_STRIDE]` int64, expert_rank `[N, K]` int32, expand_row `[R * cap, K]` int32 (expand
+    only), the layout kernel's scratch (`layout_scratch_ints` int32)."""
+    N, K, R = num_tokens, num_topk, num_ranks
+    sizes = (N * K, N * R, R + num_experts + 1, R * SLOT_STRIDE, -(-N * K // 2), -(-R * cap * K // 2) * do_expand,
+             -(-layout_scratch_ints(layout_blocks, R, num_experts) // 2))
+    offsets = [sizes[0]]
+    for size in sizes[1:]:
+        offsets.append(offsets[-1] + size)
+    return tuple(offsets)
+
+
 def summary_len(num_ranks: int, num_local_experts: int) -> int:
     """int64 values of the notify summary: per source [rows, flags], pending flags per source, rows in all, rows per
     local expert."""
@@ -244,6 +264,8 @@ CONSTANTS = {  # name in C -> (value, C type)
     "kMaxRanks": (MAX_RANKS, "int"), "kSignatureLen": (SIGNATURE_LEN, "int"),
     "kMaxRoundSlots": (MAX_ROUND_SLOTS, "int"), "kRecvTableLimit": (RECV_TABLE_LIMIT, "int64_t"),
     "kLayoutMaxBlocks": (LAYOUT_MAX_BLOCKS, "int"),
+    **{"kWorkspace" + piece.title().replace("_", ""): (i, "int") for i, piece in enumerate(WORKSPACE_PIECES)},
+    "kWorkspaceLength": (len(WORKSPACE_PIECES), "int"),
     "kControlBytes": (CONTROL_BYTES, "int64_t"), "kBarrierFlagsOffset": (BARRIER_FLAGS_OFFSET, "int64_t"),
     "kExchangeFlagsOffset": (EXCHANGE_FLAGS_OFFSET, "int64_t"), "kBarrierSeqOffset": (BARRIER_SEQ_OFFSET, "int64_t"),
     "kExchangeSeqOffset": (EXCHANGE_SEQ_OFFSET, "int64_t"),
@@ -312,6 +334,6 @@ def render_header() -> str:
 
 
 __all__ = ["MAX_RANKS", "SIGNATURE_LEN", "MAX_ROUND_SLOTS", "RECV_TABLE_LIMIT", "CONTROL_BYTES", "SLOT_STRIDE",
-           "TAG_BYTES", "LAYOUT_MIN_CHUNK", "LAYOUT_MAX_BLOCKS", "RowFormat", "dispatch_row", "combine_row", "layout_blocks",
-           "layout_scratch_ints", "summary_len", "recv_table_bytes", "STRUCTS", "CTYPES_STRUCTS", "abi_table",
-           "render_header"]
+           "TAG_BYTES", "LAYOUT_MIN_CHUNK", "LAYOUT_MAX_BLOCKS", "RowFormat", "dispatch_row", "combine_row",
+           "layout_blocks", "layout_scratch_ints", "WORKSPACE_PIECES", "workspace_offsets", "summary_len",
+           "recv_table_bytes", "STRUCTS", "CTYPES_STRUCTS", "abi_table", "render_header"]

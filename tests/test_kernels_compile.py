@@ -127,13 +127,11 @@ def _params(**fields) -> layout.EpParams:
 def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(kernels):
     """The layout launch gets the workspace pieces at `workspace_offsets`; the dispatch launch gets outputs of the
     right shapes and dtypes (FP8 rows stay FP8, routing outputs are views of one int64 allocation)."""
-    from moe_comm.backends.cuda import workspace_offsets
-
     fake = FakeLaunchers()
     launcher = fake.launcher()
     N, K, R, E, L, H, cap = 5, 3, 2, 8, 4, 256, 6
     params = _params()
-    offsets = workspace_offsets(N, K, R, E, cap, True, 3)
+    offsets = layout.workspace_offsets(N, K, R, E, cap, True, 3)
     args, notify = layout.LayoutArgs(), layout.NotifyArgs(pending_flags=64, summary=128, exchange_phase=1)
     topk_idx = torch.zeros(N, K, dtype=torch.int64)
     workspace, clean_idx = launcher.layout(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify),

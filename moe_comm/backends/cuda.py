@@ -83,45 +83,27 @@ def num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool, frac
     return max(1, min(num_sms - 1, round(num_sms * fraction)))
 
 
-def workspace_offsets(num_tokens: int, num_topk: int, num_ranks: int, num_experts: int, cap: int,
-                      do_expand: bool, layout_blocks: int) -> tuple[int, ...]:
-    """Element offsets of the pieces of a fresh dispatch's int64 workspace (`CudaLayout`) after its clean topk_idx
-    `[N, K]` at 0: send_pos, counts, recv_slots, expert_rank, expand_row, the layout kernel's scratch, then the
-    total length (the host extension's WorkspaceOffset order)."""
-    N, K, R = num_tokens, num_topk, num_ranks
-    sizes = (N * K, N * R, R + num_experts + 1, R * lay.SLOT_STRIDE, -(-N * K // 2), -(-R * cap * K // 2) * do_expand,
-             -(-lay.layout_scratch_ints(layout_blocks, R, num_experts) // 2))
-    offsets = [sizes[0]]
-    for size in sizes[1:]:
-        offsets.append(offsets[-1] + size)
-    return tuple(offsets)
-
-
-SEND_POS, COUNTS, RECV_SLOTS, EXPERT_RANK, EXPAND_ROW = range(5)  # indices into the offsets
-
-
 @dataclass(eq=False)
 class CudaLayout:
     """Routing state of a CUDA dispatch, kept in `EPHandle.layout` (private to the backend).
 
     workspace: one int64 device allocation holding the handle's `topk_idx` `[N, K]`, then at `offsets`
-        (`workspace_offsets`): send_pos `[N, R]` int64 (row of each token inside its destination block, -1 if not
-        sent there), counts `[R + E + 1]` int64 (rows per destination rank, rows per expert, error flags),
-        recv_slots `[R, SLOT_STRIDE]` int64 (copy of the control slots this dispatch received, for the receivers of
-        cached dispatches), expert_rank `[N, K]` int32 (tokens before this one that chose the slot's expert),
-        expand_row `[M, K]` int32 (expand only: output row of each (received row, slot)), the layout kernel's scratch
-    (`moe_comm.layout.layout_scratch_ints`, ~130 KB at 132 blocks and 256 experts; used by that kernel only).
+        (`moe_comm.layout.workspace_offsets`): send_pos (row of each token inside its destination block, -1 if not
+        sent there), counts (rows per destination rank, rows per expert, error flags), recv_slots (copy of the
+        control slots this dispatch received, for the receivers of cached dispatches), expert_rank (tokens before
+        this one that chose the slot's expert), expand_row (expand only: output row of each (received row, slot)),
+        the layout kernel's scratch (~130 KB at 132 blocks and 256 experts; used by that kernel only).
     """
 
     workspace: torch.Tensor
     offsets: tuple[int, ...]
     do_expand: bool
 
-    def pointer(self, piece: int) -> int:
-        """Device address of a piece (`SEND_POS`, ...); 0 for expand_row without expand."""
-        if piece == EXPAND_ROW and not self.do_expand:
+    def pointer(self, piece: str) -> int:
+        """Device address of a piece (`moe_comm.layout.WORKSPACE_PIECES`); 0 for expand_row without expand."""
+        if piece == "expand_row" and not self.do_expand:
             return 0
-        return self.workspace.data_ptr() + 8 * self.offsets[piece]
+        return self.workspace.data_ptr() + 8 * self.offsets[lay.WORKSPACE_PIECES.index(piece)]
 
 
 @dataclass(eq=False)
@@ -132,7 +114,7 @@ class _Plan:
     structs: EpParams, then the operation's other structs in the launcher's order (fresh dispatch: LayoutArgs,
         NotifyArgs, DispatchInputs, RecvOutputs; cached dispatch: DispatchInputs, RecvOutputs; combine: CombineArgs).
     addresses: their `ctypes.addressof`, in the same order.
-    offsets: a fresh dispatch's workspace offsets (`workspace_offsets`).
+    offsets: a fresh dispatch's workspace offsets (`moe_comm.layout.workspace_offsets`).
     num_rows, num_expand_rows: a fresh dispatch's worst-case M and P (without CPU sync).
     num_slots, num_rounds: an expand combine's slots per round and rounds (1 and 1 otherwise).
     """
@@ -402,7 +384,7 @@ class CudaBackend(Backend):
         P = M * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
         blocks = lay.layout_blocks(N, self.num_device_sms)
         return _Plan((params, lay.LayoutArgs(num_blocks=blocks), notify, lay.DispatchInputs(), lay.RecvOutputs()),
-                     offsets=workspace_offsets(N, K, R, E, cap, c.do_expand, blocks), num_rows=M,
+                     offsets=lay.workspace_offsets(N, K, R, E, cap, c.do_expand, blocks), num_rows=M,
                      num_expand_rows=P)
 
     def _fresh_dispatch(self, c):
@@ -454,9 +436,9 @@ class CudaBackend(Backend):
         plan = plans.get(key)
         if plan is None:
             params = self._dispatch_params(c, handle.num_tokens, handle.num_topk, 0, c.signature())
-            inputs = lay.DispatchInputs(clean_idx=handle.topk_idx.data_ptr(), send_pos=layout.pointer(SEND_POS),
-                                        expert_rank=layout.pointer(EXPERT_RANK))
-            outputs = lay.RecvOutputs(counts=layout.pointer(RECV_SLOTS), expand_row=layout.pointer(EXPAND_ROW),
+            inputs = lay.DispatchInputs(clean_idx=handle.topk_idx.data_ptr(), send_pos=layout.pointer("send_pos"),
+                                        expert_rank=layout.pointer("expert_rank"))
+            outputs = lay.RecvOutputs(counts=layout.pointer("recv_slots"), expand_row=layout.pointer("expand_row"),
                                       num_rows=handle.recv_src_idx.shape[0], num_expand_rows=handle.num_recv_rows,
                                       do_expand=int(handle.do_expand))
             plan = plans[key] = _Plan((params, inputs, outputs))
@@ -521,11 +503,11 @@ class CudaBackend(Backend):
         params = self._params(handle.num_tokens, cap, handle.num_experts, K, row, data_bytes, 0, wb, 1, num_send,
                               "combine", rows_per_token=num_slots, signature=c.signature())
         args = lay.CombineArgs(
-            psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.pointer(EXPAND_ROW),
-            send_pos=layout.pointer(SEND_POS), clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
+            psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.pointer("expand_row"),
+            send_pos=layout.pointer("send_pos"), clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
             num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots, slot_begin=0,
             slot_end=min(K, num_slots), first_round=1, last_round=int(num_slots >= K or not handle.do_expand))
         return _Plan((params, args), num_slots=num_slots, num_rounds=-(-K // num_slots) if handle.do_expand else 1)
 
 
-__all__ = ["CudaBackend", "CudaLayout", "CudaTuning", "num_send_blocks", "why_not_usable", "workspace_offsets"]
+__all__ = ["CudaBackend", "CudaLayout", "CudaTuning", "num_send_blocks", "why_not_usable"]

@@ -32,11 +32,9 @@ using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, Stream)
 using LastErrorFn = const char* (*)();
 using OptionalTensor = std::optional<at::Tensor>;
 
-// Element offsets inside a fresh dispatch's int64 workspace (moe_comm.backends.cuda.workspace_offsets): the clean
-// topk_idx at 0, then these, then the total length.
-enum WorkspaceOffset {
-    kSendPos, kCounts, kRecvSlots, kExpertRank, kExpandRow, kLayoutScratch, kWorkspaceLength, kNumOffsets
-};
+// A fresh dispatch's workspace offsets (moe_comm.layout.workspace_offsets): element offsets of its pieces at the
+// indices kWorkspaceSendPos ... kWorkspaceLayoutScratch, the total length at kWorkspaceLength (moe_comm/abi.h).
+constexpr size_t kNumOffsets = kWorkspaceLength + 1;
 
 template <typename T>
 T* at_address(uintptr_t address) {
@@ -57,7 +55,7 @@ public:
           combine_(reinterpret_cast<CombineFn>(combine)),
           last_error_(reinterpret_cast<LastErrorFn>(last_error)) {}
 
-    // A fresh dispatch's first launch: the routing workspace (`offsets`: WorkspaceOffset), then the layout kernel,
+    // A fresh dispatch's first launch: the routing workspace (`offsets`: workspace_offsets), then the layout kernel,
     // whose last block runs the notify. Returns (workspace, clean topk_idx [N, K], a view at its start).
     py::tuple layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
                      const std::vector<int64_t>& offsets, uintptr_t stream) const {
@@ -69,21 +67,21 @@ public:
                     std::to_string(p->num_tokens * p->num_topk) + " values");
         at::Tensor workspace = at::empty({offsets[kWorkspaceLength]}, topk_idx.options());
         int64_t* base = workspace.data_ptr<int64_t>();
-        int64_t* counts = base + offsets[kCounts];  // rows per rank [R], rows per expert [E], error flags [1]
+        int64_t* counts = base + offsets[kWorkspaceCounts];  // rows per rank [R], rows per expert [E], error flags [1]
         auto* a = at_address<LayoutArgs>(args);
         a->topk_idx = topk_idx.data_ptr<int64_t>();
         a->clean_idx = base;
-        a->send_pos = base + offsets[kSendPos];
-        a->expert_rank = reinterpret_cast<int32_t*>(base + offsets[kExpertRank]);
+        a->send_pos = base + offsets[kWorkspaceSendPos];
+        a->expert_rank = reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpertRank]);
         a->num_tokens_per_rank = counts;
         a->num_tokens_per_expert = counts + p->num_ranks;
         a->flags = counts + p->num_ranks + p->num_experts;
-        a->scratch = reinterpret_cast<int32_t*>(base + offsets[kLayoutScratch]);
+        a->scratch = reinterpret_cast<int32_t*>(base + offsets[kWorkspaceLayoutScratch]);
         auto* n = at_address<NotifyArgs>(notify);
         n->num_tokens_per_rank = a->num_tokens_per_rank;
         n->num_tokens_per_expert = a->num_tokens_per_expert;
         n->flags = a->flags;
-        n->recv_slots = base + offsets[kRecvSlots];
+        n->recv_slots = base + offsets[kWorkspaceRecvSlots];
         check(released(layout_, p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
         return py::make_tuple(workspace, workspace.narrow(0, 0, p->num_tokens * p->num_topk)
                                              .view({p->num_tokens, p->num_topk}));
@@ -117,16 +115,16 @@ public:
         in->scales = bytes_of(scales);
         in->clean_idx = base;
         in->weights = bytes_of(weights);
-        in->send_pos = base + offsets[kSendPos];
-        in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kExpertRank]);
+        in->send_pos = base + offsets[kWorkspaceSendPos];
+        in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kWorkspaceExpertRank]);
         auto* out = at_address<RecvOutputs>(outputs);
-        out->counts = base + offsets[kRecvSlots];
+        out->counts = base + offsets[kWorkspaceRecvSlots];
         out->x = bytes_of(x);
         out->scales = bytes_of(out_scales);
         out->topk_idx = recv;
         out->weights = bytes_of(out_weights);
         out->src_idx = recv + M * K;
-        out->expand_row = do_expand ? reinterpret_cast<int32_t*>(base + offsets[kExpandRow]) : nullptr;
+        out->expand_row = do_expand ? reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpandRow]) : nullptr;
         out->psum_rank = recv + M * K + M;
         out->psum_expert = recv + M * K + M + R;
         out->num_rows = M;
