@@ -330,6 +330,10 @@ class Buffer:
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
         """SMs that saturate the bottleneck link for this routing (`moe_comm.sizing`, DESIGN 2.4)."""
         _check_int(1, num_experts=num_experts, num_topk=num_topk)
+        return self._num_sms(num_experts, num_topk)
+
+    def _num_sms(self, num_experts: int, num_topk: int) -> int:
+        """`get_theoretical_num_sms` of checked arguments (a dispatch checked them already)."""
         key = (num_experts, num_topk)
         if key not in self._num_sms_cache:  # the model costs tens of us: once per routing shape
             self._num_sms_cache[key] = sizing.get_num_sms(self.topology, num_experts, num_topk)
@@ -555,9 +559,8 @@ class Buffer:
             raise ValueError(f"expert_alignment={expert_alignment} exceeds {MAX_EXPERT_ALIGNMENT} (every expert "
                              f"block is padded up to it; grouped GEMMs ask for 16 to 256)")
         self._check_fits(num_max_tokens_per_rank, hidden, num_topk, elem_size, wire_format is not None)
-        if num_sms == 0:  # (the cache first: get_theoretical_num_sms checks its arguments again)
-            num_sms = handle.num_sms if handle is not None else \
-                self._num_sms_cache.get((num_experts, num_topk)) or self.get_theoretical_num_sms(num_experts, num_topk)
+        if num_sms == 0:
+            num_sms = handle.num_sms if handle is not None else self._num_sms(num_experts, num_topk)
         return DispatchCall(
             x=x, fp8_q=fp8_q, fp8_scales=fp8_scales, wire_format=wire_format, quantize=quantize,
             dequantize=dequantize, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
