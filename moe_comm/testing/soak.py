@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
-import os
 import random
 import time
 from typing import Callable, Optional
@@ -44,6 +43,7 @@ import torch
 import moe_comm
 from .. import quant
 from .checks import assert_same
+from .memory import host_rss_bytes
 from .routing import DTYPES, Case, rank_bias, rank_inputs
 
 PATHS = ("dispatch", "dispatch no-sync", "expand", "cached", "fp8_block128", "mxfp8", "combine")
@@ -459,8 +459,7 @@ def memory_now(device: torch.device) -> tuple[int, Optional[int]]:
     trim."""
     gc.collect()
     _trim_host_heap()
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss = host_rss_bytes()
     if device.type != "cuda":
         return rss, None
     torch.cuda.synchronize(device)
