@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from ..handle import EPHandle
 from .torch_ref import (ReceivedCounts, TorchRefBackend, _block_of_rows, _block_starts, _compact_rows,
-                        _exclusive_cumsum, _meta_fields, _pack_blocks, _RowCodec, _select_weights, _sum_terms)
+                        _exclusive_cumsum, _meta_fields, _pack_blocks, _rows_in_blocks, _RowCodec, _select_weights,
+                        _sum_terms)
 
 
 @dataclass(frozen=True)
@@ -101,16 +102,10 @@ def _local_major_regions(sizes: Sequence[int], S: int, U: int, device: torch.dev
     """A scale-up buffer: one block per local index u, holding one region per host h in ascending order; region
     (h, u) has `sizes[h * U + u]` rows. Returns `(start_SU, block_splits, region_splits)`: the first row of each
     region (`[S * U]`, indexed `h * U + u`), rows per block (`[U]`) and region sizes in buffer order."""
-    order = [h * U + u for u in range(U) for h in range(S)]
-    region_splits = [sizes[q] for q in order]
+    region_splits = [sizes[h * U + u] for u in range(U) for h in range(S)]
     block_splits = [sum(region_splits[u * S:(u + 1) * S]) for u in range(U)]
-    if len(set(sizes)) <= 1:  # equal regions (no CPU sync): no host-to-device copy
-        q = torch.arange(S * U, dtype=torch.int64, device=device)
-        return ((q % U) * S + q // U) * (sizes[0] if sizes else 0), block_splits, region_splits
-    start = [0] * (S * U)
-    for q, offset in zip(order, _exclusive_cumsum(region_splits)):
-        start[q] = offset
-    return torch.tensor(start, dtype=torch.int64, device=device), block_splits, region_splits
+    q = torch.arange(S * U, dtype=torch.int64, device=device)
+    return _block_starts(region_splits, device)[(q % U) * S + q // U], block_splits, region_splits
 
 
 def _rank_in_blocks(mask_FT: torch.Tensor, first_row_F: torch.Tensor, per_column: bool) -> torch.Tensor:
@@ -123,18 +118,6 @@ def _rank_in_blocks(mask_FT: torch.Tensor, first_row_F: torch.Tensor, per_column
     flat = m.flatten()
     before = (flat.cumsum(0) - flat).view_as(m)
     return before - before[first_row_F, :1]
-
-
-def _term_rows(host_NT: torch.Tensor, num_hosts: int, splits: Sequence[int]) -> torch.Tensor:
-    """Row of each term (`host_NT`: the host it comes back from, -1: none) in the source's receive buffer of the
-    unreduced combine: the block of its host, then (token, term) row-major order among that host's terms."""
-    hosts = torch.arange(num_hosts, device=host_NT.device)[:, None, None]
-    onehot = (host_NT[None] == hosts).long()
-    flat = onehot.flatten(1)
-    before = (flat.cumsum(1) - flat).view_as(onehot)
-    host = host_NT.clamp(min=0)
-    rows = _block_starts(splits, host_NT.device)[host] + before.gather(0, host[None])[0]
-    return torch.where(host_NT >= 0, rows, -1)
 
 
 def _copy_rows(src: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -293,7 +276,7 @@ class HybridRefBackend(TorchRefBackend):
             layout.update(fwd_term_rail_pos_FT=torch.where(
                 has_FT, term_start_F[:, None] + _rank_in_blocks(has_FT, first_row_F, False), -1),
                 term_rail_send_splits=fwd_terms, term_rail_recv_splits=own_terms,
-                term_pos_NT=_term_rows(host_NT, S, own_terms))
+                term_pos_NT=_rows_in_blocks(host_NT, S, own_terms))
         handle = self._new_handle(c, route, rows, counts, aligned_list, HybridLayout(**layout))
         recv_x, works, finalizers = self._send_data(c, handle)
         return (recv_x, None if c.do_expand else rows.recv_idx_MK, rows.out_w, handle), works, finalizers

@@ -173,6 +173,18 @@ def _block_starts(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(_exclusive_cumsum(splits), dtype=torch.int64, device=device)
 
 
+def _rows_in_blocks(block_NT: torch.Tensor, num_blocks: int, splits: Sequence[int]) -> torch.Tensor:
+    """Row of each entry (`block_NT`: the block it goes to, -1: none) in a buffer of `num_blocks` blocks of `splits`
+    rows: its block's first row, then (row, column) row-major order among that block's entries; -1 for none."""
+    blocks = torch.arange(num_blocks, device=block_NT.device)[:, None, None]
+    onehot = (block_NT[None] == blocks).long()
+    flat = onehot.flatten(1)
+    before = (flat.cumsum(1) - flat).view_as(onehot)
+    block = block_NT.clamp(min=0)
+    rows = _block_starts(splits, block_NT.device)[block] + before.gather(0, block[None])[0]
+    return torch.where(block_NT >= 0, rows, -1)
+
+
 def _block_of_rows(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     """Block index of every row; as above, equal blocks are computed on the device alone."""
     num_rows = sum(splits)
@@ -416,11 +428,7 @@ class TorchRefBackend(Backend):
                            return_pos_MK=rows.return_pos_MK)
         if c.do_expand:
             # Where each of this rank's slots comes back: blocks per destination rank, (token, slot) order.
-            slot_return_pos_NK = torch.full_like(route.topk_idx, -1)
-            for d, offset in enumerate(_exclusive_cumsum(return_recv_splits)):
-                on_d = route.dest_NK == d
-                rank_in_block = on_d.flatten().long().cumsum(0).view(N, K) - 1
-                slot_return_pos_NK = torch.where(on_d, offset + rank_in_block, slot_return_pos_NK)
+            slot_return_pos_NK = _rows_in_blocks(route.dest_NK, R, return_recv_splits)
             layout = dataclasses.replace(layout, return_send_splits=return_send_splits,
                                          return_recv_splits=return_recv_splits, slot_return_pos_NK=slot_return_pos_NK)
         handle = self._new_handle(c, route, rows, counts, aligned_list, layout)
