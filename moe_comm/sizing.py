@@ -553,6 +553,11 @@ class TimeEstimate:
         return self._gbs(self.rdma_bytes)
 
     @property
+    def wire_nvlink_gbs(self) -> float:
+        """Bytes that cross this GPU's NVLink per second: `nvlink_bytes / total_us`."""
+        return self._gbs(self.nvlink_bytes)
+
+    @property
     def logical_nvlink_gbs(self) -> float:
         """DeepEP's NVLink GB/s: `recv_bytes / total_us`."""
         return self._gbs(self.recv_bytes)

@@ -126,7 +126,7 @@ def build_tables(config: dict) -> dict:
                 deepep_v1.append(row(
                     hardware, scale, op, est, deepep_v1_gbs=published_gbs, deepep_v1_link=link,
                     model_gbs=est.logical_rdma_gbs if link == "RDMA" else est.logical_nvlink_gbs,
-                    model_wire_gbs=(est.rdma_bytes if link == "RDMA" else est.nvlink_bytes) / (est.total_us * 1e3),
+                    model_wire_gbs=est.wire_rdma_gbs if link == "RDMA" else est.wire_nvlink_gbs,
                     published_wire_gbs=published_gbs * wire_share))
     v2_config = dict(config, tokens=DEEPEP_V2_TOKENS)
     deepep_v2 = [row("H200", scale, op, estimate(op, topology("H200", num_hosts), v2_config),
