@@ -8,6 +8,9 @@ layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block12
 combine BF16, and the all_to_all_single baseline (Megatron's alltoall path: dedup, permute, count exchange with
 host sync; combine = reverse + FP32 index_add). Then an SM sweep of cached dispatch and combine at the largest
 token count, next to the analytical `get_theoretical_num_sms`, and the JIT build times (CUDA backend).
+`--expand`: moe_comm's dispatches use the expand layout (one row per (token, local expert), grouped by expert, as
+the MoE layer's grouped experts take them; the receivers write min(K, local experts) rows per arrived token) and
+its combines add those rows; the baseline stays as it is.
 
 Bandwidths (from the back-to-back time on CUDA): logical GB/s = bytes of all received rows (own rank included) /
 time (DeepEP's metric); wire GB/s = bytes received from other ranks / time. Host us (CUDA) = isolated-call time
@@ -18,7 +21,8 @@ The markdown starts with the run's commit, versions and command; the JSON carrie
 `scripts/plot_results.py` is written to F.png.
 
     python scripts/bench.py [--num-ranks 2] [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
-                            [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--json F] [--md F]
+                            [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--expand] [--json F]
+                            [--md F]
 """
 
 from __future__ import annotations
@@ -48,36 +52,38 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
     cap = max(args["tokens"])
     buf = moe_comm.Buffer(None, num_max_tokens_per_rank=cap, hidden=args["hidden"], num_topk=args["num_topk"],
                           use_fp8_dispatch=args["hidden"] % 128 == 0, backend=args["backend"])
-    E, K, iters = args["num_experts"], args["num_topk"], args["iters"]
+    E, K, iters, expand = args["num_experts"], args["num_topk"], args["iters"], args["expand"]
     # One bitwise check first, so the numbers below are about a backend that is right.
     check_case(buf, Case(seed=1, num_ranks=world_size, num_experts=E, num_topk=K, hidden=args["hidden"],
-                         num_tokens=(min(args["tokens"]),) * world_size, num_max_tokens_per_rank=cap), rank)
+                         num_tokens=(min(args["tokens"]),) * world_size, num_max_tokens_per_rank=cap,
+                         do_expand=expand), rank)
     baseline = AllToAllBaseline(dist.group.WORLD, E)
     rows, sweep = [], []
     for num_tokens in args["tokens"]:
         case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=args["hidden"],
                     num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=cap, drop_prob=0.0)
         x, idx, w = rank_inputs(case, rank, device)
-        recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E, do_expand=expand)
         base_recv, state = baseline.dispatch(x, idx)
         ops = {
-            "dispatch": lambda: buf.dispatch(x, idx, w, num_experts=E),
-            "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+            "dispatch": lambda: buf.dispatch(x, idx, w, num_experts=E, do_expand=expand),
+            "cached dispatch": lambda: buf.dispatch(x, handle=handle, do_expand=expand),
             "combine": lambda: buf.combine(recv_x, handle),
             "baseline dispatch": lambda: baseline.dispatch(x, idx),
             "baseline combine": lambda: baseline.combine(base_recv, state),
         }
         if args["hidden"] % 128 == 0:
             x_fp8 = quant.quantize(x, "fp8_block128")
-            ops["dispatch fp8"] = lambda: buf.dispatch(x_fp8, idx, w, num_experts=E)
-            handle_fp8 = buf.dispatch(x_fp8, idx, w, num_experts=E)[3]
-            ops["cached dispatch fp8"] = lambda: buf.dispatch(x_fp8, handle=handle_fp8)
+            ops["dispatch fp8"] = lambda: buf.dispatch(x_fp8, idx, w, num_experts=E, do_expand=expand)
+            handle_fp8 = buf.dispatch(x_fp8, idx, w, num_experts=E, do_expand=expand)[3]
+            ops["cached dispatch fp8"] = lambda: buf.dispatch(x_fp8, handle=handle_fp8, do_expand=expand)
         timings = {op: median_time_us(fn, device, num_iters=iters) for op, fn in ops.items()}
         if device.type == "cuda":
             timings.update({f"{op} b2b": loop_times(fn, iters, device)[1] for op, fn in ops.items()})
-        own = int(handle.psum_num_recv_tokens_per_rank[rank] -
-                  (handle.psum_num_recv_tokens_per_rank[rank - 1] if rank else 0))
-        rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0], "own_rows": own,
+        # Tokens cross the wire once per rank (the expand layout's fan-out happens at the receiver).
+        psum = handle.psum_num_recv_tokens_per_rank.tolist()
+        own = psum[rank] - (psum[rank - 1] if rank else 0)
+        rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0], "recv_tokens": psum[-1], "own_tokens": own,
                      "row_bytes": recv_x.shape[1] * recv_x.element_size(), "num_sms": handle.num_sms, **timings})
         if num_tokens == cap:
             # Back-to-back device time on CUDA (the SM count shows in it, not behind the host's issue time).
@@ -85,7 +91,8 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
                 (lambda fn: median_time_us(fn, device, num_iters=iters))
             for num_sms in args["sms"]:
                 sweep.append({"num_sms": num_sms,
-                              "cached dispatch": timer(lambda: buf.dispatch(x, handle=handle, num_sms=num_sms)),
+                              "cached dispatch": timer(lambda: buf.dispatch(x, handle=handle, do_expand=expand,
+                                                                            num_sms=num_sms)),
                               "combine": timer(lambda: buf.combine(recv_x, handle, num_sms=num_sms))})
     return {"backend": buf.backend, "theoretical_num_sms": buf.get_theoretical_num_sms(E, K), "rows": rows,
             "sweep": sweep}
@@ -139,7 +146,8 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
     lines = meta_lines(meta)
     lines += [f"moe_comm {moe_comm.__version__}, backend {first['backend']}, {config['num_ranks']} ranks over "
               f"{config['pg_backend']} on "
-              f"{device}; hidden {config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts; "
+              f"{device}; hidden {config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts"
+              f"{', expand layout' if config['expand'] else ''}; "
               f"median of {config['iters']}, slowest rank; bitwise check passed; "
               f"analytical num_sms {first['theoretical_num_sms']}",
               "",
@@ -155,9 +163,9 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
     table = []
     for i, row in enumerate(first["rows"]):
         slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k not in
-                   ("tokens", "recv_rows", "own_rows", "row_bytes", "num_sms")}
+                   ("tokens", "recv_rows", "recv_tokens", "own_tokens", "row_bytes", "num_sms")}
         recv_bytes = sum(r["rows"][i]["recv_rows"] * r["rows"][i]["row_bytes"] for r in per_rank) / len(per_rank)
-        wire_bytes = sum((r["rows"][i]["recv_rows"] - r["rows"][i]["own_rows"]) * r["rows"][i]["row_bytes"]
+        wire_bytes = sum((r["rows"][i]["recv_tokens"] - r["rows"][i]["own_tokens"]) * r["rows"][i]["row_bytes"]
                          for r in per_rank) / len(per_rank)
         for op, base in (("dispatch", "baseline dispatch"), ("cached dispatch", "baseline dispatch"),
                          ("dispatch fp8", None), ("cached dispatch fp8", None), ("combine", "baseline combine")):
@@ -201,6 +209,7 @@ def main() -> None:
     parser.add_argument("--num-experts", type=int, default=256)
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--sms", type=int, nargs="*", default=[4, 8, 12, 16, 20, 24, 32, 48])
+    parser.add_argument("--expand", action="store_true", help="moe_comm's dispatches in the expand layout")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the JSON record here")
     parser.add_argument("--md", default=None, help="write the markdown table here")
@@ -210,6 +219,7 @@ def main() -> None:
     pg_backend = "nccl" if torch.cuda.device_count() >= args.num_ranks else "gloo"
     config = {"num_ranks": args.num_ranks, "backend": args.backend, "tokens": args.tokens, "hidden": args.hidden,
               "num_experts": args.num_experts, "num_topk": args.num_topk, "sms": args.sms, "iters": args.iters,
+              "expand": args.expand,
               "pg_backend": pg_backend}
     meta = run_metadata(sys.argv)
     start = time.monotonic()

@@ -17,9 +17,13 @@ rank), EP = the number of ranks (one GPU each, NCCL). Per variant: median millis
   experts' probabilities are constants there, so the floor leaves out their gradient's small reduction: it is a
   little low, and the ratios against it a little pessimistic.
 
+`--num-sms 0 32 132` runs each route A variant once per SM count of moe_comm's kernels (0: the analytical model,
+whose count keeps NVLink busy; the expand layout's receivers also write each token once per local expert it chose).
+
 Writes a markdown table, a JSON record (with `moe_comm.testing.bench.run_metadata`) and a PNG bar chart.
 
     python scripts/bench_layer.py [--num-ranks 2] [--tokens 4096] [--iters 20] [--out DIR] [--variants ...]
+                                  [--num-sms 0 ...]
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ DSV3 = ModelDims(num_layers=1, hidden_size=7168, num_attention_heads=56, num_exp
                  moe_ffn_hidden_size=2048)
 
 
-def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int):
+def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int, num_sms: int = 0):
     """The variant's MoE layer on the current GPU (same seed, so every variant routes the same way)."""
     from megatron.core import tensor_parallel
 
@@ -62,7 +66,7 @@ def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int):
                                                   "alltoall")
     options = None
     if variant.startswith("route A"):
-        options = MoECommConfig(do_expand=True, do_cpu_sync=variant != "route A sync-free",
+        options = MoECommConfig(do_expand=True, do_cpu_sync=variant != "route A sync-free", num_sms=num_sms,
                                 quantize="fp8_block128" if variant == "route A FP8" else None)
     config = transformer_config(dims, dispatcher, ep_size, torch.bfloat16, gated_linear_unit=True,
                                 activation_func=torch.nn.functional.silu, add_bias_linear=False,
@@ -100,9 +104,9 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
     x = torch.randn(args["tokens"], 1, dims.hidden_size, device="cuda", generator=gen).bfloat16()
     grad = torch.randn_like(x)
     results = {}
-    for variant in args["variants"]:
+    for name, variant, num_sms in runs(args["variants"], args["num_sms"]):
         if variant == "route B" and world_size < 2:
-            results[variant] = {"skipped": "Megatron's flex dispatcher asserts expert parallelism > 1"}
+            results[name] = {"skipped": "Megatron's flex dispatcher asserts expert parallelism > 1"}
             continue
         restore = None
         if variant == "route B":
@@ -110,7 +114,8 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
 
             restore = install_flex_dispatcher()
         try:
-            layer = _layer("route A (CPU sync)" if variant == "floor" else variant, dims, world_size, args["seed"])
+            layer = _layer("route A (CPU sync)" if variant == "floor" else variant, dims, world_size, args["seed"],
+                           num_sms)
             if variant == "floor":
                 step = _make_floor(layer, x)
             else:
@@ -120,9 +125,9 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
                     out.backward(grad)
                     layer.zero_grad(set_to_none=True)
             ms = _time_ms(step, args["iters"])
-            results[variant] = {"ms": ms, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+            results[name] = {"ms": ms, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
             if rank == 0:
-                print(f"{variant}: {ms:.2f} ms", flush=True)
+                print(f"{name}: {ms:.2f} ms", flush=True)
         finally:
             if restore is not None:
                 restore()
@@ -133,6 +138,16 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     return results
+
+
+def runs(variants: list[str], sms: list[int]) -> list[tuple[str, str, int]]:
+    """`(name, variant, num_sms)` per measurement: the route A variants once per `--num-sms` value (0: the
+    analytical model, `Buffer.get_theoretical_num_sms`), named with the count when it is not 0."""
+    out = []
+    for v in variants:
+        for n in (sms if v.startswith("route A") else [0]):
+            out.append((f"{v}, {n} SMs" if n else v, v, n))
+    return out
 
 
 def _make_floor(layer, x: torch.Tensor):
@@ -162,7 +177,8 @@ def _make_floor(layer, x: torch.Tensor):
 
 
 def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
-    variants = [v for v in config["variants"] if "ms" in per_rank[0][v]]
+    names = [name for name, _, _ in runs(config["variants"], config["num_sms"])]
+    variants = [v for v in names if "ms" in per_rank[0][v]]
     ms = {v: max(r[v]["ms"] for r in per_rank) for v in variants}
     floor = ms.get("floor")
     base = ms.get("alltoall + grouped")
@@ -173,7 +189,7 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
              f"{meta.get('cuda')}, NCCL {meta.get('nccl')}, Python {meta.get('python')}",
              f"command: `{meta.get('command')}`", "",
              "| variant | ms | x floor | x alltoall + grouped | peak GiB |", "|---|---|---|---|---|"]
-    for v in config["variants"]:
+    for v in names:
         r = per_rank[0][v]
         if "skipped" in r:
             lines.append(f"| {v} | skipped: {r['skipped']} | | | |")
@@ -217,12 +233,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--num-sms", type=int, nargs="+", default=[0],
+                        help="SMs of moe_comm's kernels in the route A variants, one run per value (0: the model's)")
     parser.add_argument("--out", default=None, help="write bench_layer.md/.json/.png here")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.num_ranks:
         parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs, found {torch.cuda.device_count()}")
+    if min(args.num_sms) < 0:
+        parser.error(f"--num-sms={args.num_sms} must be >= 0")
     config = {k: getattr(args, k) for k in ("tokens", "hidden", "num_experts", "topk", "ffn", "iters", "seed",
-                                            "variants")}
+                                            "variants", "num_sms")}
     config["num_ranks"] = args.num_ranks
     meta = run_metadata(sys.argv)
     start = time.monotonic()

@@ -79,3 +79,31 @@ def test_plot_results_writes_png(bench_run, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+
+
+def test_bench_expand_counts_tokens_on_the_wire(tmp_path):
+    """`--expand`: the dispatches use the expand layout; its rows outnumber the received tokens, and the wire
+    bandwidth counts tokens (they cross once per rank), the logical one rows."""
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--backend", "torch", "--tokens", "16", "--hidden",
+           "128", "--num-experts", "8", "--num-topk", "4", "--sms", "--iters", "2", "--expand", "--json",
+           str(out_json)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out_json.read_text())
+    assert record["config"]["expand"] and "expand layout" in done.stdout
+    row = record["per_rank"][0]["rows"][0]
+    assert row["recv_rows"] > row["recv_tokens"] >= row["own_tokens"] > 0
+    cached = next(r for r in record["table"] if r["op"] == "cached dispatch")
+    assert cached["logical_gbs"] > cached["wire_gbs"] > 0
+
+
+def test_bench_layer_runs_route_a_per_sm_count():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_layer import runs
+    finally:
+        sys.path.pop(0)
+    assert runs(["alltoall + grouped", "route A (CPU sync)", "floor"], [0, 32]) == [
+        ("alltoall + grouped", "alltoall + grouped", 0), ("route A (CPU sync)", "route A (CPU sync)", 0),
+        ("route A (CPU sync), 32 SMs", "route A (CPU sync)", 32), ("floor", "floor", 0)]
