@@ -22,7 +22,10 @@ Buffer of every rank (identical layout on every rank; offsets in bytes from the 
                                 this one's
         SLOTS_OFFSET            [MAX_RANKS][SLOT_STRIDE] int64 control slots, slot s written by rank s:
                                 [rows sent to us][per-local-expert counts (L)][flags]
-    [CONTROL_BYTES, num_bytes)  receive region: block s (num_max_tokens_per_rank rows, or row groups) from rank s
+    [CONTROL_BYTES, num_bytes)  receive region. Dispatch: block s (num_max_tokens_per_rank rows) from rank s.
+                                Combine: a block (num_max_tokens_per_rank rows, or row groups of an expand round)
+                                per peer, the rank's own left out (its rows are read from its x): peer s at s, or
+                                s - 1 after the owner
 
 Region rows, `dispatch_row` / `combine_row`: [data | FP8 scales][pad to 16][meta][pad to 16][tag][pad to 16].
 Dispatch meta: int64 source token index; per slot an int32 local expert id (-1: not ours), an int32 rank of the

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm import autograd as moe_autograd
 from moe_comm import env
+from moe_comm.backends.cuda import CudaTuning
 from moe_comm.event import EventOverlap
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import assert_same, check_case
@@ -350,10 +351,13 @@ def test_cuda_missing_peer_times_out():
 
 
 def rounds_rank(rank: int, world_size: int, cases: list[Case]) -> int:
-    """Expand combines whose slots do not all fit the region at once (a buffer sized exactly for the case)."""
+    """Expand combines in rounds: slots that do not all fit the region at once (a buffer sized exactly for the
+    case; its blocks are the peers'), or at most 2 slots per round (every other case; one rank needs no region)."""
     with Buffers() as buffers:
         for i, case in enumerate(cases):
-            buf = buffers.get(case, "cuda", num_gpu_timeout_secs=100)
+            # Every other case at most 2 slots per round: rounds on one rank too (it needs no region).
+            tuning = CudaTuning(max_round_slots=2) if i % 2 else None
+            buf = buffers.get(case, "cuda", num_gpu_timeout_secs=100, cuda_tuning=tuning)
             try:
                 check_case(buf, case, rank)
             except AssertionError as exc:

@@ -338,3 +338,11 @@ def test_disagreement_is_an_error_on_every_rank_on_every_path(pools):
     afterwards (before: gloo aborted one process and the other returned wrong data)."""
     messages = pools(2).run(disagreement_probes_rank)
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("value", [0, 33, 2.0, True])
+def test_cuda_tuning_round_slots_bounded(value):
+    from moe_comm.backends.cuda import CudaTuning
+
+    with pytest.raises(ValueError, match=f"max_round_slots={value!r} must be None or an int in \\[1, 32\\]"):
+        CudaTuning(max_round_slots=value)

@@ -65,11 +65,20 @@ class CudaTuning:
         kernel_flags: extra nvcc flags, e.g. `("-DMOE_COMM_COPY_UNROLL=4",)` (each set is its own cached build).
         dispatch_send_fraction: share of a dispatch kernel's blocks that send (None: `num_send_blocks`' rule).
         combine_send_fraction: the same for the combine kernel.
+        max_round_slots: at most this many slots per round of an expand combine (None: as many as the receive
+            region holds; the GPU tests force rounds with it on one rank, which needs no region).
     """
 
     kernel_flags: tuple[str, ...] = ()
     dispatch_send_fraction: Optional[float] = None
     combine_send_fraction: Optional[float] = None
+    max_round_slots: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_round_slots is not None and not (type(self.max_round_slots) is int
+                                                     and 1 <= self.max_round_slots <= lay.MAX_ROUND_SLOTS):
+            raise ValueError(f"max_round_slots={self.max_round_slots!r} must be None or an int in "
+                             f"[1, {lay.MAX_ROUND_SLOTS}]")
 
 
 def num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool, fraction: Optional[float] = None) -> int:
@@ -310,10 +319,11 @@ class CudaBackend(Backend):
         """An operation's EpParams, after the checks that need no device values (ValueError names the limit)."""
         R = self.num_ranks
         L = num_experts // R
-        needed = R * cap * rows_per_token * row.stride
+        blocks = R if phase == "dispatch" else R - 1  # a combine's region has the peers' blocks only
+        needed = blocks * cap * rows_per_token * row.stride
         if needed > self.region_bytes:
-            raise ValueError(f"rows of {row.stride} bytes x {R} ranks x {cap} tokens x {rows_per_token} = {needed} "
-                             f"bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
+            raise ValueError(f"rows of {row.stride} bytes x {blocks} ranks x {cap} tokens x {rows_per_token} = "
+                             f"{needed} bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
         if L + 2 > lay.SLOT_STRIDE:
             raise ValueError(f"num_experts={num_experts} over {R} ranks is {L} local experts; the CUDA backend takes "
                              f"at most {lay.SLOT_STRIDE - 2} per rank (use backend='torch')")
@@ -494,11 +504,13 @@ class CudaBackend(Backend):
         row = lay.combine_row(data_bytes, 1 if handle.do_expand else K, wb)
         num_slots = 1
         if handle.do_expand:
-            # As many slots per round as the region holds: each round adds its slots in ascending order.
-            num_slots = min(K, lay.MAX_ROUND_SLOTS, self.region_bytes // max(1, R * cap * row.stride))
+            # As many slots per round as the region holds (a block per peer: our own rows are read from x, so one
+            # rank needs no region and one round): each round adds its slots in ascending order.
+            fit = self.region_bytes // ((R - 1) * cap * row.stride) if R > 1 and cap else K
+            num_slots = min(K, lay.MAX_ROUND_SLOTS, fit, self.tuning.max_round_slots or K)
             if num_slots == 0:
                 raise ValueError(f"combine rows of {row.stride} bytes do not fit the receive region "
-                                 f"({self.region_bytes} bytes for {R} ranks x {cap} tokens)")
+                                 f"({self.region_bytes} bytes for {R - 1} peers x {cap} tokens)")
         num_send = num_send_blocks("combine", c.num_sms, R, handle.do_expand, self.tuning.combine_send_fraction)
         params = self._params(handle.num_tokens, cap, handle.num_experts, K, row, data_bytes, 0, wb, 1, num_send,
                               "combine", rows_per_token=num_slots, signature=c.signature())

@@ -93,6 +93,10 @@ __device__ __forceinline__ void put_weight(uint8_t* dst, const uint8_t* weights,
         *reinterpret_cast<int64_t*>(dst) = keep ? reinterpret_cast<const int64_t*>(weights)[index] : 0;
 }
 
+// Block of `peer`'s rows in the combine region of rank `owner`: the region holds the other ranks' blocks only
+// (rows of the owner itself are read from its x), so peers after the owner move down by one.
+__device__ __forceinline__ int64_t combine_block(int peer, int owner) { return peer < owner ? peer : peer - 1; }
+
 // Source of item k of a walk over the source ranks that leaves out `skip` (-1: none): item k is position
 // k / num_sources of source index k % num_sources, so every source's rows are walked at the same pace.
 __device__ __forceinline__ int walk_source(int64_t k, int num_sources, int skip) {

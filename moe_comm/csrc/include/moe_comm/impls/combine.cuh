@@ -18,8 +18,8 @@ namespace moe_comm {
 // ------------------------------------------------------------------------------------------------------------
 // Combine: one kernel, blocks [0, num_send_blocks) send and the others reduce, at the same time.
 // Send: row m of the dispatch output goes back to its source rank s (another rank: our own rows stay here), into
-// block `rank` at the row it came from (expand: one row per (token, slot) of this round, at sub-row
-// slot - slot_begin); a warp writes the rows of kCombineBatch items, then its lanes release their tags.
+// our block of s's region (`combine_block`) at the row it came from (expand: one row per (token, slot) of this
+// round, at sub-row slot - slot_begin); a warp writes the rows of kCombineBatch items, then its lanes release their tags.
 // Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order (ascending
 // rank, or ascending slot in expand mode), each acquires its row's tag (rows from this rank itself are read from
 // x and have none), then the warp adds them in that order in Acc precision from zero (or the accumulator of
@@ -68,7 +68,7 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
         *x_row = a.do_expand ? a.expand_row[m * K + a.slot_begin + q] : m;
         if (*x_row < 0 || *x_row >= a.num_x_rows) return false;
         *dst = p.peer_bases[s] + kControlBytes +
-               ((static_cast<int64_t>(p.rank) * p.cap + i) * slots + q) * p.row_stride;
+               ((combine_block(p.rank, s) * p.cap + i) * slots + q) * p.row_stride;
         return true;
     };
     // A warp sends the rows of kCombineBatch consecutive items, then publishes them all: one release fence per batch.
@@ -127,7 +127,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
             const int64_t x_row = own_x_row(pos[peer], a.slot_begin + lane);
             row = x_row >= 0 ? a.x + x_row * p.data_bytes : nullptr;
         } else if (peer >= 0) {
-            const int64_t block_row = static_cast<int64_t>(peer) * p.cap + pos[peer];
+            const int64_t block_row = combine_block(peer, p.rank) * p.cap + pos[peer];
             region_row = region + (a.do_expand ? block_row * a.num_slots + lane : block_row) * p.row_stride;
             row = region_row;
         }
@@ -196,7 +196,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                     continue;
                 }
                 const int d = static_cast<int>(experts[j] / L);
-                const int64_t block_row = static_cast<int64_t>(d) * p.cap + pos[d];
+                const int64_t block_row = combine_block(d, p.rank) * p.cap + pos[d];
                 const int64_t x_row = d == p.rank ? own_x_row(pos[d], j) : 0;
                 const uint8_t* src =
                     d == p.rank ? (a.do_expand ? a.weights + x_row * wb : a.weights + (x_row * K + j) * wb)
