@@ -46,34 +46,35 @@ class _GroupedLinear(torch.autograd.Function):
     """`out[r] = x[r] @ weight[l].T` for the rows r of group l (groups end at `offs`), one grouped GEMM each way.
 
     The weight gradient is computed as `grad.T @ x` per group, the product Megatron's linear layers compute
-    (`grad_output.t().matmul(total_input)`), so it lands in the weight's own `[L, N, K]` layout. Rows past
-    `offs[-1]` (`invalid`) are zeroed in the output and in the input gradient: grouped_mm leaves them
-    uninitialised.
+    (`grad_output.t().matmul(total_input)`), so it lands in the weight's own `[L, N, K]` layout and sums over the
+    grouped rows only. grouped_mm leaves the output rows past `offs[-1]` uninitialised: `zero_out` / `zero_grad`
+    (`[P, 1]` bool, or None) name the rows to zero in the output / the input gradient (each a pass over the whole
+    tensor).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                invalid: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, zero_out: Optional[torch.Tensor],
+                zero_grad: Optional[torch.Tensor]) -> torch.Tensor:
         out = F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
-        if invalid is not None:
-            out.masked_fill_(invalid, 0)
-        ctx.save_for_backward(x, weight, offs, invalid)
+        if zero_out is not None:
+            out.masked_fill_(zero_out, 0)
+        ctx.save_for_backward(x, weight, offs, zero_grad)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, offs, invalid = ctx.saved_tensors
+        x, weight, offs, zero_grad = ctx.saved_tensors
         grad_out = grad_out.contiguous()  # grouped_mm rejects expanded (stride 0) gradients
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_x = F.grouped_mm(grad_out, weight, offs=offs)
-            if invalid is not None:
-                grad_x.masked_fill_(invalid, 0)
+            if zero_grad is not None:
+                grad_x.masked_fill_(zero_grad, 0)
         if ctx.needs_input_grad[1]:
             # NOTES: an expert with no rows gets a zero gradient on Hopper and CPU; torch issue 172439 reports
             # non-zero ones on Blackwell (sm_100).
             grad_weight = F.grouped_mm(grad_out.t(), x, offs=offs)
-        return grad_x, grad_weight, None, None
+        return grad_x, grad_weight, None, None, None
 
 
 class MoECommGroupedMLP(MegatronModule):
@@ -99,15 +100,23 @@ class MoECommGroupedMLP(MegatronModule):
         name: module name (megatron-core 0.19; unused).
         use_grouped_mm: True: grouped GEMMs (bf16/fp16/fp32); False: a loop of matmuls over the experts
             (reads host counts); None: grouped where torch has `grouped_mm` and the dtype allows it.
+        zero_tail: rows past the last count get zeros in the output and the input gradient (True, the default);
+            False leaves them as the grouped GEMMs leave them (not computed; the loop fallback still writes zeros),
+            which saves a pass over the whole output and input gradient on the grouped path, for a consumer that
+            never reads those rows (moe_comm's dispatcher without CPU sync: its combine and the dispatch's backward
+            read only rows that a token's slot maps to; `MoECommMoELayer` sets it). Values and gradients of every
+            other row, parameter gradients and `probs.grad` (zero past the end) are the same either way.
 
     Differences from `SequentialMLP`: with one local expert, `SequentialMLP` ignores `tokens_per_expert` and
-    runs every row; this module zeroes the rows past the count (equal whenever the counts cover all rows, as
-    Megatron's dispatchers give them). With `bias_activation_fusion`, Megatron's fused SwiGLU kernels compute
-    the same function with a hand-written backward (gradients equal to rounding).
+    runs every row; this module leaves out the rows past the count (zeros, unless `zero_tail=False`), equal
+    whenever the counts cover all rows, as Megatron's dispatchers give them. With `bias_activation_fusion`,
+    Megatron's fused SwiGLU kernels compute the same function with a hand-written backward (gradients equal to
+    rounding).
     """
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
-                 name: Optional[str] = None, *, use_grouped_mm: Optional[bool] = None) -> None:
+                 name: Optional[str] = None, *, use_grouped_mm: Optional[bool] = None,
+                 zero_tail: bool = True) -> None:
         if config.moe_ffn_hidden_size != config.ffn_hidden_size:
             config = copy.deepcopy(config)  # as SequentialMLP: its experts read ffn_hidden_size
             config.ffn_hidden_size = config.moe_ffn_hidden_size
@@ -133,8 +142,11 @@ class MoECommGroupedMLP(MegatronModule):
         if use_grouped_mm and not hasattr(F, "grouped_mm"):
             raise ValueError(f"use_grouped_mm=True but torch {torch.__version__} has no "
                              "torch.nn.functional.grouped_mm")
+        if not isinstance(zero_tail, bool):
+            raise TypeError(f"zero_tail must be a bool, got {zero_tail!r}")
         self.num_local_experts = num_local_experts
         self.use_grouped_mm = use_grouped_mm
+        self.zero_tail = zero_tail
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, expert_tp_group, pg_collection.expt_dp
         io_size = config.moe_latent_size if getattr(config, "moe_latent_size", None) else config.hidden_size
         ffn_size = config.moe_ffn_hidden_size
@@ -206,12 +218,13 @@ class MoECommGroupedMLP(MegatronModule):
                 param.copy_(stacked)
 
     @classmethod
-    def from_sequential(cls, sequential_mlp, *, use_grouped_mm: Optional[bool] = None) -> "MoECommGroupedMLP":
+    def from_sequential(cls, sequential_mlp, *, use_grouped_mm: Optional[bool] = None,
+                        zero_tail: bool = True) -> "MoECommGroupedMLP":
         """A `MoECommGroupedMLP` with the config, process groups, device and weights of a `SequentialMLP`."""
         pg_collection = ProcessGroupCollection(ep=sequential_mlp.ep_group, expt_tp=sequential_mlp.tp_group,
                                                expt_dp=sequential_mlp.dp_group)
         module = cls(sequential_mlp.num_local_experts, sequential_mlp.config, pg_collection=pg_collection,
-                     use_grouped_mm=use_grouped_mm)
+                     use_grouped_mm=use_grouped_mm, zero_tail=zero_tail)
         module.to(next(sequential_mlp.parameters()).device)
         module.load_sequential(sequential_mlp)
         return module
@@ -231,7 +244,7 @@ class MoECommGroupedMLP(MegatronModule):
             permuted_probs: `[P]`, float, the router probability of each row (Megatron's `per_token_scale`).
 
         Returns:
-            output: `[P, I]`, params dtype; zeros past the last count.
+            output: `[P, I]`, params dtype; past the last count zeros (`zero_tail`, the default) or not computed.
             output_bias: None (expert biases are already added, scaled by the probabilities, as Megatron does).
 
         Requirements:
@@ -321,8 +334,12 @@ class MoECommGroupedMLP(MegatronModule):
             # `sum` does) and rounds once; the forward values are the same.
             fc1_bias = self.fc1_bias.float()[expert_of_row].to(self.fc1_bias.dtype)
             fc2_bias = self.fc2_bias.float()[expert_of_row].to(torch.promote_types(self.fc2_bias.dtype, probs.dtype))
-        out = self._mlp(x, probs, lambda t: _GroupedLinear.apply(t, self.fc1_weight, offs, invalid),
-                        lambda t: _GroupedLinear.apply(t, self.fc2_weight, offs, invalid), fc1_bias, fc2_bias)
+        # Past the end: the bias gradients sum over every row (the tail's gathered bias included), so with biases
+        # the tail is zero everywhere; without, only where `zero_tail` asks (weight gradients sum over the groups).
+        inner = invalid if fc1_bias is not None else None
+        outer = invalid if self.zero_tail else inner
+        out = self._mlp(x, probs, lambda t: _GroupedLinear.apply(t, self.fc1_weight, offs, inner, outer),
+                        lambda t: _GroupedLinear.apply(t, self.fc2_weight, offs, outer, inner), fc1_bias, fc2_bias)
         if fc2_bias is not None and invalid is not None:
             out = out.masked_fill(invalid, 0)  # keeps gradients past the end out of the bias gradients
         return out

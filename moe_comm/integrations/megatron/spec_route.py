@@ -291,10 +291,14 @@ class MoECommMoELayer(MoELayer):
                          pg_collection=pg_collection, **kwargs)
         self.token_dispatcher = MoECommTokenDispatcher(self.num_local_experts, self.local_expert_indices, config,
                                                        pg_collection, moe_comm_config)
-        if not self.token_dispatcher.options.do_cpu_sync and not isinstance(self.experts, MoECommGroupedMLP):
-            raise ValueError(f"MoECommConfig(do_cpu_sync=False) needs experts that take tokens_per_expert on the "
-                             f"device, got {type(self.experts).__name__}: build the spec with "
-                             f"moe_comm_layer_spec(..., grouped_experts=True) (MoECommGroupedMLP)")
+        if not self.token_dispatcher.options.do_cpu_sync:
+            if not isinstance(self.experts, MoECommGroupedMLP):
+                raise ValueError(f"MoECommConfig(do_cpu_sync=False) needs experts that take tokens_per_expert on "
+                                 f"the device, got {type(self.experts).__name__}: build the spec with "
+                                 f"moe_comm_layer_spec(..., grouped_experts=True) (MoECommGroupedMLP)")
+            # The worst-case rows past the counts are never read (the combine and the dispatch's backward read
+            # the rows of tokens' slots only): the experts need not zero them.
+            self.experts.zero_tail = False
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
 
