@@ -98,12 +98,21 @@ def test_bench_expand_counts_tokens_on_the_wire(tmp_path):
     assert cached["logical_gbs"] > cached["wire_gbs"] > 0
 
 
-def test_bench_layer_runs_route_a_per_sm_count():
+def test_bench_layer_runs_and_report():
+    """Route A once per SM count; the table gives both timings against the floor, the slowest rank's."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        from bench_layer import runs
+        from bench_layer import report, runs
     finally:
         sys.path.pop(0)
     assert runs(["alltoall + grouped", "route A (CPU sync)", "floor"], [0, 32]) == [
         ("alltoall + grouped", "alltoall + grouped", 0), ("route A (CPU sync)", "route A (CPU sync)", 0),
         ("route A (CPU sync), 32 SMs", "route A (CPU sync)", 32), ("floor", "floor", 0)]
+    config = {"num_ranks": 2, "hidden": 8, "num_experts": 4, "topk": 2, "ffn": 8, "tokens": 16, "iters": 3,
+              "variants": ["route A (CPU sync)", "floor"], "num_sms": [0]}
+    rank = lambda a, b, f: {"route A (CPU sync)": {"ms": a, "b2b_ms": b, "max_memory_gib": 1.0},  # noqa: E731
+                            "floor": {"ms": f, "b2b_ms": f, "max_memory_gib": 1.0}}
+    text, record = report(config, [rank(11.0, 10.5, 10.0), rank(12.0, 10.0, 8.0)], {"command": "x"})
+    assert record["ms"] == {"route A (CPU sync)": 12.0, "floor": 10.0}
+    assert record["b2b_ms"] == {"route A (CPU sync)": 10.5, "floor": 10.0}
+    assert "| route A (CPU sync) | 12.00 | 1.200 | - | 10.50 | 1.050 | 1.0 |" in text
