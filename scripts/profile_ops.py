@@ -11,8 +11,9 @@ every op (top functions by own time). Rank 0 prints.
 With `--variants`, instead: per kernel build variant (`unroll=N` sets MOE_COMM_COPY_UNROLL, `batch=N`
 MOE_COMM_SEND_BATCH, `cbatch=N` MOE_COMM_COMBINE_BATCH, `chunk=N` MOE_COMM_RECV_CHUNK, `stages=N`
 MOE_COMM_RECV_STAGES, `send=F` / `csend=F` the share of sending blocks of the dispatch / combine, `sms=N` the SM
-count, `times=1` a build that records when each block ends), one bitwise check, then the kernel times of a cached
-dispatch (BF16 and FP8), a combine and a fresh dispatch's layout kernel at the largest token count.
+count, `times=1` a build that records when each block ends, `expand=1` the expand layout), one bitwise check, then
+the kernel times of a cached dispatch (BF16 and FP8), a combine and a fresh dispatch's layout kernel at the largest
+token count.
 
 The per-SM copy floor the kernels are measured against is benchmarks/microbench/copy_bench.cu.
 
@@ -96,6 +97,7 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     E, K, hidden, num_tokens = 256, 8, 7168, max(args["tokens"])
     case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=hidden,
                 num_tokens=(num_tokens,) * world_size, num_max_tokens_per_rank=num_tokens, drop_prob=0.0)
+    expand_case = Case(**{**case.__dict__, "do_expand": True})
     lines = [f"{num_tokens} tokens, kernel us per call (cached dispatch | cached dispatch fp8 | combine | layout of a "
              f"fresh dispatch)"]
     for variant in args["variants"]:
@@ -109,21 +111,21 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
                           *(["-DMOE_COMM_BLOCK_TIMES"] if settings.get("times") else [])),
             dispatch_send_fraction=float(settings["send"]) if "send" in settings else None,
             combine_send_fraction=float(settings["csend"]) if "csend" in settings else None)
-        num_sms = int(settings.get("sms", 0))
+        num_sms, expand = int(settings.get("sms", 0)), bool(int(settings.get("expand", 0)))
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=num_tokens, hidden=hidden, num_topk=K,
                               use_fp8_dispatch=True, backend="cuda", cuda_tuning=tuning)
         try:
-            check_case(buf, case, rank)
+            check_case(buf, expand_case if expand else case, rank)
             x, idx, w = rank_inputs(case, rank, device)
-            recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms)
+            recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms, do_expand=expand)
             x_fp8 = quant.quantize(x, "fp8_block128")
-            handle_fp8 = buf.dispatch(x_fp8, idx, w, num_experts=E, num_sms=num_sms)[3]
-            ops = {"cached dispatch": lambda: buf.dispatch(x, handle=handle),
-                   "cached dispatch fp8": lambda: buf.dispatch(x_fp8, handle=handle_fp8),
+            handle_fp8 = buf.dispatch(x_fp8, idx, w, num_experts=E, num_sms=num_sms, do_expand=expand)[3]
+            ops = {"cached dispatch": lambda: buf.dispatch(x, handle=handle, do_expand=expand),
+                   "cached dispatch fp8": lambda: buf.dispatch(x_fp8, handle=handle_fp8, do_expand=expand),
                    "combine": lambda: buf.combine(recv_x, handle)}
             times = [sum(kernel_times(fn, args["iters"]).values()) for fn in ops.values()]
-            fresh = kernel_times(lambda: buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms, do_cpu_sync=False),
-                                 args["iters"])
+            fresh = kernel_times(lambda: buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms, do_cpu_sync=False,
+                                                      do_expand=expand), args["iters"])
             times.append(sum(us for name, us in fresh.items() if "layout" in name))
             lines.append(f"    {variant:30s} " + " | ".join(f"{us:8.1f}" for us in times) +
                          f"   (SMs {handle.num_sms})")
