@@ -76,7 +76,7 @@ def block_times(buf, handle, ops: dict) -> list[str]:
         torch.cuda.synchronize()
         raw = (ctypes.c_uint64 * (2 * num_blocks))()
         read = impl.kernels.combine_block_times if op == "combine" else impl.kernels.dispatch_block_times
-        impl._check(read(raw, num_blocks), "block times")
+        impl.kernels.check(read(raw, num_blocks), "block times", impl.rank)
         starts, ends = raw[0::2], raw[1::2]
         t0 = min(starts)
         parts = []

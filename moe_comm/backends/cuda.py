@@ -84,11 +84,13 @@ class CudaTuning:
 def num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool, fraction: Optional[float] = None) -> int:
     """Blocks of a dispatch/combine kernel that send (the others receive), in proportion to the rows each side
     stores: dispatch senders store every row (a non-expand dispatch writes the own rank's rows straight into the
-    outputs) and its receivers the rows from peers (all rows when expanding); combine senders store the rows that
-    go back to peers and its reducers load every row of a token, their own from x (benchmarks/NOTES.md)."""
+    outputs) and its receivers the rows from peers; combine senders store the rows that go back to peers and its
+    reducers load every row of a token, their own from x (benchmarks/NOTES.md). An expand dispatch's receivers
+    store a row per (arrived token, local expert): 30% senders, measured (EP1, 4096 tokens, top-8: 22 SMs 774 ->
+    574 us against half, 66 SMs 300 -> 231, 132 SMs 207 -> 223)."""
     R = num_ranks
     if fraction is None:
-        fraction = (0.5 if do_expand else R / (2 * R - 1)) if op == "dispatch" else (R - 1) / (2 * R - 1)
+        fraction = (0.3 if do_expand else R / (2 * R - 1)) if op == "dispatch" else (R - 1) / (2 * R - 1)
     return max(1, min(num_sms - 1, round(num_sms * fraction)))
 
 
