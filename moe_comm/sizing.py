@@ -731,9 +731,10 @@ def get_buffer_size_hint(
     What the layout holds (`moe_comm.layout`): the control region (`BUFFER_CONTROL_BYTES`), then a receive region
     of two rows per (rank, token): a dispatch fills one (a block of `num_max_tokens_per_rank` rows per source rank);
     an expand combine returns a token's rows, one per slot, into a block per peer (a rank's own rows stay in its x),
-    in rounds of as many slots as the region holds, so the second row halves its rounds (each round is a kernel
-    with its barrier, and the FP32 accumulator of every token goes through memory between rounds): at EP2 4 slots
-    per round (top-8: 2 rounds), from EP4 on 2 (4 rounds). A row is laid out by
+    in rounds of as many slots as the region holds, so the second row at least halves its rounds (each round is a
+    kernel with its barrier, and the FP32 accumulator of every token goes through memory between rounds): with
+    DeepSeek-V3's rows, 4 slots per round at EP2 (top-8: 2 rounds), 3 at EP3, 2 from EP4 on (4 rounds). A row is
+    laid out by
     `layout.dispatch_row`: the row data
     (`hidden * elem_size` bytes, or with `use_fp8_dispatch` FP8 data plus one fp32 scale per 128 elements,
     whichever is wider), padded to 16; the metadata (int64 source index, per slot an int32 local expert id, an

@@ -80,11 +80,16 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
         timings = {op: median_time_us(fn, device, num_iters=iters) for op, fn in ops.items()}
         if device.type == "cuda":
             timings.update({f"{op} b2b": loop_times(fn, iters, device)[1] for op, fn in ops.items()})
-        # Tokens cross the wire once per rank (the expand layout's fan-out happens at the receiver).
+        # Rows that cross the wire to this rank: a dispatch's tokens once per rank (the expand layout's fan-out
+        # happens at the receiver); an expand combine sends back a row per (token, local slot), so it receives one
+        # per slot of its tokens on a peer (rows of the bench's routing: no alignment padding, no invalid slots).
         psum = handle.psum_num_recv_tokens_per_rank.tolist()
-        own = psum[rank] - (psum[rank - 1] if rank else 0)
-        rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0], "recv_tokens": psum[-1], "own_tokens": own,
-                     "row_bytes": recv_x.shape[1] * recv_x.element_size(), "num_sms": handle.num_sms, **timings})
+        peer_tokens = psum[-1] - (psum[rank] - (psum[rank - 1] if rank else 0))
+        peer_slots = int(((idx >= 0) & (idx // (E // world_size) != rank)).sum())
+        rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0],
+                     "row_bytes": recv_x.shape[1] * recv_x.element_size(),
+                     "wire_rows": {"dispatch": peer_tokens, "combine": peer_slots if expand else peer_tokens},
+                     "num_sms": handle.num_sms, **timings})
         if num_tokens == cap:
             # Back-to-back device time on CUDA (the SM count shows in it, not behind the host's issue time).
             timer = (lambda fn: loop_times(fn, iters, device)[1]) if device.type == "cuda" else \
@@ -163,10 +168,10 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
     table = []
     for i, row in enumerate(first["rows"]):
         slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k not in
-                   ("tokens", "recv_rows", "recv_tokens", "own_tokens", "row_bytes", "num_sms")}
+                   ("tokens", "recv_rows", "wire_rows", "row_bytes", "num_sms")}
         recv_bytes = sum(r["rows"][i]["recv_rows"] * r["rows"][i]["row_bytes"] for r in per_rank) / len(per_rank)
-        wire_bytes = sum((r["rows"][i]["recv_tokens"] - r["rows"][i]["own_tokens"]) * r["rows"][i]["row_bytes"]
-                         for r in per_rank) / len(per_rank)
+        wire = {kind: sum(r["rows"][i]["wire_rows"][kind] * r["rows"][i]["row_bytes"] for r in per_rank) / len(per_rank)
+                for kind in ("dispatch", "combine")}
         for op, base in (("dispatch", "baseline dispatch"), ("cached dispatch", "baseline dispatch"),
                          ("dispatch fp8", None), ("cached dispatch fp8", None), ("combine", "baseline combine")):
             if op not in slowest:
@@ -176,7 +181,8 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
             device_us = us if b2b is None else b2b
             entry = {"tokens": row["tokens"], "op": op, "us": us, "back_to_back_us": b2b,
                      "host_us": None if b2b is None else us - b2b, "num_sms": row["num_sms"],
-                     "logical_gbs": gbs(recv_bytes * scale, device_us), "wire_gbs": gbs(wire_bytes * scale, device_us),
+                     "logical_gbs": gbs(recv_bytes * scale, device_us),
+                     "wire_gbs": gbs(wire["combine" if op == "combine" else "dispatch"] * scale, device_us),
                      "baseline_us": slowest.get(base) if base else None,
                      "baseline_back_to_back_us": slowest.get(f"{base} b2b") if base else None}
             table.append(entry)

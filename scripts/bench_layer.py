@@ -230,16 +230,22 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
 def plot(record: dict, path: str) -> None:
     from matplotlib.figure import Figure
 
-    ms = record["ms"]
-    fig = Figure(figsize=(8, 3.6), dpi=120)
-    ax = fig.add_subplot(1, 1, 1)
+    ms, b2b = record["ms"], record["b2b_ms"]
     names = list(ms)
+    fig = Figure(figsize=(8, 1.2 + 0.45 * len(names)), dpi=120)
+    ax = fig.add_subplot(1, 1, 1)
     colors = ["#999999" if n == "floor" else "#4477aa" if n.startswith("route") else "#cc6677" for n in names]
-    ax.barh(names, [ms[n] for n in names], color=colors)
+    y = list(range(len(names)))
+    ax.barh([i - 0.2 for i in y], [ms[n] for n in names], height=0.4, color=colors, label="from a synchronized start")
+    ax.barh([i + 0.2 for i in y], [b2b[n] for n in names], height=0.4, color=colors, alpha=0.55,
+            label="back to back")
     for i, n in enumerate(names):
-        ax.text(ms[n], i, f" {ms[n]:.2f}", va="center", fontsize=8)
+        ax.text(ms[n], i - 0.2, f" {ms[n]:.2f}", va="center", fontsize=7)
+        ax.text(b2b[n], i + 0.2, f" {b2b[n]:.2f}", va="center", fontsize=7)
+    ax.set_yticks(y, names)
     ax.invert_yaxis()
-    ax.set_xlabel("forward + backward, ms (slowest rank, median)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel("forward + backward, ms per step (slowest rank; median, or mean of steps back to back)")
     cfg = record["config"]
     ax.set_title(f"MoE layer, EP{cfg['num_ranks']}, {cfg['tokens']} tokens/rank, hidden {cfg['hidden']}, "
                  f"{cfg['num_experts']} experts top-{cfg['topk']}", fontsize=9)
@@ -264,8 +270,9 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < args.num_ranks:
         parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs, found {torch.cuda.device_count()}")
-    if min(args.num_sms) < 0:
-        parser.error(f"--num-sms={args.num_sms} must be >= 0")
+    if len(set(args.num_sms)) < len(args.num_sms) or any(n < 0 or n == 1 for n in args.num_sms):
+        parser.error(f"--num-sms={args.num_sms}: distinct values, each 0 (the model's count) or at least 2 (a "
+                     f"sender and a receiver block)")
     config = {k: getattr(args, k) for k in ("tokens", "hidden", "num_experts", "topk", "ffn", "iters", "seed",
                                             "variants", "num_sms")}
     config["num_ranks"] = args.num_ranks

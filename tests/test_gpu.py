@@ -367,8 +367,12 @@ def rounds_rank(rank: int, world_size: int, cases: list[Case]) -> int:
 
 
 def test_cuda_expand_combine_in_rounds(nccl_pool, seed):
-    cases = [Case(**{**c.__dict__, "do_expand": True, "num_topk": min(c.num_experts, max(4, c.num_topk))})
-             for c in draw_cases(seed * 10 + 104, 6, WORLD_SIZE, max_tokens=512, dtypes=("bfloat16",))]
+    # First a case whose slots the region itself splits: DeepSeek-V3's rows at top-8 fit 4 slots per round at EP2
+    # (2 rounds), 3 at EP3, 2 from EP4 on.
+    cases = [Case(seed=105, num_ranks=WORLD_SIZE, num_experts=16, num_topk=8, hidden=7168, dtype="bfloat16",
+                  num_tokens=per_rank(96, 64), num_max_tokens_per_rank=96, do_expand=True)]
+    cases += [Case(**{**c.__dict__, "do_expand": True, "num_topk": min(c.num_experts, max(4, c.num_topk))})
+              for c in draw_cases(seed * 10 + 104, 6, WORLD_SIZE, max_tokens=512, dtypes=("bfloat16",))]
     assert nccl_pool.run(rounds_rank, cases) == [len(cases)] * WORLD_SIZE
 
 

@@ -3,7 +3,8 @@
 launch structs; the C boundary itself is `cuda_kernels.py`.)
 
 Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`, peers mapped through CUDA IPC): a
-control region (flags, counters, one control slot per source rank) and a receive region (a block per source rank).
+control region (flags, counters, one control slot per source rank) and a receive region (a dispatch's: a block per
+source rank; a combine's: a block per peer, own rows being read from x).
 
 A dispatch is two kernels: layout (send positions, counts), whose last block runs the notify (the barrier: nobody
 writes into a region its owner still reads; every rank's counts into every peer's control slot; with a CPU sync a
@@ -66,7 +67,8 @@ class CudaTuning:
         dispatch_send_fraction: share of a dispatch kernel's blocks that send (None: `num_send_blocks`' rule).
         combine_send_fraction: the same for the combine kernel.
         max_round_slots: at most this many slots per round of an expand combine (None: as many as the receive
-            region holds; the GPU tests force rounds with it on one rank, which needs no region).
+            region holds; the GPU tests force rounds with it on one rank, which needs no region). It lays out the
+            combine's region: give every rank the same value (the other fields may differ between ranks).
     """
 
     kernel_flags: tuple[str, ...] = ()
@@ -324,7 +326,7 @@ class CudaBackend(Backend):
         blocks = R if phase == "dispatch" else R - 1  # a combine's region has the peers' blocks only
         needed = blocks * cap * rows_per_token * row.stride
         if needed > self.region_bytes:
-            raise ValueError(f"rows of {row.stride} bytes x {blocks} ranks x {cap} tokens x {rows_per_token} = "
+            raise ValueError(f"rows of {row.stride} bytes x {blocks} blocks x {cap} tokens x {rows_per_token} = "
                              f"{needed} bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
         if L + 2 > lay.SLOT_STRIDE:
             raise ValueError(f"num_experts={num_experts} over {R} ranks is {L} local experts; the CUDA backend takes "

@@ -14,9 +14,10 @@ device-side offsets, so it takes `tokens_per_expert` on the host (Megatron's dis
 
 The function is MLP.forward's unfused path (megatron/core/transformer/mlp.py, the same in 0.16.1 and 0.19.2)
 for each local expert, with the router probabilities as `per_token_scale`, as `SequentialMLP.forward` calls it
-(megatron/core/transformer/moe/experts.py). Rows past the last offset (worst-case-sized inputs) come out as
-zeros, get zero gradients and add nothing to parameter gradients, whatever the inputs and the incoming
-gradient hold there.
+(megatron/core/transformer/moe/experts.py). Rows past the last offset (worst-case-sized inputs) add nothing to
+parameter gradients and to the other rows, whatever the inputs and the incoming gradient hold there; their output
+and input gradient are zeros (`zero_tail=True`, the default) or left uncomputed (`zero_tail=False`). Inside the
+backward they may hold NaN either way (torch's anomaly mode would report it), without reaching anything else.
 
 Shape legend: P = rows fed to the experts (grouped by local expert), L = local experts, I = input/output
 size of an expert (hidden size, or `moe_latent_size`), F = `moe_ffn_hidden_size`, F1 = F (2F with a gated
