@@ -19,7 +19,8 @@ namespace moe_comm {
 // Combine: one kernel, blocks [0, num_send_blocks) send and the others reduce, at the same time.
 // Send: row m of the dispatch output goes back to its source rank s (another rank: our own rows stay here), into
 // our block of s's region (`combine_block`) at the row it came from (expand: one row per (token, slot) of this
-// round, at sub-row slot - slot_begin); a warp writes the rows of kCombineBatch items, then its lanes release their tags.
+// round, at sub-row slot - slot_begin); a warp writes the rows of kCombineBatch items, then its lanes release
+// their tags.
 // Reduce, one warp per token of this rank: the lanes find the token's rows in the documented order (ascending
 // rank, or ascending slot in expand mode), each acquires its row's tag (rows from this rank itself are read from
 // x and have none), then the warp adds them in that order in Acc precision from zero (or the accumulator of
