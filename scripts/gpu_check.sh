@@ -4,14 +4,16 @@
 # commit as MOE_COMM_COMMIT=$(git rev-parse HEAD): the device copy's git history is stale, results would record it.
 #   scripts/gpu_check.sh tests      GPU tier (both backends) + kernel compile/load + FP8 casts on CUDA (~3 min; one GPU:
 #                                   one rank, the peer tests skip)
-#   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend (~2 min)
+#   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, then the same with the
+#                                   expand layout (--expand: the MoE layer's dispatches) (~3 min)
 #   scripts/gpu_check.sh soak       scripts/soak.py, 10,000 iterations of every path on the CUDA backend, one rank per
 #                                   GPU (~7 min: 2,000 took 77 s on one H200; issue 13 asks for 10,000 on 2 GPUs)
 #   scripts/gpu_check.sh megatron   Megatron GPU tier: parity on 2 GPUs, grouped experts, the sync-free layer (no host
 #                                   sync, CUDA graph replay); needs megatron-core carried in .whl (README of the device
 #                                   tool: pip download megatron-core==0.19.2 ... --python-version 3.12 -d .whl)
 #   scripts/gpu_check.sh layer      scripts/bench_layer.py: one DeepSeek-V3-shaped MoE layer with every dispatcher
-#                                   against its compute-only floor (.whl as above)
+#                                   against its compute-only floor, route A at the model's SM count, 66 and 132
+#                                   (.whl as above)
 #   scripts/gpu_check.sh recipe     the recipe (2 GPUs): `small` 50 steps bf16 with alltoall and moe_comm, `small` 50
 #                                   steps fp32 (max |loss diff| <= 1e-3), `dsv3` alltoall + grouped experts against
 #                                   moe_comm's sync-free layer (.whl with megatron-core, wandb and its needs)
@@ -32,7 +34,9 @@ case "${1:-}" in
     bench)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --json "$out/bench.json" --md "$out/bench.md" \
-            2>&1 | tail -45 ;;
+            2>&1 | tail -45
+        python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --expand --sms 12 22 32 48 66 96 132 \
+            --json "$out/bench-expand.json" --md "$out/bench-expand.md" 2>&1 | tail -30 ;;
     soak)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/soak.py --iters 10000 --num-ranks "$gpus" --backend cuda --json "$out/soak.json" 2>&1 \
@@ -48,7 +52,8 @@ case "${1:-}" in
             .whl/*.whl || exit 1
         export PYTHONPATH=/tmp/site:$PYTHONPATH
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
-        python3 scripts/bench_layer.py --num-ranks "$gpus" --out "$out" 2>&1 | grep -v -i warn | tail -25 ;;
+        python3 scripts/bench_layer.py --num-ranks "$gpus" --num-sms 0 66 132 --out "$out" 2>&1 | grep -v -i warn \
+            | tail -30 ;;
     recipe)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || exit 1
