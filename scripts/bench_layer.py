@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -46,7 +45,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from moe_comm.testing import parallel_launch  # noqa: E402
-from moe_comm.testing.bench import run_metadata  # noqa: E402
+from moe_comm.testing.bench import median_time_us, run_metadata  # noqa: E402
 from recipes.megatron_moe.model import ModelDims  # noqa: E402
 
 VARIANTS = ("alltoall + sequential", "alltoall + grouped", "route A (CPU sync)", "route A sync-free", "route A FP8",
@@ -77,39 +76,25 @@ def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int, num_sms: int 
     return build_moe_layer(config, dims, dispatcher, options, grouped_experts=grouped).cuda()
 
 
-def _time_ms(step, iters: int) -> float:
-    """Median ms of `step()` (CUDA events), the slowest rank's median."""
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    slowest = torch.tensor([statistics.median(times)], device="cuda")
+def _slowest_rank(ms: float) -> float:
+    slowest = torch.tensor([ms], device="cuda")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.item()
+
+
+def _time_ms(step, iters: int) -> float:
+    """Median ms of `step()` (CUDA events, every rank's GPU idle at each start), the slowest rank's median."""
+    return _slowest_rank(median_time_us(step, torch.device("cuda"), num_iters=iters) / 1e3)
 
 
 def _time_b2b_ms(step, iters: int) -> float:
     """ms per step of `iters` steps issued back to back (CUDA events around all of them, the slowest rank): as in
     training, where the host runs ahead of the GPU unless a step waits for it (a CPU sync)."""
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    end.synchronize()
-    slowest = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+    def steps():
+        for _ in range(iters):
+            step()
+
+    return _slowest_rank(median_time_us(steps, torch.device("cuda"), num_warmups=0, num_iters=1) / 1e3 / iters)
 
 
 def bench_rank(rank: int, world_size: int, args: dict) -> dict:
