@@ -319,14 +319,14 @@ class CudaBackend(Backend):
 
     def _params(self, num_tokens: int, cap: int, num_experts: int, num_topk: int, row: lay.RowFormat,
                 data_bytes: int, scale_bytes: int, weight_bytes: int, expert_alignment: int, num_send: int,
-                phase: str, rows_per_token: int = 1, signature=()) -> lay.EpParams:
-        """An operation's EpParams, after the checks that need no device values (ValueError names the limit)."""
+                phase: str, region_blocks: int, rows_per_token: int = 1, signature=()) -> lay.EpParams:
+        """An operation's EpParams, after the checks that need no device values (ValueError names the limit).
+        `region_blocks` blocks of `cap` tokens' rows must fit the receive region (`moe_comm.layout`)."""
         R = self.num_ranks
         L = num_experts // R
-        blocks = R if phase == "dispatch" else R - 1  # a combine's region has the peers' blocks only
-        needed = blocks * cap * rows_per_token * row.stride
+        needed = region_blocks * cap * rows_per_token * row.stride
         if needed > self.region_bytes:
-            raise ValueError(f"rows of {row.stride} bytes x {blocks} blocks x {cap} tokens x {rows_per_token} = "
+            raise ValueError(f"rows of {row.stride} bytes x {region_blocks} blocks x {cap} tokens x {rows_per_token} = "
                              f"{needed} bytes do not fit the buffer's receive region of {self.region_bytes} bytes")
         if L + 2 > lay.SLOT_STRIDE:
             raise ValueError(f"num_experts={num_experts} over {R} ranks is {L} local experts; the CUDA backend takes "
@@ -355,7 +355,8 @@ class CudaBackend(Backend):
         num_send = num_send_blocks("dispatch", c.num_sms, self.num_ranks, c.do_expand,
                                    self.tuning.dispatch_send_fraction)
         return self._params(num_tokens, c.num_max_tokens_per_rank, c.num_experts, num_topk, row, data_bytes,
-                            scale_bytes, weight_bytes, c.expert_alignment, num_send, "dispatch", signature=signature)
+                            scale_bytes, weight_bytes, c.expert_alignment, num_send, "dispatch", self.num_ranks,
+                            signature=signature)
 
     # ------------------------------------------------------------------------------------------------
     # Dispatch
@@ -506,18 +507,19 @@ class CudaBackend(Backend):
         data_bytes = c.x.shape[1] * c.x.element_size()
         wb = 0 if c.topk_weights is None else c.topk_weights.element_size()
         row = lay.combine_row(data_bytes, 1 if handle.do_expand else K, wb)
+        peers = R - 1  # the combine region's blocks: our own rows are read from x
         num_slots = 1
         if handle.do_expand:
-            # As many slots per round as the region holds (a block per peer: our own rows are read from x, so one
-            # rank needs no region and one round): each round adds its slots in ascending order.
-            fit = self.region_bytes // ((R - 1) * cap * row.stride) if R > 1 and cap else K
+            # As many slots per round as the region holds (one rank needs no region: one round); each round adds
+            # its slots in ascending order.
+            fit = self.region_bytes // (peers * cap * row.stride) if peers and cap else K
             num_slots = min(K, lay.MAX_ROUND_SLOTS, fit, self.tuning.max_round_slots or K)
             if num_slots == 0:
                 raise ValueError(f"combine rows of {row.stride} bytes do not fit the receive region "
-                                 f"({self.region_bytes} bytes for {R - 1} peers x {cap} tokens)")
+                                 f"({self.region_bytes} bytes for {peers} peers x {cap} tokens)")
         num_send = num_send_blocks("combine", c.num_sms, R, handle.do_expand, self.tuning.combine_send_fraction)
         params = self._params(handle.num_tokens, cap, handle.num_experts, K, row, data_bytes, 0, wb, 1, num_send,
-                              "combine", rows_per_token=num_slots, signature=c.signature())
+                              "combine", peers, rows_per_token=num_slots, signature=c.signature())
         args = lay.CombineArgs(
             psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.pointer("expand_row"),
             send_pos=layout.pointer("send_pos"), clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
