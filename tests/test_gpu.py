@@ -483,7 +483,7 @@ def test_cuda_bad_routing_raises_everywhere(nccl_pool):
         assert "out-of-range entries on rank(s) [0], duplicate experts in a row on rank(s) [0]" in deferred
 
 
-def disagreement_rank(rank: int, world_size: int) -> list[str]:
+def device_probes_rank(rank: int, world_size: int) -> list[str]:
     from moe_comm.testing.disagreement import run_probes
     return run_probes(rank, world_size, lambda: moe_comm.Buffer(
         None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, use_fp8_dispatch=True, backend="cuda",
@@ -495,7 +495,7 @@ def test_disagreement_found_on_the_device(nccl_pool):
     """Every probe of moe_comm.testing.disagreement on the CUDA backend: the kernels compare the ranks' signatures at
     each operation's barrier, move nothing, and every rank raises the same ValueError at its next synchronizing
     call; the buffer works afterwards."""
-    messages = nccl_pool.run(disagreement_rank)
+    messages = nccl_pool.run(device_probes_rank)
     assert messages[0] == messages[1]
 
 
