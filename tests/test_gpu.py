@@ -499,6 +499,31 @@ def test_disagreement_found_on_the_device(nccl_pool):
     assert messages[0] == messages[1]
 
 
+def round_slots_rank(rank: int, world_size: int) -> str:
+    """Ranks whose buffers lay out an expand combine's rounds differently (`CudaTuning.max_round_slots`): the kernels
+    find it at the first round's barrier, move nothing, and every rank raises at the next synchronizing call; a
+    combine both lay out alike works afterwards."""
+    case = Case(seed=232, num_ranks=WORLD_SIZE, num_experts=8, num_topk=4, hidden=128, num_tokens=per_rank(16),
+                num_max_tokens_per_rank=16, do_expand=True)
+    with Buffers() as buffers:
+        buf = buffers.get(case, "cuda", num_gpu_timeout_secs=20, cuda_tuning=CudaTuning(max_round_slots=1 + rank))
+        x, idx, w = rank_inputs(case, rank, buf.device)
+        recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=8, do_expand=True)
+        buf.combine(recv_x, handle)
+        with pytest.raises(ValueError) as info:
+            buf.barrier()
+        agreed = buffers.get(case, "cuda", num_gpu_timeout_secs=20, cuda_tuning=CudaTuning(max_round_slots=2))
+        check_case(agreed, case, rank)
+        return str(info.value)
+
+
+@needs_peer
+def test_cuda_ranks_must_agree_on_round_slots(nccl_pool):
+    messages = nccl_pool.run(round_slots_rank)
+    assert messages == [messages[0]] * WORLD_SIZE
+    assert f"slots per round: {[1 + r for r in range(WORLD_SIZE)]}" in messages[0], messages[0]
+
+
 def cuda_churn_rank(rank: int, world_size: int, num_buffers: int) -> dict:
     case = Case(seed=241, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=4096, num_tokens=per_rank(512, 300),
                 num_max_tokens_per_rank=512)

@@ -22,13 +22,15 @@ DONE = EventOverlap()
 # What ranks can be running; a call's signature starts with its index (ranks on different operations disagree).
 OPERATIONS = ("dispatch", "cached dispatch", "combine")
 # The words of a call's signature per operation (`DispatchCall.signature`, `CombineCall.signature`), the operation
-# first and the handle's epoch second (0 for a fresh dispatch); codes of the fields that name a choice.
+# first and the handle's epoch second (0 for a fresh dispatch); codes of the fields that name a choice. The CUDA
+# backend fills a combine's "slots per round" (its receive region's layout, `CudaTuning.max_round_slots`); the
+# reference leaves it 0.
 _DISPATCH_FIELDS = ("operation", "handle epoch", "num_experts", "num_topk", "hidden", "row dtype", "fp8 format",
                     "dequantize", "topk_weights given", "topk_weights dtype", "num_max_tokens_per_rank", "do_expand",
                     "expert_alignment", "do_cpu_sync")
 SIGNATURE_FIELDS = {"dispatch": _DISPATCH_FIELDS, "cached dispatch": _DISPATCH_FIELDS,
                     "combine": ("operation", "handle epoch", "hidden", "row dtype", "topk_weights given",
-                                "topk_weights dtype")}
+                                "topk_weights dtype", "slots per round")}
 DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _DTYPE_NAMES = ("none", "bfloat16", "float32", "float64")
 _CHOICES = {"operation": OPERATIONS, "row dtype": _DTYPE_NAMES, "topk_weights dtype": _DTYPE_NAMES,

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .. import layout as lay
 from .. import quant
 from ..handle import EPHandle
-from .common import DTYPE_CODES, Backend, disagreement
+from .common import DTYPE_CODES, SIGNATURE_FIELDS, Backend, disagreement
 from .cuda_kernels import current_stream, load_kernels
 
 MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
@@ -68,7 +68,8 @@ class CudaTuning:
         combine_send_fraction: the same for the combine kernel.
         max_round_slots: at most this many slots per round of an expand combine (None: as many as the receive
             region holds; the GPU tests force rounds with it on one rank, which needs no region). It lays out the
-            combine's region: give every rank the same value (the other fields may differ between ranks).
+            combine's region, so it is in the combine's signature: ranks with different values get the ValueError
+            of ranks that disagree (the other fields may differ between ranks).
     """
 
     kernel_flags: tuple[str, ...] = ()
@@ -518,8 +519,10 @@ class CudaBackend(Backend):
                 raise ValueError(f"combine rows of {row.stride} bytes do not fit the receive region "
                                  f"({self.region_bytes} bytes for {peers} peers x {cap} tokens)")
         num_send = num_send_blocks("combine", c.num_sms, R, handle.do_expand, self.tuning.combine_send_fraction)
+        signature = c.signature()
+        signature[SIGNATURE_FIELDS["combine"].index("slots per round")] = num_slots  # ranks must lay out alike
         params = self._params(handle.num_tokens, cap, handle.num_experts, K, row, data_bytes, 0, wb, 1, num_send,
-                              "combine", peers, rows_per_token=num_slots, signature=c.signature())
+                              "combine", peers, rows_per_token=num_slots, signature=signature)
         args = lay.CombineArgs(
             psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.pointer("expand_row"),
             send_pos=layout.pointer("send_pos"), clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
