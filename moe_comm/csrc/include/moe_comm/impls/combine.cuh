@@ -110,7 +110,17 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
         const int64_t x_row = a.do_expand ? a.expand_row[(own_first + pos) * K + j] : own_first + pos;
         return x_row >= 0 && x_row < a.num_x_rows ? x_row : -1;
     };
-    for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
+    // Work items: (token, slice of its groups of vectors). With fewer tokens than warps a token's hidden range is
+    // split over several warps: a warp's loads of a token's rows wait one after another (each add stalls the warp
+    // before the next row's loads issue), so few tokens would leave most warps idle behind long chains. Every
+    // element still adds its rows in the same order.
+    constexpr int64_t kGroup = kReduceUnroll * kWarpSize;  // vectors per iteration of a warp
+    const int64_t num_groups = (num_vecs + kGroup - 1) / kGroup;
+    const int64_t slices = max(int64_t(1), min(num_groups, num_warps / max(p.num_tokens, int64_t(1))));
+    const int64_t slice_vecs = (num_groups + slices - 1) / slices * kGroup;
+    for (int64_t item = warp; item < p.num_tokens * slices; item += num_warps) {
+        const int64_t t = item / slices, v_begin = item % slices * slice_vecs;
+        const int64_t v_end = min(num_vecs, v_begin + slice_vecs);
         const int64_t* pos = a.send_pos + t * R;
         const int64_t* experts = a.clean_idx + t * K;
         // Lane r owns one candidate row (rank r, or slot slot_begin + r); the rows that exist, in lane order,
@@ -139,7 +149,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
             !wait_flag_equal(row_tag_ptr(region_row, p), tag, p, p.phase, peer))
             timed_out = 1;
         __syncwarp();
-        for (int64_t v0 = 0; v0 < num_vecs; v0 += kReduceUnroll * kWarpSize) {
+        for (int64_t v0 = v_begin; v0 < v_end; v0 += kGroup) {
             Acc acc[kReduceUnroll][kVec];
 #pragma unroll
             for (int u = 0; u < kReduceUnroll; ++u) {
@@ -188,7 +198,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                 reinterpret_cast<int4*>(static_cast<T*>(a.out) + first)[0] = packed;
             }
         }
-        if (a.out_weights) {
+        if (a.out_weights && v_begin == 0) {  // once per token: by its first slice
             for (int j = lane; j < K; j += kWarpSize) {
                 if (a.do_expand && (j < a.slot_begin || j >= a.slot_end)) continue;
                 uint8_t* dst = a.out_weights + (t * K + j) * wb;
