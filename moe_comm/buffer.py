@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import domains, env, quant, sizing, traffic_class
 from .backends import cuda as cuda_backend
 from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
+from .backends.hybrid import HybridBackend, leg_groups
 from .backends.torch_hybrid import HybridRefBackend
 from .backends.torch_ref import TorchRefBackend
 from .event import EventOverlap
@@ -194,6 +195,7 @@ class Buffer:
         self._memory_bytes = _memory_bytes(self.device)
         self.domains = domains.find_domains(group, self.device)  # collective; the same on every rank
         self.is_hybrid = self._use_hybrid()
+        self._cuda_tuning = cuda_tuning
         self.backend = self._resolve_backend(backend, cuda_tuning)
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
@@ -210,7 +212,10 @@ class Buffer:
         """
         impl, failure = None, None
         try:
-            if self.backend == "cuda":
+            if self.backend == "cuda" and self.is_hybrid:
+                impl = HybridBackend(self.group, self.device, self.num_cpu_timeout_secs,
+                                     *self.get_logical_domain_size(), lambda g: self._inner_buffer(g, "cuda"))
+            elif self.backend == "cuda":
                 if self.num_bytes > self._memory_bytes:
                     raise self._too_large("the symmetric buffer of this Buffer(num_max_tokens_per_rank=..., "
                                           "hidden=..., num_topk=...)", self.num_bytes)
@@ -274,12 +279,13 @@ class Buffer:
                                  f"use backend='torch' or 'auto'")
             return "torch"  # gloo: the reference backend is the only one, no warning
         if self.domains.num_domains > 1:
-            # The domains are the same on every rank: so is this choice.
-            why_not = f"the group spans {self.domains.num_domains} scale-up domains ({self.domains.describe()}): " \
-                + (
-                "the CUDA backend has no hybrid kernels yet" if self.is_hybrid else
-                "its kernels reach peers by peer memory only, and allow_hybrid_mode=False (or non-uniform domains) "
-                "rules out forwarding between hosts")
+            # The domains are the same on every rank: so are these collectives and this choice.
+            why_not = self._why_not_cuda_hybrid(cuda_tuning) if self.is_hybrid else (
+                f"the group spans {self.domains.num_domains} scale-up domains ({self.domains.describe()}): the "
+                f"kernels reach peers by peer memory only, and allow_hybrid_mode=False (or non-uniform domains) rules "
+                f"out forwarding between hosts")
+            if why_not is None:
+                return "cuda"
             if backend == "cuda":
                 raise ValueError(f"backend='cuda' cannot run on this group: {why_not}; use backend='torch' or 'auto'")
             warnings.warn(f"moe_comm: backend='auto' uses the reference backend ('torch'): {why_not}", stacklevel=3)
@@ -291,6 +297,34 @@ class Buffer:
             raise ValueError(f"backend='cuda' cannot run on this group: {why_not}; use backend='torch' or 'auto'")
         warnings.warn(f"moe_comm: backend='auto' uses the reference backend ('torch'): {why_not}", stacklevel=3)
         return "torch"
+
+    def _why_not_cuda_hybrid(self, cuda_tuning) -> Optional[str]:
+        """None when the CUDA backend's hybrid path (`moe_comm.backends.hybrid`) can run here, else why not, the same
+        on every rank. Collective: makes the legs' subgroups and asks every host whether its kernels can run."""
+        S, U = self.get_physical_domain_size()
+        host_group, _ = leg_groups(self.group, S, U)
+        mine = cuda_backend.why_not_usable(host_group, cuda_tuning)  # collective over the host
+        everyone = [None] * self.num_ranks
+        dist.all_gather_object(everyone, mine, group=self.group)
+        problems = [f"host {h}: {everyone[h * U]}" for h in range(S) if everyone[h * U]]
+        if self.deterministic or not self.allow_multiple_reduction:
+            problems.append("the CUDA hybrid path sums a token's rows inside each host before they cross "
+                            "(allow_multiple_reduction=True, deterministic=False); the unreduced combine that "
+                            f"deterministic={self.deterministic}, allow_multiple_reduction="
+                            f"{self.allow_multiple_reduction} ask for runs on the reference backend only")
+        if problems:
+            return f"the group spans {S} hosts ({self.domains.describe()}): " + "; ".join(problems)
+        return None
+
+    def _inner_buffer(self, host_group: dist.ProcessGroup, backend: str) -> "Buffer":
+        """The scale-up leg of the hybrid path: a direct Buffer on this rank's host, sized for a forwarder's space
+        (`S * num_max_tokens_per_rank` tokens) and for FP32 combine rows (the partial sums), deterministic order."""
+        S, _ = self.get_logical_domain_size()
+        return Buffer(host_group, num_max_tokens_per_rank=S * self.num_max_tokens_per_rank, hidden=2 * self.hidden,
+                      num_topk=self.num_topk, use_fp8_dispatch=self.use_fp8_dispatch, backend=backend,
+                      deterministic=True, num_gpu_timeout_secs=self.num_gpu_timeout_secs,
+                      num_cpu_timeout_secs=self.num_cpu_timeout_secs, allow_hybrid_mode=False,
+                      cuda_tuning=self._cuda_tuning)
 
     def _machine_topology(self) -> sizing.Topology:
         """The sizing model's inputs, read off this machine where possible.

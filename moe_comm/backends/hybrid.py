@@ -1,0 +1,391 @@
+"""The hybrid path over a scale-up backend (DESIGN 8.3, issue 15): what `Buffer(backend="cuda")` runs when the group
+spans several hosts. The group is `S` hosts of `U` ranks, rank `r = h * U + u` on host h with local index u. Two legs:
+- scale-out: the ranks of one local index on every host (a "rail"), a `torch.distributed` subgroup: one
+  `all_to_all_single` per exchange (NCCL on GPUs: the network between hosts, on the stream, no host sync);
+- scale-up: the ranks of one host, an inner `moe_comm.Buffer` on that subgroup (the CUDA backend's NVLink kernels on
+  GPUs; the reference backend in the CPU tests, which run this module's logic on gloo).
+
+Fresh dispatch (me = (h0, u0)):
+1. Each token goes once to every host that owns one of its experts (dedup per host), to the rank of its local index
+   there, its "forwarder", with its expert ids relative to that host (-1 for slots elsewhere). The rows for a host
+   are a block of the scale-out send, in token order; with a CPU sync the blocks hold exactly those tokens (the
+   counts go round in the flag exchange), without one `cap = num_max_tokens_per_rank` rows each.
+2. The forwarder places each arrived row at row `h * cap + t` of its forwarder space (source host h, source token t)
+   and dispatches that space inside its host: experts `U * L` relative to the host, `S * cap` tokens.
+3. A receiver then holds rows grouped by forwarder u', each group in (h, t) order; the direct path's order is by
+   source rank `h * U + u'`, then t. With `U > 1` the receiver sorts its rows by host, stably (expand: by (expert,
+   host), with the host of each expanded row read from a 16-byte cached dispatch of forwarder rows), once per layout;
+   the handle keeps the gather index. Outputs and handle tensors are the direct path's, bit for bit.
+A cached dispatch moves rows along the same positions (scale-out, forwarder space, inner cached dispatch, gather).
+
+Combine, with partial reduction (the only one here: `allow_multiple_reduction` and not `deterministic`): the rows go
+back through the inner combine in the accumulation precision (FP32; FP64 for float64 rows), so each forwarder holds,
+per token, its host's rows added from zero in DESIGN 2.2's order, unrounded. That partial crosses back once, on the
+positions it came by; the source adds the partials from zero in ascending host order, then `bias[0]`, `bias[1]`, and
+rounds once. Bitwise the reference's hybrid partial sums (`torch_hybrid`), within FP32 rounding of the direct path.
+Buffers that ask for the unreduced combine (`deterministic=True` or `allow_multiple_reduction=False`, every term
+crossing alone) run on the reference backend: the CUDA path has no unreduced inner combine yet.
+
+Costs against the direct path: two scale-out exchanges per dispatch (rows, and a float64 side row: source index,
+ids, weights, FP8 scales), one per combine; a copy into the forwarder space per dispatch; with `U > 1` one gather of
+the received rows per dispatch and combine; the combine's inner leg moves FP32 rows. Ranks that disagree on a call
+without a CPU sync are caught inside a host (the inner backend) but not across hosts (sizes of the scale-out
+exchange would differ): there `MOE_COMM_CHECK_INPUTS=1` or a synchronizing call checks them. A scale-out wait that
+never ends is NCCL's process-group timeout on GPUs (on CPU: `num_cpu_timeout_secs`, naming rank, phase and rail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import quant
+from ..handle import EPHandle
+from .common import Backend
+
+# Subgroups of a group per (group name, hosts, ranks per host): a Buffer made again on the same group (Megatron's
+# cache grows its buffers) reuses them instead of creating communicators without end.
+_LEG_GROUPS: dict[tuple[str, int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def leg_groups(group: dist.ProcessGroup, num_hosts: int, ranks_per_host: int
+               ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """`(host_group, rail_group)` of this rank: the ranks of its host, and the ranks of its local index on every host.
+    Collective over `group` (each rank creates its two subgroups with their members only)."""
+    S, U = num_hosts, ranks_per_host
+    key = (group.group_name, S, U)
+    if key not in _LEG_GROUPS:
+        ranks = [dist.get_global_rank(group, r) for r in range(S * U)]
+        h0, u0 = divmod(dist.get_rank(group), U)
+        backend = dist.get_backend(group)
+        host = dist.new_group([ranks[h0 * U + u] for u in range(U)], backend=backend, use_local_synchronization=True)
+        rail = dist.new_group([ranks[h * U + u0] for h in range(S)], backend=backend, use_local_synchronization=True)
+        _LEG_GROUPS[key] = (host, rail)
+    return _LEG_GROUPS[key]
+
+
+def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for v in values:
+        out.append(acc)
+        acc += v
+    return out
+
+
+def _gather(t, index: Optional[torch.Tensor]):
+    """Rows `index` of a tensor, of both parts of an FP8 tuple, or None; `index` None: unchanged."""
+    if index is None or t is None:
+        return t
+    if isinstance(t, tuple):
+        return tuple(part.index_select(0, index) for part in t)
+    return t.index_select(0, index)
+
+
+@dataclass(eq=False)
+class HybridLayout:
+    """Routing state of the hybrid path, kept in `EPHandle.layout` (private to the backend).
+
+    inner: the inner (scale-up) dispatch's handle, over this host's forwarder spaces.
+    rail_send_splits / rail_recv_splits: rows per host of the scale-out leg (source side / forwarder side).
+    host_pos_NS: `[N, S]` row of each token inside its host's block of the scale-out send, -1: not sent there.
+    send_token: `[sum(rail_send_splits)]` source token of each scale-out send row (0 for rows that hold none).
+    fwd_row: `[sum(rail_recv_splits)]` forwarder-space row of each arrived scale-out row, -1: a row that holds none.
+    order: `[P]` inner output row of each output row, None when the orders agree (one rank per host).
+    inverse: `[P]` output row of each inner output row (the combine's gather), None likewise.
+    """
+
+    inner: EPHandle
+    rail_send_splits: list[int]
+    rail_recv_splits: list[int]
+    host_pos_NS: torch.Tensor
+    send_token: torch.Tensor
+    fwd_row: torch.Tensor
+    order: Optional[torch.Tensor]
+    inverse: Optional[torch.Tensor]
+
+
+class HybridBackend(Backend):
+    """`Buffer(backend="cuda")` across hosts: the scale-out leg over a rail subgroup, the scale-up leg through an inner
+    Buffer on this rank's host (module docstring).
+
+    Arguments:
+        group, device, num_cpu_timeout_secs: as `Backend`.
+        num_hosts, ranks_per_host: S and U (rank r on host r // U).
+        make_inner: builds the inner Buffer on the host subgroup it is given (collective over that subgroup).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float, num_hosts: int,
+                 ranks_per_host: int, make_inner: Callable[[dist.ProcessGroup], object]) -> None:
+        super().__init__(group, device, num_cpu_timeout_secs)
+        S, U = num_hosts, ranks_per_host
+        if S * U != self.num_ranks:
+            raise ValueError(f"{S} hosts x {U} ranks != the group's {self.num_ranks} ranks")
+        self.num_hosts, self.ranks_per_host = S, U
+        self.h0, self.u0 = divmod(self.rank, U)
+        self.rail_peers = [h * U + self.u0 for h in range(S)]
+        self.host_group, self.rail_group = leg_groups(group, S, U)
+        self.inner = make_inner(self.host_group)
+        # Handles of the reference's hybrid path and of this one have different layouts: the name keeps them apart.
+        self.name = f"cuda hybrid {S}x{U}" if self.inner.backend == "cuda" else f"hybrid {S}x{U} over {self.inner.backend}"
+        # On the CPU every exchange blocks the host anyway: check every call's agreement (as the reference does).
+        self.checks_every_call = device.type == "cpu"
+
+    def connect(self) -> None:
+        """Nothing left to map: the inner Buffer connected when it was made."""
+
+    def close(self) -> None:
+        self.inner.destroy()
+
+    def after_host_sync(self, synchronized: bool = False) -> None:
+        super().after_host_sync(synchronized)
+        self.inner._impl.after_host_sync(synchronized)  # what the inner backend recorded on the device
+
+    # ------------------------------------------------------------------------------------------------
+    # Exchanges
+    # ------------------------------------------------------------------------------------------------
+    def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
+        everyone = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        work = dist.all_gather(everyone, mine, group=self.group, async_op=True)
+        self._wait([(work, f"rank {self.rank} {phase}")])
+        return torch.stack(everyone)
+
+    def _rail(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], phase: str) -> torch.Tensor:
+        """The scale-out leg: `send`'s block h (`send_splits[h]` rows) to this rank's rail peer on host h; returns the
+        blocks that arrive, host by host."""
+        recv = send.new_empty(sum(recv_splits), *send.shape[1:])
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.rail_group, async_op=True)
+        self._wait([(work, f"rank {self.rank} {phase} (scale-out leg, with ranks {self.rail_peers})")])
+        return recv
+
+    @staticmethod
+    def _wire(c) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`(rows, scales or None)` as they travel: x, or FP8 rows (`torch.float8_e4m3fn`) and their scales (cast here
+        for `quantize=`)."""
+        if c.wire_format is None:
+            return c.x, None
+        return quant.quantize(c.x, c.quantize) if c.quantize is not None else (c.fp8_q, c.fp8_scales)
+
+    def _to_forwarders(self, rows: torch.Tensor, side: Optional[torch.Tensor], send_token: torch.Tensor,
+                       send_splits: list[int], recv_splits: list[int], phase: str):
+        """Rows (as bytes) and a float64 side row each along the scale-out leg: `(rows, side)` as they arrived,
+        `side` None when there is none."""
+        raw = rows.view(torch.uint8)
+        send = raw.index_select(0, send_token) if raw.shape[0] else raw.new_zeros(sum(send_splits), raw.shape[1])
+        arrived = self._rail(send, send_splits, recv_splits, f"{phase} rows")
+        return arrived, None if side is None else self._rail(side, send_splits, recv_splits, f"{phase} side rows")
+
+    def _forwarder_space(self, arrived: torch.Tensor, fwd_row: torch.Tensor, space: int, dtype: torch.dtype,
+                         scales_in: Optional[torch.Tensor], scales_dtype: Optional[torch.dtype]):
+        """The inner dispatch's input: arrived rows at their forwarder-space rows (rows that hold none: any bytes)."""
+        rows = torch.where(fwd_row >= 0, fwd_row, space)  # a spare last row takes what holds none
+        x = arrived.new_empty(space + 1, arrived.shape[1]).index_copy_(0, rows, arrived)[:space].view(dtype)
+        if scales_in is None:
+            return x
+        scales = scales_in.new_zeros(space + 1, scales_in.shape[1]).index_copy_(0, rows, scales_in)[:space]
+        return x, scales.to(scales_dtype)
+
+    def _inner_dispatch(self, c, x_F, **fields):
+        """A dispatch on the inner backend, built from the outer call `c` (valid by construction, so the inner
+        Buffer's argument checks are skipped: a host can own fewer experts than a token has slots, the slots
+        elsewhere being -1). `fields` replace the call's; returns the inner backend's 5 outputs."""
+        fp8 = isinstance(x_F, tuple)
+        call = dataclasses.replace(
+            c, x=None if fp8 else x_F, fp8_q=x_F[0] if fp8 else None, fp8_scales=x_F[1] if fp8 else None,
+            quantize=None, previous_event=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
+            **fields)
+        return self.inner._impl.dispatch(call, verify_agreement=False)
+
+    # ------------------------------------------------------------------------------------------------
+    # Dispatch
+    # ------------------------------------------------------------------------------------------------
+    def dispatch_steps(self, c, verify_agreement: bool):
+        # A dispatch with a CPU sync syncs anyway: the check costs no extra sync there.
+        if verify_agreement or self.checks_every_call or (c.handle is None and c.do_cpu_sync):
+            self.check_agreement(c.signature())
+        return self._fresh_dispatch(c) if c.handle is None else self._cached_dispatch(c)
+
+    def _fresh_dispatch(self, c):
+        R, S, U = self.num_ranks, self.num_hosts, self.ranks_per_host
+        L, K, N, cap = c.num_experts // R, c.num_topk, c.num_tokens, c.num_max_tokens_per_rank
+        dev, space = self.device, S * cap
+        i64 = dict(dtype=torch.int64, device=dev)
+        clean, flags = self.sanitize_topk_idx(c.topk_idx, c.num_experts)
+        host_NK = torch.where(clean >= 0, clean // (U * L), S)
+        in_host_NS = torch.zeros(N, S + 1, dtype=torch.bool, device=dev).scatter_(1, host_NK, True)[:, :S]
+        host_pos_NS = torch.where(in_host_NS, in_host_NS.long().cumsum(0) - 1, -1)
+
+        # Every rank's error flags and, for a CPU sync, the rows each host gets from it.
+        table = self.gather_values(torch.cat([flags.view(1), in_host_NS.long().sum(0)]), "dispatch count exchange")
+        if c.do_cpu_sync:
+            values = torch.cat([table.flatten(), self.pending_flags]).tolist()
+            self.after_host_sync(synchronized=True)
+            rows_R = [values[r * (S + 1):(r + 1) * (S + 1)] for r in range(R)]
+            if any(values[R * (S + 1):]):
+                self.check_pending_errors()
+            self.raise_for_flags([row[0] for row in rows_R], c.topk_idx, c.num_experts, "")
+            rail_send = rows_R[self.rank][1:]
+            rail_recv = [rows_R[h * U + self.u0][1 + self.h0] for h in range(S)]
+        else:
+            torch.bitwise_or(self.pending_flags, table[:, 0], out=self.pending_flags)
+            rail_send = rail_recv = [cap] * S
+
+        # Scale-out send: a block per host, its tokens in order; the side row carries the source token, the ids
+        # relative to that host (-1: elsewhere, or a row that holds no token), the weights, the FP8 scales.
+        total = sum(rail_send)
+        starts = torch.tensor(_exclusive_cumsum(rail_send), **i64)
+        rows_NS = torch.where(host_pos_NS >= 0, starts + host_pos_NS, total)  # a spare row takes the rest
+        src_N = torch.arange(N, **i64)
+        send_token = torch.zeros(total + 1, **i64).scatter_(0, rows_NS.flatten(), src_N.repeat_interleave(S))[:total]
+        sent = torch.zeros(total + 1, dtype=torch.bool, device=dev).scatter_(0, rows_NS.flatten(),
+                                                                              torch.ones_like(rows_NS.flatten(),
+                                                                                              dtype=torch.bool))[:total]
+        host_row = torch.bucketize(torch.arange(total, **i64), starts, right=True) - 1
+        ids = clean.index_select(0, send_token) if N else clean.new_full((total, K), -1)
+        mine = (ids >= 0) & (ids // (U * L) == host_row[:, None]) & sent[:, None]
+        side = [torch.where(sent, send_token, -1)[:, None], torch.where(mine, ids - host_row[:, None] * U * L, -1)]
+        if c.topk_weights is not None:
+            side.append(c.topk_weights.index_select(0, send_token) if N else
+                        c.topk_weights.new_zeros(total, K))
+        rows, scales = self._wire(c)
+        if scales is not None:
+            side.append(scales.index_select(0, send_token) if N else scales.new_zeros(total, scales.shape[1]))
+        side = torch.cat([t.to(torch.float64) for t in side], 1)  # exact: ids, weights, scales all fit a double
+        arrived, side_in = self._to_forwarders(rows, side, send_token, rail_send, rail_recv, "dispatch")
+
+        # Forwarder: arrived rows at rows h * cap + t, dispatched inside the host.
+        F = side_in.shape[0]
+        fwd_host = torch.bucketize(torch.arange(F, **i64), torch.tensor(_exclusive_cumsum(rail_recv), **i64),
+                                   right=True) - 1
+        src_in = side_in[:, 0].long()
+        fwd_row = torch.where(src_in >= 0, fwd_host * cap + src_in, -1)
+        spare = torch.where(fwd_row >= 0, fwd_row, space)
+        idx_F = torch.full((space + 1, K), -1, **i64).index_copy_(0, spare, side_in[:, 1:K + 1].long())[:space]
+        w_F = None
+        if c.topk_weights is not None:
+            w_F = torch.zeros(space + 1, K, dtype=c.topk_weights.dtype, device=dev).index_copy_(
+                0, spare, side_in[:, K + 1:2 * K + 1].to(c.topk_weights.dtype))[:space]
+        scales_in = None if scales is None else side_in[:, side_in.shape[1] - scales.shape[1]:]
+        x_F = self._forwarder_space(arrived, fwd_row, space, rows.dtype, scales_in,
+                                    None if scales is None else scales.dtype)
+        host_experts = U * L
+        recv_x, _, recv_w, inner, _ = self._inner_dispatch(
+            c, x_F, topk_idx=idx_F, topk_weights=w_F, num_experts=host_experts, num_tokens=space,
+            num_max_tokens_per_rank=space, handle=None,
+            num_sms=self.inner.get_theoretical_num_sms(host_experts, min(K, host_experts)))
+
+        # Receiver: rows of source rank (h, u') in the direct path's order.
+        f_M = inner.recv_src_idx
+        M = f_M.shape[0]
+        valid_M = f_M >= 0
+        host_M = torch.where(valid_M, f_M // max(cap, 1), S)
+        fwd_M = torch.bucketize(torch.arange(M, **i64), inner.psum_num_recv_tokens_per_rank, right=True).clamp(max=U - 1)
+        per_rank = torch.zeros(R + 1, **i64).scatter_add_(0, torch.where(valid_M, host_M * U + fwd_M, R),
+                                                         torch.ones(M, **i64))[:R]
+        order_M = None if U == 1 else torch.sort(host_M, stable=True).indices
+        order = order_M
+        if c.do_expand and U > 1:
+            order = self._expand_order(c, inner, space, cap)
+        inverse = None if order is None else torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.shape[0], **i64))
+        recv_src_idx = _gather(torch.where(valid_M, f_M % max(cap, 1), -1), order_M)
+        recv_idx_out = _gather(inner.recv_topk_idx, order_M)
+        recv_w = _gather(recv_w, order)
+        self.epoch += 1
+        handle = EPHandle(
+            group=self.group, backend=self.name, epoch=self.epoch, num_experts=c.num_experts, num_topk=K,
+            num_tokens=N, num_max_tokens_per_rank=cap, do_expand=c.do_expand, expert_alignment=c.expert_alignment,
+            num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync, topk_idx=clean, recv_src_idx=recv_src_idx,
+            recv_topk_idx=recv_idx_out, recv_topk_weights=recv_w, psum_num_recv_tokens_per_rank=per_rank.cumsum(0),
+            psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
+            num_recv_tokens=inner.num_recv_tokens, num_recv_tokens_per_expert_list=inner.num_recv_tokens_per_expert_list,
+            num_recv_rows=inner.num_recv_rows,
+            layout=HybridLayout(inner=inner, rail_send_splits=rail_send, rail_recv_splits=rail_recv,
+                                host_pos_NS=host_pos_NS, send_token=send_token, fwd_row=fwd_row, order=order,
+                                inverse=inverse))
+        return (_gather(recv_x, order), None if c.do_expand else recv_idx_out, recv_w, handle), [], []
+
+    def _expand_order(self, c, inner: EPHandle, space: int, cap: int) -> torch.Tensor:
+        """Expand layout, `U > 1`: the output's order of the inner rows, sorted by (expert, source host) stably;
+        alignment padding last in its expert's block, rows past the data last of all. The host of each row comes
+        from a cached dispatch of 16-byte forwarder rows holding `row + 1` (padding rows arrive as zeros)."""
+        S, L, dev = self.num_hosts, inner.psum_num_recv_tokens_per_expert.shape[0], self.device
+        tags = torch.zeros(space, 2, dtype=torch.float64, device=dev)
+        tags[:, 0] = torch.arange(1, space + 1, dtype=torch.float64, device=dev)
+        got = self._inner_dispatch(c, tags, wire_format=None, dequantize=False, topk_idx=None, topk_weights=None,
+                                   num_experts=inner.num_experts, num_tokens=space, hidden=2,
+                                   num_max_tokens_per_rank=space, handle=inner, num_sms=inner.num_sms,
+                                   do_cpu_sync=inner.do_cpu_sync)[0]
+        P = got.shape[0]
+        f_P = got[:, 0].long() - 1
+        expert_P = torch.bucketize(torch.arange(P, device=dev), inner.psum_num_recv_tokens_per_expert, right=True)
+        key = torch.where(expert_P < L, expert_P * (S + 1) + torch.where(f_P >= 0, f_P // max(cap, 1), S),
+                          L * (S + 1))
+        return torch.sort(key, stable=True).indices
+
+    def _cached_dispatch(self, c):
+        handle: EPHandle = c.handle
+        lay: HybridLayout = handle.layout
+        rows, scales = self._wire(c)
+        side = None
+        if scales is not None:
+            side = scales.index_select(0, lay.send_token) if scales.shape[0] else \
+                scales.new_zeros(lay.send_token.shape[0], scales.shape[1])
+            side = side.to(torch.float64)
+        arrived, scales_in = self._to_forwarders(rows, side, lay.send_token, lay.rail_send_splits,
+                                                 lay.rail_recv_splits, "cached dispatch")
+        space = self.num_hosts * handle.num_max_tokens_per_rank
+        x_F = self._forwarder_space(arrived, lay.fwd_row, space, rows.dtype, scales_in,
+                                    None if scales is None else scales.dtype)
+        inner: EPHandle = lay.inner
+        recv_x = self._inner_dispatch(c, x_F, num_experts=inner.num_experts, num_tokens=space,
+                                      num_max_tokens_per_rank=space, handle=inner, num_sms=inner.num_sms,
+                                      do_cpu_sync=inner.do_cpu_sync)[0]
+        return (_gather(recv_x, lay.order), None if handle.do_expand else handle.recv_topk_idx,
+                handle.recv_topk_weights, handle), [], []
+
+    # ------------------------------------------------------------------------------------------------
+    # Combine
+    # ------------------------------------------------------------------------------------------------
+    def combine_steps(self, c):
+        """Partial sums per host (inner combine in the accumulation precision), one row back per arrived row, the
+        source's sum over hosts in ascending order, then the biases."""
+        handle: EPHandle = c.handle
+        lay: HybridLayout = handle.layout
+        S, N, hidden, dev = self.num_hosts, handle.num_tokens, c.x.shape[1], self.device
+        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        y = _gather(c.x, lay.inverse).to(acc_dtype)
+        call = dataclasses.replace(c, x=y, handle=lay.inner, topk_weights=_gather(c.topk_weights, lay.inverse),
+                                   bias=(), num_sms=lay.inner.num_sms, previous_event=None,
+                                   async_with_compute_stream=False, allocate_on_comm_stream=False)
+        partial, partial_w, _ = self.inner._impl.combine(call, verify_agreement=False)
+        rows = lay.fwd_row.clamp(min=0)  # rows that hold none send any row: the source never reads them
+        back = partial.index_select(0, rows) if partial.shape[0] else partial.new_zeros(rows.shape[0], hidden)
+        if partial_w is not None:
+            w_back = partial_w.index_select(0, rows) if partial_w.shape[0] else partial_w.new_zeros(rows.shape[0], 0)
+            back = torch.cat([back, w_back.to(acc_dtype)], 1)
+        got = self._rail(back, lay.rail_recv_splits, lay.rail_send_splits, "combine exchange")
+        got = torch.cat([got, got.new_zeros(1, got.shape[1])])  # absent hosts read this zero row
+        starts = _exclusive_cumsum(lay.rail_send_splits)
+        rows_NS = torch.where(lay.host_pos_NS >= 0, lay.host_pos_NS + torch.tensor(starts, device=dev),
+                              got.shape[0] - 1)
+        # DESIGN 2.2's order regrouped by host: from zero, each host's partial in ascending host order, then biases.
+        acc = torch.zeros(N, hidden, dtype=acc_dtype, device=dev)
+        for h in range(S):
+            acc += got.index_select(0, rows_NS[:, h])[:, :hidden]
+        for b in c.bias:
+            acc += b.to(acc_dtype)
+        combined_w = None
+        if partial_w is not None:
+            K = handle.num_topk
+            L = handle.num_experts // self.num_ranks
+            host_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // (self.ranks_per_host * L), S)
+            row_NK = torch.cat([rows_NS, rows_NS.new_full((N, 1), got.shape[0] - 1)], 1).gather(1, host_NK)
+            combined_w = got[row_NK, hidden + torch.arange(K, device=dev)[None, :]].to(c.topk_weights.dtype)
+        return (acc.to(c.x.dtype), combined_w), [], []
+
+
+__all__ = ["HybridBackend", "HybridLayout", "leg_groups"]
