@@ -1,0 +1,160 @@
+"""The hybrid path over a scale-up backend (`moe_comm.backends.hybrid`: what `Buffer(backend="cuda")` runs across
+hosts) on the CPU tier. Its inner Buffer is the reference backend here, so everything but the NVLink kernels runs on
+gloo ranks split into hosts by `MOE_COMM_RANKS_PER_NODE`; tests/test_hybrid_gpu.py runs it over the CUDA backend.
+Dispatch outputs and handles are bitwise the direct path's; combine is bitwise the reference's hybrid partial sums
+(`torch_hybrid`, within FP32 rounding of the direct path, which tests/test_hybrid.py checks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+import moe_comm
+from moe_comm import quant
+from moe_comm.backends.hybrid import HybridBackend
+from moe_comm.testing.checks import assert_same
+from moe_comm.testing.gradcheck import run_gradcheck
+from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
+from test_hybrid import assert_same_handles, assert_same_outputs, make_buffer, ranks_per_node
+
+
+def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
+    """`buf` (a hybrid reference buffer) running the hybrid path over the reference backend instead: the CUDA
+    backend's hybrid path with the reference in place of the NVLink kernels."""
+    assert buf.is_hybrid
+    S, U = buf.get_logical_domain_size()
+    buf._impl.close()
+    buf._impl = HybridBackend(buf.group, buf.device, buf.num_cpu_timeout_secs, S, U,
+                              lambda host_group: buf._inner_buffer(host_group, "torch"))
+    return buf
+
+
+def compare(case: Case, rank: int, direct, partial, hybrid) -> None:
+    """One case on the three buffers: dispatch, handle, cached dispatch bitwise the direct path; combine (weights,
+    biases) bitwise the reference's partial sums."""
+    x, idx, w = rank_inputs(case, rank)
+    kwargs = dict(num_experts=case.num_experts, expert_alignment=case.expert_alignment, do_expand=case.do_expand,
+                  do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=case.num_max_tokens_per_rank)
+    ref, got, ref_partial = (b.dispatch(x, idx, w, **kwargs) for b in (direct, hybrid, partial))
+    for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+        assert_same_outputs(what, got[i], ref[i])
+    assert_same_handles("hybrid", got[3], ref[3])
+    cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+    assert_same_outputs("cached recv_x", hybrid.dispatch(x * 2, handle=got[3], **cached)[0],
+                        direct.dispatch(x * 2, handle=ref[3], **cached)[0])
+
+    y = (ref[0].double() * 0.75 + 0.125).to(ref[0].dtype)
+    weights = None if ref[2] is None else ref[2] * 3
+    bias = rank_bias(case, rank) or None
+    expected, expected_w, _ = partial.combine(y, ref_partial[3], topk_weights=weights, bias=bias)
+    combined, combined_w, _ = hybrid.combine(y, got[3], topk_weights=weights, bias=bias)
+    assert_same_outputs("combined_x", combined, expected)
+    assert_same_outputs("combined_topk_weights", combined_w, expected_w)
+
+
+def cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: list[Case]) -> int:
+    for i, case in enumerate(cases):
+        with ranks_per_node(str(ranks_per_host)):
+            hybrid = over_reference(make_buffer(case))
+            partial = make_buffer(case)
+            direct = make_buffer(case, allow_hybrid_mode=False)
+        assert hybrid._impl.name == f"hybrid {world_size // ranks_per_host}x{ranks_per_host} over torch"
+        try:
+            compare(case, rank, direct, partial, hybrid)
+        except AssertionError as exc:
+            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
+        for b in (hybrid, partial, direct):
+            b.destroy()
+    return len(cases)
+
+
+# (world size, ranks per host) -> cases: one rank per host (no reordering), two and four (receivers reorder).
+LAYOUTS = {(4, 2): 12, (4, 1): 6, (8, 4): 6}
+
+
+@pytest.mark.parametrize("world_size,ranks_per_host", sorted(LAYOUTS))
+def test_random_cases(pools, seed, world_size, ranks_per_host):
+    cases = draw_cases(seed * 10 + world_size + 1000 * ranks_per_host + 5, LAYOUTS[world_size, ranks_per_host],
+                       world_size, max_tokens=40 if world_size == 4 else 25)
+    # Every combination of layout and sync, with and without weights, whatever the draw.
+    cases = [dataclasses.replace(c, do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0, with_weights=i % 3 != 2)
+             for i, c in enumerate(cases)]
+    start = time.monotonic()
+    assert pools(world_size).run(cases_rank, ranks_per_host, cases) == [len(cases)] * world_size
+    print(f"{world_size} ranks as {world_size // ranks_per_host} x {ranks_per_host}: {len(cases)} cases in "
+          f"{time.monotonic() - start:.1f} s")
+
+
+def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    """FP8 on the wire (tuples, `quantize=`, `dequantize=`, cached) bitwise the direct path; async calls equal to
+    synchronous ones; a handle of the reference's hybrid path refused."""
+    checked = 0
+    for case in cases:
+        make = dict(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=case.hidden, num_topk=case.num_topk,
+                    use_fp8_dispatch=True, backend="torch", num_cpu_timeout_secs=60)
+        with ranks_per_node("2"):
+            hybrid = over_reference(moe_comm.Buffer(None, **make))
+            reference = moe_comm.Buffer(None, **make)
+        direct = moe_comm.Buffer(None, allow_hybrid_mode=False, **make)
+        x, idx, w = rank_inputs(case, rank)
+        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
+                      do_cpu_sync=case.do_cpu_sync)
+        cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        for fmt in quant.FP8_FORMATS:
+            for mode in ("tuple", "quantize", "dequantize"):
+                x_in = quant.quantize(x, fmt) if mode == "tuple" else x
+                fp8 = {} if mode == "tuple" else dict(quantize=fmt, dequantize=mode == "dequantize")
+                got = hybrid.dispatch(x_in, idx, w, **kwargs, **fp8)
+                ref = direct.dispatch(x_in, idx, w, **kwargs, **fp8)
+                for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+                    assert_same_outputs(f"{fmt} {mode} {what}", got[i], ref[i])
+                x2 = quant.quantize(x * 2, fmt) if mode == "tuple" else x * 2
+                assert_same_outputs(f"{fmt} {mode} cached recv_x",
+                                    hybrid.dispatch(x2, handle=got[3], **cached, **fp8)[0],
+                                    direct.dispatch(x2, handle=ref[3], **cached, **fp8)[0])
+                checked += 1
+
+        sync = hybrid.dispatch(x, idx, w, **kwargs)
+        early = hybrid.dispatch(x, idx, w, **kwargs, async_with_compute_stream=True)
+        early[4].current_stream_wait()
+        assert_same_outputs("async recv_x", early[0], sync[0])
+        combined, _, _ = hybrid.combine(sync[0], sync[3])
+        later = hybrid.combine(sync[0], sync[3], async_with_compute_stream=True)
+        with later[2]:
+            pass
+        assert_same("async combined_x", later[0], combined)
+        with pytest.raises(ValueError, match=r"handle was made by backend 'torch hybrid 2x2 partial sums', this "
+                                             r"buffer runs 'hybrid 2x2 over torch'"):
+            hybrid.combine(sync[0], reference.dispatch(x, idx, w, **kwargs)[3])
+        for b in (hybrid, reference, direct):
+            b.destroy()
+    return checked
+
+
+def test_fp8_async_and_foreign_handles(pools, seed):
+    cases = draw_cases(seed + 17, 4, 4, max_tokens=30, dtypes=("bfloat16",))
+    cases = [dataclasses.replace(c, hidden=128 * (1 + i % 2), do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0)
+             for i, c in enumerate(cases)]
+    assert pools(4).run(fp8_async_rank, cases) == [6 * len(cases)] * 4
+
+
+def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
+    results = []
+    for case in cases:
+        with ranks_per_node("2"):
+            # float64 rows need 4x the bytes of the bf16 `hidden` the buffer is sized with.
+            buf = over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank,
+                                                 hidden=4 * case.hidden, num_topk=case.num_topk, backend="torch",
+                                                 num_cpu_timeout_secs=60))
+        results.append(run_gradcheck(buf, case, rank))
+        buf.destroy()
+    return results
+
+
+def test_gradcheck(pools):
+    base = dict(num_ranks=4, num_experts=8, num_topk=3, hidden=2, num_tokens=(3, 0, 2, 1), num_max_tokens_per_rank=4,
+                dtype="float64", drop_prob=0.25, num_bias=1)
+    cases = [Case(seed=41, **base), Case(seed=42, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base)]
+    assert pools(4).run(gradcheck_rank, cases) == [[True, True]] * 4
