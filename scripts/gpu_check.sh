@@ -2,8 +2,9 @@
 # The device session in a few commands, for a machine whose python3 already has torch (the lent H200 machines): run
 # from the repo root, one rank per GPU (at most 8); logs and results go to OUT (or /tmp/gpu_check). Pass the local
 # commit as MOE_COMM_COMMIT=$(git rev-parse HEAD): the device copy's git history is stale, results would record it.
-#   scripts/gpu_check.sh tests      GPU tier (both backends) + kernel compile/load + FP8 casts on CUDA (~3 min; one GPU:
-#                                   one rank, the peer tests skip)
+#   scripts/gpu_check.sh tests      GPU tier (both backends, the CUDA hybrid path as 2 hosts x 1) + kernel compile/load
+#                                   + FP8 casts on CUDA (~4 min; one GPU: one rank, the peer tests skip; the hybrid
+#                                   tests run 2 ranks sharing it)
 #   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, then the same with the
 #                                   expand layout (--expand: the MoE layer's dispatches) (~3 min)
 #   scripts/gpu_check.sh soak       scripts/soak.py, 10,000 iterations of every path on the CUDA backend, one rank per
@@ -30,7 +31,7 @@ mkdir -p "$out"
 case "${1:-}" in
     tests)
         python3 -m pytest -q -p no:cacheprovider --timeout 300 --durations=10 tests/test_gpu.py \
-            tests/test_kernels_compile.py tests/test_quant.py 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
+            tests/test_hybrid_gpu.py tests/test_kernels_compile.py tests/test_quant.py 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
     bench)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --json "$out/bench.json" --md "$out/bench.md" \

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Optional
 
 import pytest
 
@@ -17,7 +18,7 @@ from moe_comm.backends.hybrid import HybridBackend
 from moe_comm.testing.checks import assert_same
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
-from test_hybrid import assert_same_handles, assert_same_outputs, make_buffer, ranks_per_node
+from test_hybrid import assert_same_outputs, make_buffer, ranks_per_node
 
 
 def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
@@ -31,25 +32,44 @@ def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
     return buf
 
 
+def rows_of(t, n: Optional[int]):
+    """The first `n` rows of a tensor or of both parts of an FP8 tuple (None: all)."""
+    if t is None or n is None:
+        return t
+    return tuple(part[:n] for part in t) if isinstance(t, tuple) else t[:n]
+
+
 def compare(case: Case, rank: int, direct, partial, hybrid) -> None:
-    """One case on the three buffers: dispatch, handle, cached dispatch bitwise the direct path; combine (weights,
-    biases) bitwise the reference's partial sums."""
+    """One case on the three buffers (`hybrid` on any device, the references on the CPU): dispatch, handle, cached
+    dispatch bitwise the direct path; combine (weights, biases) bitwise the reference's partial sums."""
     x, idx, w = rank_inputs(case, rank)
+    dev = hybrid.device
     kwargs = dict(num_experts=case.num_experts, expert_alignment=case.expert_alignment, do_expand=case.do_expand,
                   do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=case.num_max_tokens_per_rank)
-    ref, got, ref_partial = (b.dispatch(x, idx, w, **kwargs) for b in (direct, hybrid, partial))
+    ref, ref_partial = (b.dispatch(x, idx, w, **kwargs) for b in (direct, partial))
+    got = hybrid.dispatch(x.to(dev), idx.to(dev), None if w is None else w.to(dev), **kwargs)
+    # Without a CPU sync, rows past the true count are unspecified (the reference zeroes them).
+    num_tokens = int(ref[3].psum_num_recv_tokens_per_rank[-1])
+    num_rows = int(ref[3].psum_num_recv_tokens_per_expert[-1]) if case.do_expand else num_tokens
     for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
-        assert_same_outputs(what, got[i], ref[i])
-    assert_same_handles("hybrid", got[3], ref[3])
+        assert_same_outputs(what, rows_of(got[i], num_rows), rows_of(ref[i], num_rows))
+    for field, n in (("recv_src_idx", None), ("recv_topk_idx", num_tokens), ("recv_topk_weights", num_rows),
+                     ("psum_num_recv_tokens_per_rank", None), ("psum_num_recv_tokens_per_expert", None),
+                     ("topk_idx", None)):
+        assert_same_outputs(f"handle.{field}", rows_of(getattr(got[3], field), n), rows_of(getattr(ref[3], field), n))
+    for field in ("num_recv_tokens", "num_recv_tokens_per_expert_list", "num_recv_rows"):
+        assert getattr(got[3], field) == getattr(ref[3], field), field
     cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-    assert_same_outputs("cached recv_x", hybrid.dispatch(x * 2, handle=got[3], **cached)[0],
-                        direct.dispatch(x * 2, handle=ref[3], **cached)[0])
+    assert_same_outputs("cached recv_x", rows_of(hybrid.dispatch(x.to(dev) * 2, handle=got[3], **cached)[0], num_rows),
+                        rows_of(direct.dispatch(x * 2, handle=ref[3], **cached)[0], num_rows))
 
     y = (ref[0].double() * 0.75 + 0.125).to(ref[0].dtype)
     weights = None if ref[2] is None else ref[2] * 3
     bias = rank_bias(case, rank) or None
     expected, expected_w, _ = partial.combine(y, ref_partial[3], topk_weights=weights, bias=bias)
-    combined, combined_w, _ = hybrid.combine(y, got[3], topk_weights=weights, bias=bias)
+    combined, combined_w, _ = hybrid.combine(y.to(dev), got[3], topk_weights=None if weights is None else
+                                             weights.to(dev), bias=None if bias is None else
+                                             tuple(b.to(dev) for b in bias))
     assert_same_outputs("combined_x", combined, expected)
     assert_same_outputs("combined_topk_weights", combined_w, expected_w)
 

@@ -1,0 +1,213 @@
+"""GPU tier of the CUDA backend's hybrid path (`moe_comm.backends.hybrid`): 2 ranks as 2 hosts x 1 GPU
+(`MOE_COMM_RANKS_PER_NODE=1`), the scale-up leg the CUDA kernels on each host, checked bitwise against the reference
+backend on the CPU (direct path for dispatch, hybrid partial sums for combine). Skips without CUDA.
+
+With 2 GPUs the ranks are one GPU each and the scale-out leg runs over NCCL, as between hosts. With one GPU both ranks
+share it and the group is gloo, whose all-to-all stages CUDA tensors through host memory: every step of the path runs
+(the CUDA kernels inside each one-rank host, the scale-out exchanges, the reordering, the partial sums), only the
+transport between hosts differs, and the test that needs NCCL (no host sync) skips."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm import quant
+from moe_comm.testing import WorkerPool
+from moe_comm.testing.gradcheck import run_gradcheck
+from moe_comm.testing.routing import Case, draw_cases, rank_inputs
+from test_hybrid import assert_same_outputs, ranks_per_node
+from test_hybrid_over_backend import compare, rows_of
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
+
+ONE_GPU = torch.cuda.device_count() < 2
+_CPU_GROUP: list = []  # per worker: a gloo group for the CPU references (the world group is NCCL on 2 GPUs)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(2, backend="gloo" if ONE_GPU else "nccl", timeout_s=600) as workers:
+        yield workers
+
+
+@contextlib.contextmanager
+def on_gpu():
+    """One GPU: the gloo world group's buffers live on cuda:0 (a gloo group is a CPU group to `Buffer`)."""
+    if not ONE_GPU:
+        yield
+        return
+    torch.cuda.set_device(0)
+    original = moe_comm.Buffer.__dict__["group_device"]  # the staticmethod itself
+    moe_comm.Buffer.group_device = staticmethod(lambda group: torch.device("cuda", 0))
+    try:
+        yield
+    finally:
+        moe_comm.Buffer.group_device = original
+
+
+def cpu_group() -> dist.ProcessGroup:
+    if not _CPU_GROUP:
+        _CPU_GROUP.append(dist.group.WORLD if ONE_GPU else dist.new_group(backend="gloo"))
+    return _CPU_GROUP[0]
+
+
+def buffers(case: Case, fp8: bool = False):
+    """`(hybrid, partial, direct)`: the CUDA hybrid buffer, the reference's hybrid partial sums and its direct path
+    (CPU), sized for `case`."""
+    hidden = max(case.hidden * case.torch_dtype.itemsize // 2, 8)
+    make = dict(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=hidden, num_topk=case.num_topk,
+                use_fp8_dispatch=fp8, num_cpu_timeout_secs=60)
+    with ranks_per_node("1"):
+        with on_gpu():
+            hybrid = moe_comm.Buffer(None, backend="cuda", **make)
+        partial = moe_comm.Buffer(cpu_group(), backend="torch", **make)
+        direct = moe_comm.Buffer(cpu_group(), backend="torch", allow_hybrid_mode=False, **make)
+    assert hybrid.device.type == "cuda" and hybrid._impl.name == "cuda hybrid 2x1", hybrid._impl.name
+    assert partial.is_hybrid and not direct.is_hybrid
+    return hybrid, partial, direct
+
+
+def cases_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    for i, case in enumerate(cases):
+        hybrid, partial, direct = buffers(case)
+        try:
+            compare(case, rank, direct, partial, hybrid)
+        except AssertionError as exc:
+            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
+        for b in (hybrid, partial, direct):
+            b.destroy()
+    return len(cases)
+
+
+def test_random_cases(pool, seed):
+    cases = draw_cases(seed * 10 + 77, 12, 2, max_tokens=200)
+    cases = [dataclasses.replace(c, do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0, with_weights=i % 3 != 2)
+             for i, c in enumerate(cases)]
+    assert pool.run(cases_rank, cases) == [len(cases)] * 2
+
+
+def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    checked = 0
+    for case in cases:
+        hybrid, _, direct = buffers(case, fp8=True)
+        dev = hybrid.device
+        x, idx, w = rank_inputs(case, rank)
+        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
+                      do_cpu_sync=case.do_cpu_sync)
+        cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        for fmt in quant.FP8_FORMATS:
+            for mode in ("tuple", "quantize", "dequantize"):
+                x_in = quant.quantize(x, fmt) if mode == "tuple" else x
+                fp8 = {} if mode == "tuple" else dict(quantize=fmt, dequantize=mode == "dequantize")
+                on_dev = tuple(t.to(dev) for t in x_in) if mode == "tuple" else x_in.to(dev)
+                got = hybrid.dispatch(on_dev, idx.to(dev), w.to(dev), **kwargs, **fp8)
+                ref = direct.dispatch(x_in, idx, w, **kwargs, **fp8)
+                # Without a CPU sync, rows past the true count are unspecified.
+                n = int(ref[3].psum_num_recv_tokens_per_expert[-1] if case.do_expand else
+                        ref[3].psum_num_recv_tokens_per_rank[-1])
+                for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+                    assert_same_outputs(f"{fmt} {mode} {what}", rows_of(got[i], n), rows_of(ref[i], n))
+                x2 = quant.quantize(x * 2, fmt) if mode == "tuple" else x * 2
+                x2_dev = tuple(t.to(dev) for t in x2) if mode == "tuple" else x2.to(dev)
+                assert_same_outputs(f"{fmt} {mode} cached recv_x",
+                                    rows_of(hybrid.dispatch(x2_dev, handle=got[3], **cached, **fp8)[0], n),
+                                    rows_of(direct.dispatch(x2, handle=ref[3], **cached, **fp8)[0], n))
+                checked += 1
+        # Async: equal to the synchronous call once waited on.
+        sync = hybrid.dispatch(x.to(dev), idx.to(dev), w.to(dev), **kwargs)
+        early = hybrid.dispatch(x.to(dev), idx.to(dev), w.to(dev), **kwargs, async_with_compute_stream=True)
+        early[4].current_stream_wait()
+        n = int(sync[3].psum_num_recv_tokens_per_expert[-1] if case.do_expand else
+                sync[3].psum_num_recv_tokens_per_rank[-1])
+        assert_same_outputs("async recv_x", early[0][:n], sync[0][:n].cpu())
+        combined = hybrid.combine(sync[0], sync[3])[0]
+        later = hybrid.combine(sync[0], sync[3], async_with_compute_stream=True)
+        later[2].current_stream_wait()
+        assert_same_outputs("async combined_x", later[0], combined.cpu())
+        hybrid.destroy()
+        direct.destroy()
+    return checked
+
+
+def test_fp8_and_async(pool, seed):
+    cases = draw_cases(seed + 23, 4, 2, max_tokens=150, dtypes=("bfloat16",))
+    cases = [dataclasses.replace(c, hidden=128 * (1 + i % 2), do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0,
+                                 with_weights=True) for i, c in enumerate(cases)]
+    assert pool.run(fp8_rank, cases) == [6 * len(cases)] * 2
+
+
+def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
+    results = []
+    for case in cases:
+        with ranks_per_node("1"), on_gpu():
+            buf = moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=4 * case.hidden,
+                                  num_topk=case.num_topk, backend="cuda", num_cpu_timeout_secs=60)
+        results.append(run_gradcheck(buf, case, rank))
+        buf.destroy()
+    return results
+
+
+def test_gradcheck(pool):
+    base = dict(num_ranks=2, num_experts=4, num_topk=3, hidden=2, num_tokens=(3, 0), num_max_tokens_per_rank=4,
+                dtype="float64", drop_prob=0.25, num_bias=1)
+    cases = [Case(seed=51, **base), Case(seed=52, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base)]
+    assert pool.run(gradcheck_rank, cases) == [[True, True]] * 2
+
+
+def no_host_sync_rank(rank: int, world_size: int, case: Case) -> bool:
+    hybrid, _, _ = buffers(case)
+    dev = hybrid.device
+    x, idx, w = (t.to(dev) for t in rank_inputs(case, rank))
+    kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, do_cpu_sync=False)
+    hybrid.dispatch(x, idx, w, **kwargs)  # first call: launch structs, kernels loaded
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        recv_x, _, _, handle, _ = hybrid.dispatch(x, idx, w, **kwargs)
+        hybrid.dispatch(x, handle=handle, do_expand=case.do_expand)
+        hybrid.combine(recv_x, handle)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    hybrid.barrier()
+    hybrid.destroy()
+    return True
+
+
+@pytest.mark.skipif(ONE_GPU, reason="needs NCCL between 2 GPUs (gloo's all-to-all of CUDA tensors syncs the host)")
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_no_host_sync(pool, do_expand):
+    case = Case(seed=61, num_ranks=2, num_experts=16, num_topk=4, hidden=256, num_tokens=(40, 33),
+                num_max_tokens_per_rank=48, do_expand=do_expand, do_cpu_sync=False)
+    assert pool.run(no_host_sync_rank, case) == [True, True]
+
+
+def choice_rank(rank: int, world_size: int) -> list[str]:
+    """Buffers that ask for the unreduced combine run on the reference backend: `auto` says why once, `cuda`
+    refuses."""
+    make = dict(num_max_tokens_per_rank=16, hidden=128, num_topk=2, deterministic=True)
+    out = []
+    with ranks_per_node("1"), on_gpu():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            buf = moe_comm.Buffer(None, backend="auto", **make)
+        out.append(f"{buf.backend} {type(buf._impl).__name__}: " + "; ".join(str(w.message) for w in caught))
+        buf.destroy()
+        with pytest.raises(ValueError) as info:
+            moe_comm.Buffer(None, backend="cuda", **make)
+        out.append(str(info.value))
+    return out
+
+
+def test_unreduced_combine_runs_on_the_reference(pool):
+    for auto, refused in pool.run(choice_rank):
+        assert auto.startswith("torch HybridRefBackend: moe_comm: backend='auto' uses the reference backend"), auto
+        for text in (auto, refused):
+            assert "the unreduced combine that deterministic=True, allow_multiple_reduction=True ask for" in text
+        assert refused.startswith("backend='cuda' cannot run on this group: the group spans 2 hosts"), refused
