@@ -15,7 +15,9 @@ import pytest
 import moe_comm
 from moe_comm import quant
 from moe_comm.backends.hybrid import HybridBackend
-from moe_comm.testing.checks import assert_same
+from moe_comm.testing import parallel_launch
+from moe_comm.testing.checks import assert_same, check_case, skip_one_call
+from moe_comm.testing.disagreement import run_probes
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
 from test_hybrid import assert_same_outputs, make_buffer, ranks_per_node
@@ -178,3 +180,70 @@ def test_gradcheck(pools):
                 dtype="float64", drop_prob=0.25, num_bias=1)
     cases = [Case(seed=41, **base), Case(seed=42, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base)]
     assert pools(4).run(gradcheck_rank, cases) == [[True, True]] * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad routing, ranks that disagree, a peer that never arrives
+# ------------------------------------------------------------------------------------------------
+# One rank per host: a non-expand combine's partial sum per host is its one term, so the closed-form oracle of
+# `check_case` (the direct path's order) holds bitwise.
+SMALL = Case(seed=53, num_ranks=4, num_experts=8, num_topk=2, hidden=16, num_tokens=(4, 4, 4, 4),
+             num_max_tokens_per_rank=4)
+
+
+def value_errors_rank(rank: int, world_size: int) -> str:
+    """A bad expert id on rank 3 (another host): with a CPU sync every rank raises naming rank 3; without one the slot
+    is dropped and the next barrier raises on every rank; then the buffer works."""
+    with ranks_per_node("1"):
+        buf = over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                                             num_cpu_timeout_secs=30))
+    x, idx, w = rank_inputs(SMALL, rank)
+    bad = idx.clone()
+    if rank == 3:
+        bad[1, 0] = 99
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, bad, w, num_experts=8)
+    buf.dispatch(x, bad, w, num_experts=8, do_cpu_sync=False)
+    with pytest.raises(ValueError, match=r"earlier dispatch without CPU sync \(slots dropped\): out-of-range "
+                                         r"entries on rank\(s\) \[3\]"):
+        buf.barrier()
+    check_case(buf, SMALL, rank)
+    buf.destroy()
+    return str(info.value)
+
+
+def test_value_errors_raise_on_every_rank(pools):
+    messages = pools(4).run(value_errors_rank)
+    assert all("topk_idx is invalid: entries outside [-1, 8) on rank(s) [3]" in m for m in messages), messages
+
+
+def probes_rank(rank: int, world_size: int) -> list[str]:
+    def make() -> moe_comm.Buffer:
+        with ranks_per_node("1"):
+            return over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2,
+                                                  backend="torch", num_cpu_timeout_secs=20))
+    return run_probes(rank, world_size, make)
+
+
+def test_disagreement_is_an_error_on_every_rank(pools):
+    messages = pools(2).run(probes_rank)
+    assert messages[0] == messages[1] and len(messages[0]) > 10
+
+
+def missing_peer_rank(rank: int, world_size: int, phase: str):
+    """2 hosts x 2; rank 3 skips one call: every other rank fails within the timeout, naming itself and the phase."""
+    with ranks_per_node("2"):
+        buf = over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                                             num_cpu_timeout_secs=2))
+    return skip_one_call(buf, SMALL, rank, 3, phase)
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_missing_peer_times_out(phase):
+    *outcomes, skipped = parallel_launch(4, missing_peer_rank, phase, timeout_s=120)
+    assert skipped == "skipped"
+    for rank, (error, message, elapsed) in enumerate(outcomes):
+        # A rank may see a peer that timed out first close its connection (a ConnectionError naming the phase).
+        assert error in ("TimeoutError", "ConnectionError"), (rank, error, message)
+        assert elapsed < 5, (rank, elapsed)
+        assert f"rank {rank} {phase} argument agreement" in message, message
