@@ -302,7 +302,7 @@ class Buffer:
         """None when the CUDA backend's hybrid path (`moe_comm.backends.hybrid`) can run here, else why not, the same
         on every rank. Collective: makes the legs' subgroups and asks every host whether its kernels can run."""
         S, U = self.get_physical_domain_size()
-        host_group, _ = leg_groups(self.group, S, U)
+        host_group, _ = leg_groups(self.group, self.device, S, U)
         mine = cuda_backend.why_not_usable(host_group, cuda_tuning)  # collective over the host
         everyone = [None] * self.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)

@@ -9,9 +9,11 @@ Where NCCL takes it from (NCCL's IB transport; see the README's "Traffic class" 
    communicators are made, so it is fixed by whoever creates the group);
 3. else NCCL's default.
 
-moe_comm makes no communicator: both paths, the hybrid one included, send over the caller's process group (one
-communicator, point-to-point). So a `Buffer` cannot put its traffic on `sl_idx`; it checks, on every rank, that
-NCCL will, and otherwise raises a `ValueError` that says which setting disagrees and how to set it. Setting the
+The reference backend sends over the caller's process group (one communicator, point-to-point); the CUDA backend's
+hybrid path makes two subgroups of it per rank (its host, its rail) with the caller's group's traffic class
+(`subgroup_options`: a `new_group` does not inherit it). So a `Buffer` cannot choose the level; it checks, on every
+rank, that NCCL will use `sl_idx`, and otherwise raises a `ValueError` that says which setting disagrees and how to
+set it. Setting the
 variable from Python would not help: NCCL reads it once per process, usually before the buffer exists.
 gloo (the CPU tier) sends over TCP, which has no service level: there `sl_idx` is only validated.
 """
@@ -79,6 +81,19 @@ def why_not_applied(sl_idx: int, env_sl: Optional[str], group_class: Optional[in
     return None
 
 
+def subgroup_options(group: dist.ProcessGroup, device: torch.device):
+    """NCCL options for a subgroup of `group` that keep its traffic class (a fresh `Options`, not the group's own,
+    which `new_group` would overwrite with the subgroup's ranks), or None: not NCCL, or no class set."""
+    if device.type != "cuda" or "nccl" not in str(dist.get_backend(group)).lower():
+        return None
+    traffic_class = group_traffic_class(group, device)
+    if traffic_class is None or traffic_class == NCCL_CONFIG_UNDEF_INT:
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.traffic_class = traffic_class
+    return options
+
+
 def check_applied(group: dist.ProcessGroup, device: torch.device, sl_idx: Optional[int]) -> None:
     """ValueError unless NCCL will carry `group`'s traffic on `sl_idx` (this rank's view; no communication).
     Nothing to check for None or a non-NCCL group."""
@@ -90,4 +105,4 @@ def check_applied(group: dist.ProcessGroup, device: torch.device, sl_idx: Option
 
 
 __all__ = ["ENV_SL", "MAX_SL_IDX", "NCCL_CONFIG_UNDEF_INT", "check_applied", "check_sl_idx", "group_traffic_class",
-           "why_not_applied"]
+           "subgroup_options", "why_not_applied"]

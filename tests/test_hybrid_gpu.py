@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm import quant
+from moe_comm import quant, traffic_class
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
@@ -211,3 +211,21 @@ def test_unreduced_combine_runs_on_the_reference(pool):
         for text in (auto, refused):
             assert "the unreduced combine that deterministic=True, allow_multiple_reduction=True ask for" in text
         assert refused.startswith("backend='cuda' cannot run on this group: the group spans 2 hosts"), refused
+
+
+def traffic_class_rank(rank: int, world_size: int) -> list:
+    """The legs' subgroups keep the traffic class of the group the buffer was made on (`sl_idx`)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.traffic_class = 3
+    group = dist.new_group([0, 1], pg_options=options)
+    with ranks_per_node("1"):
+        buf = moe_comm.Buffer(group, num_max_tokens_per_rank=16, hidden=128, num_topk=2, backend="cuda", sl_idx=3)
+    dev = buf.device
+    classes = [traffic_class.group_traffic_class(g, dev) for g in (buf._impl.rail_group, buf._impl.host_group)]
+    buf.destroy()
+    return classes
+
+
+@pytest.mark.skipif(ONE_GPU, reason="needs NCCL between 2 GPUs")
+def test_legs_keep_the_traffic_class(pool):
+    assert pool.run(traffic_class_rank) == [[3, 3]] * 2

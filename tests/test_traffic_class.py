@@ -88,3 +88,21 @@ def test_disagreement_raises_on_every_rank(pools):
     assert messages[0] == messages[1], messages
     assert "moe_comm.Buffer(sl_idx=3) failed on rank(s) [1]" in messages[0], messages[0]
     assert "NCCL_IB_SL=6" in messages[0], messages[0]
+
+
+def test_subgroup_options_only_for_nccl_groups_with_a_class(monkeypatch):
+    # A CPU (gloo) group has no NCCL options to carry over: its subgroups are made with the defaults.
+    assert traffic_class.subgroup_options(None, torch.device("cpu")) is None
+    # An NCCL group: a fresh Options with the group's class, None when the class is unset or not exposed.
+    cuda = torch.device("cuda", 0)
+
+    class Options:
+        def __init__(self):
+            self.config = types.SimpleNamespace(traffic_class=NCCL_CONFIG_UNDEF_INT)
+
+    monkeypatch.setattr(traffic_class.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(traffic_class.dist, "ProcessGroupNCCL", types.SimpleNamespace(Options=Options), raising=False)
+    for group_class, expected in ((3, 3), (NCCL_CONFIG_UNDEF_INT, None), (None, None)):
+        monkeypatch.setattr(traffic_class, "group_traffic_class", lambda group, device: group_class)
+        options = traffic_class.subgroup_options(object(), cuda)
+        assert (None if options is None else options.config.traffic_class) == expected, group_class

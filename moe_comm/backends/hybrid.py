@@ -43,7 +43,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import quant
+from .. import quant, traffic_class
 from ..handle import EPHandle
 from .common import Backend
 
@@ -52,18 +52,20 @@ from .common import Backend
 _LEG_GROUPS: dict[tuple[str, int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
-def leg_groups(group: dist.ProcessGroup, num_hosts: int, ranks_per_host: int
+def leg_groups(group: dist.ProcessGroup, device: torch.device, num_hosts: int, ranks_per_host: int
                ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """`(host_group, rail_group)` of this rank: the ranks of its host, and the ranks of its local index on every host.
-    Collective over `group` (each rank creates its two subgroups with their members only)."""
+    """`(host_group, rail_group)` of this rank: the ranks of its host, and the ranks of its local index on every host,
+    with `group`'s NCCL traffic class (`Buffer(sl_idx=...)`). Collective over `group` (each rank creates its two
+    subgroups with their members only)."""
     S, U = num_hosts, ranks_per_host
     key = (group.group_name, S, U)
     if key not in _LEG_GROUPS:
         ranks = [dist.get_global_rank(group, r) for r in range(S * U)]
         h0, u0 = divmod(dist.get_rank(group), U)
-        backend = dist.get_backend(group)
-        host = dist.new_group([ranks[h0 * U + u] for u in range(U)], backend=backend, use_local_synchronization=True)
-        rail = dist.new_group([ranks[h * U + u0] for h in range(S)], backend=backend, use_local_synchronization=True)
+        make = dict(backend=dist.get_backend(group), pg_options=traffic_class.subgroup_options(group, device),
+                    use_local_synchronization=True)
+        host = dist.new_group([ranks[h0 * U + u] for u in range(U)], **make)
+        rail = dist.new_group([ranks[h * U + u0] for h in range(S)], **make)
         _LEG_GROUPS[key] = (host, rail)
     return _LEG_GROUPS[key]
 
@@ -127,7 +129,7 @@ class HybridBackend(Backend):
         self.num_hosts, self.ranks_per_host = S, U
         self.h0, self.u0 = divmod(self.rank, U)
         self.rail_peers = [h * U + self.u0 for h in range(S)]
-        self.host_group, self.rail_group = leg_groups(group, S, U)
+        self.host_group, self.rail_group = leg_groups(group, device, S, U)
         self.inner = make_inner(self.host_group)
         # Handles of the reference's hybrid path and of this one have different layouts: the name keeps them apart.
         self.name = f"cuda hybrid {S}x{U}" if self.inner.backend == "cuda" else f"hybrid {S}x{U} over {self.inner.backend}"
