@@ -85,6 +85,9 @@ class CombineCall:
     previous_event: Optional[EventOverlap]
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
+    # Each token's rows unsummed, `[N, T, H]` (T = ranks, expand: slots; absent terms unspecified) instead of the sum:
+    # the hybrid path's deterministic combine asks its inner buffer for them (never set by `Buffer.combine`).
+    unreduced: bool = False
 
     def signature(self) -> list[int]:
         """The values every rank must agree on (they size the exchange): `SIGNATURE_FIELDS["combine"]`, padded."""
@@ -214,7 +217,8 @@ class Buffer:
         try:
             if self.backend == "cuda" and self.is_hybrid:
                 impl = HybridBackend(self.group, self.device, self.num_cpu_timeout_secs,
-                                     *self.get_logical_domain_size(), lambda g: self._inner_buffer(g, "cuda"))
+                                     *self.get_logical_domain_size(), self._partial_sums(),
+                                     lambda g: self._inner_buffer(g, "cuda"))
             elif self.backend == "cuda":
                 if self.num_bytes > self._memory_bytes:
                     raise self._too_large("the symmetric buffer of this Buffer(num_max_tokens_per_rank=..., "
@@ -223,8 +227,7 @@ class Buffer:
                                                 self.num_gpu_timeout_secs, cuda_tuning)
             elif self.is_hybrid:
                 impl = HybridRefBackend(self.group, self.device, self.num_cpu_timeout_secs,
-                                        *self.get_logical_domain_size(),
-                                        use_partial_reduction=self.allow_multiple_reduction and not self.deterministic)
+                                        *self.get_logical_domain_size(), use_partial_reduction=self._partial_sums())
             else:
                 impl = TorchRefBackend(self.group, self.device, self.num_cpu_timeout_secs)
         except Exception as exc:  # of any kind: the peers must hear of it either way
@@ -307,14 +310,13 @@ class Buffer:
         everyone = [None] * self.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)
         problems = [f"host {h}: {everyone[h * U]}" for h in range(S) if everyone[h * U]]
-        if self.deterministic or not self.allow_multiple_reduction:
-            problems.append("the CUDA hybrid path sums a token's rows inside each host before they cross "
-                            "(allow_multiple_reduction=True, deterministic=False); the unreduced combine that "
-                            f"deterministic={self.deterministic}, allow_multiple_reduction="
-                            f"{self.allow_multiple_reduction} ask for runs on the reference backend only")
         if problems:
             return f"the group spans {S} hosts ({self.domains.describe()}): " + "; ".join(problems)
         return None
+
+    def _partial_sums(self) -> bool:
+        """Whether a hybrid combine sums a token's rows inside each host before they cross."""
+        return self.allow_multiple_reduction and not self.deterministic
 
     def _inner_buffer(self, host_group: dist.ProcessGroup, backend: str) -> "Buffer":
         """The scale-up leg of the hybrid path: a direct Buffer on this rank's host, sized for a forwarder's space

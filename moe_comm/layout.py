@@ -250,7 +250,9 @@ STRUCTS = {
         ("void*", "acc", "[N, H] accumulator between rounds, or null (single round)"),
         ("const void*", "bias0", "[N, H] or null"),
         ("const void*", "bias1", "[N, H] or null"),
-        ("void*", "out", "[N, H]"),
+        ("void*", "out", "[N, H] the sums, unless terms is set"),
+        ("void*", "terms", "[N, T, H] each row at its term (expand: slot, T = K; else rank, T = R), not summed; "
+                           "or null"),
         ("uint8_t*", "out_weights", "[N, K * wb] or null"),
         ("int64_t", "hidden", ""),
         ("int64_t", "num_x_rows", "rows of x (a row index from the handle past it is never followed)"),

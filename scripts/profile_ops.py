@@ -171,7 +171,7 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
             recv_x, handle, None, None, 0, None, False, False),
         "combine: host extension (allocation, launch)": lambda: impl.launcher.combine(
             *cplan.addresses, recv_x, None, None, None, handle.num_tokens, 1, cplan.num_slots, cplan.num_rounds,
-            handle.num_sms, stream),
+            False, handle.num_sms, stream),
         "combine: whole call": lambda: buf.combine(recv_x, handle),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
     }

@@ -1,10 +1,11 @@
 """GPU tier of the CUDA backend's hybrid path (`moe_comm.backends.hybrid`): 2 ranks as 2 hosts x 1 GPU
 (`MOE_COMM_RANKS_PER_NODE=1`), the scale-up leg the CUDA kernels on each host, checked bitwise against the reference
-backend on the CPU (direct path for dispatch, hybrid partial sums for combine). Skips without CUDA.
+backend on the CPU (direct path for dispatch and for the combine of terms, `deterministic=True`; the reference's hybrid
+partial sums for the default combine). Skips without CUDA.
 
 With 2 GPUs the ranks are one GPU each and the scale-out leg runs over NCCL, as between hosts. With one GPU both ranks
 share it and the group is gloo, whose all-to-all stages CUDA tensors through host memory: every step of the path runs
-(the CUDA kernels inside each one-rank host, the scale-out exchanges, the reordering, the partial sums), only the
+(the CUDA kernels inside each one-rank host, the scale-out exchanges, the reordering, both combines), only the
 transport between hosts differs, and the test that needs NCCL (no host sync) skips."""
 
 from __future__ import annotations
@@ -59,29 +60,32 @@ def cpu_group() -> dist.ProcessGroup:
 
 
 def buffers(case: Case, fp8: bool = False):
-    """`(hybrid, partial, direct)`: the CUDA hybrid buffer, the reference's hybrid partial sums and its direct path
-    (CPU), sized for `case`."""
+    """`(hybrids, partial, direct)`: the CUDA hybrid buffers (partial sums; terms, by `deterministic=True`, made with
+    backend="auto"), the reference's hybrid partial sums and its direct path (CPU), sized for `case`."""
     hidden = max(case.hidden * case.torch_dtype.itemsize // 2, 8)
     make = dict(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=hidden, num_topk=case.num_topk,
                 use_fp8_dispatch=fp8, num_cpu_timeout_secs=60)
     with ranks_per_node("1"):
-        with on_gpu():
-            hybrid = moe_comm.Buffer(None, backend="cuda", **make)
+        with on_gpu(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # "auto" takes the CUDA backend without a word
+            hybrids = [moe_comm.Buffer(None, backend="cuda", **make),
+                       moe_comm.Buffer(None, backend="auto", deterministic=True, **make)]
         partial = moe_comm.Buffer(cpu_group(), backend="torch", **make)
         direct = moe_comm.Buffer(cpu_group(), backend="torch", allow_hybrid_mode=False, **make)
-    assert hybrid.device.type == "cuda" and hybrid._impl.name == "cuda hybrid 2x1", hybrid._impl.name
+    assert [(b.device.type, b._impl.name) for b in hybrids] == [("cuda", "cuda hybrid 2x1 partial sums"),
+                                                                ("cuda", "cuda hybrid 2x1")]
     assert partial.is_hybrid and not direct.is_hybrid
-    return hybrid, partial, direct
+    return hybrids, partial, direct
 
 
 def cases_rank(rank: int, world_size: int, cases: list[Case]) -> int:
     for i, case in enumerate(cases):
-        hybrid, partial, direct = buffers(case)
+        hybrids, partial, direct = buffers(case)
         try:
-            compare(case, rank, direct, partial, hybrid)
+            compare(case, rank, direct, partial, hybrids)
         except AssertionError as exc:
             raise AssertionError(f"case {i}: {case}\n{exc}") from exc
-        for b in (hybrid, partial, direct):
+        for b in (*hybrids, partial, direct):
             b.destroy()
     return len(cases)
 
@@ -96,7 +100,8 @@ def test_random_cases(pool, seed):
 def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
     checked = 0
     for case in cases:
-        hybrid, _, direct = buffers(case, fp8=True)
+        (hybrid, terms), _, direct = buffers(case, fp8=True)
+        terms.destroy()
         dev = hybrid.device
         x, idx, w = rank_inputs(case, rank)
         kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
@@ -146,11 +151,13 @@ def test_fp8_and_async(pool, seed):
 def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
     results = []
     for case in cases:
-        with ranks_per_node("1"), on_gpu():
-            buf = moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=4 * case.hidden,
-                                  num_topk=case.num_topk, backend="cuda", num_cpu_timeout_secs=60)
-        results.append(run_gradcheck(buf, case, rank))
-        buf.destroy()
+        for deterministic in (False, True):  # partial sums, terms
+            with ranks_per_node("1"), on_gpu():
+                buf = moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank,
+                                      hidden=4 * case.hidden, num_topk=case.num_topk, backend="cuda",
+                                      deterministic=deterministic, num_cpu_timeout_secs=60)
+            results.append(run_gradcheck(buf, case, rank))
+            buf.destroy()
     return results
 
 
@@ -158,25 +165,27 @@ def test_gradcheck(pool):
     base = dict(num_ranks=2, num_experts=4, num_topk=3, hidden=2, num_tokens=(3, 0), num_max_tokens_per_rank=4,
                 dtype="float64", drop_prob=0.25, num_bias=1)
     cases = [Case(seed=51, **base), Case(seed=52, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base)]
-    assert pool.run(gradcheck_rank, cases) == [[True, True]] * 2
+    assert pool.run(gradcheck_rank, cases) == [[True] * 4] * 2
 
 
 def no_host_sync_rank(rank: int, world_size: int, case: Case) -> bool:
-    hybrid, _, _ = buffers(case)
-    dev = hybrid.device
-    x, idx, w = (t.to(dev) for t in rank_inputs(case, rank))
-    kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, do_cpu_sync=False)
-    hybrid.dispatch(x, idx, w, **kwargs)  # first call: launch structs, kernels loaded
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        recv_x, _, _, handle, _ = hybrid.dispatch(x, idx, w, **kwargs)
-        hybrid.dispatch(x, handle=handle, do_expand=case.do_expand)
-        hybrid.combine(recv_x, handle)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    hybrid.barrier()
-    hybrid.destroy()
+    hybrids, partial, direct = buffers(case)
+    for hybrid in hybrids:  # partial sums, terms
+        dev = hybrid.device
+        x, idx, w = (t.to(dev) for t in rank_inputs(case, rank))
+        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, do_cpu_sync=False)
+        hybrid.dispatch(x, idx, w, **kwargs)  # first call: launch structs, kernels loaded
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv_x, _, _, handle, _ = hybrid.dispatch(x, idx, w, **kwargs)
+            hybrid.dispatch(x, handle=handle, do_expand=case.do_expand)
+            hybrid.combine(recv_x, handle)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        hybrid.barrier()
+    for b in (*hybrids, partial, direct):
+        b.destroy()
     return True
 
 
@@ -186,31 +195,6 @@ def test_no_host_sync(pool, do_expand):
     case = Case(seed=61, num_ranks=2, num_experts=16, num_topk=4, hidden=256, num_tokens=(40, 33),
                 num_max_tokens_per_rank=48, do_expand=do_expand, do_cpu_sync=False)
     assert pool.run(no_host_sync_rank, case) == [True, True]
-
-
-def choice_rank(rank: int, world_size: int) -> list[str]:
-    """Buffers that ask for the unreduced combine run on the reference backend: `auto` says why once, `cuda`
-    refuses."""
-    make = dict(num_max_tokens_per_rank=16, hidden=128, num_topk=2, deterministic=True)
-    out = []
-    with ranks_per_node("1"), on_gpu():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            buf = moe_comm.Buffer(None, backend="auto", **make)
-        out.append(f"{buf.backend} {type(buf._impl).__name__}: " + "; ".join(str(w.message) for w in caught))
-        buf.destroy()
-        with pytest.raises(ValueError) as info:
-            moe_comm.Buffer(None, backend="cuda", **make)
-        out.append(str(info.value))
-    return out
-
-
-def test_unreduced_combine_runs_on_the_reference(pool):
-    for auto, refused in pool.run(choice_rank):
-        assert auto.startswith("torch HybridRefBackend: moe_comm: backend='auto' uses the reference backend"), auto
-        for text in (auto, refused):
-            assert "the unreduced combine that deterministic=True, allow_multiple_reduction=True ask for" in text
-        assert refused.startswith("backend='cuda' cannot run on this group: the group spans 2 hosts"), refused
 
 
 def traffic_class_rank(rank: int, world_size: int) -> list:

@@ -2,7 +2,8 @@
 hosts) on the CPU tier. Its inner Buffer is the reference backend here, so everything but the NVLink kernels runs on
 gloo ranks split into hosts by `MOE_COMM_RANKS_PER_NODE`; tests/test_hybrid_gpu.py runs it over the CUDA backend.
 Dispatch outputs and handles are bitwise the direct path's; combine is bitwise the reference's hybrid partial sums
-(`torch_hybrid`, within FP32 rounding of the direct path, which tests/test_hybrid.py checks)."""
+(`torch_hybrid`, within FP32 rounding of the direct path, which tests/test_hybrid.py checks), or with terms
+(`deterministic=True`) the direct path's result."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
     backend's hybrid path with the reference in place of the NVLink kernels."""
     assert buf.is_hybrid
     S, U = buf.get_logical_domain_size()
+    partial_sums = buf._impl.use_partial_reduction
     buf._impl.close()
-    buf._impl = HybridBackend(buf.group, buf.device, buf.num_cpu_timeout_secs, S, U,
+    buf._impl = HybridBackend(buf.group, buf.device, buf.num_cpu_timeout_secs, S, U, partial_sums,
                               lambda host_group: buf._inner_buffer(host_group, "torch"))
     return buf
 
@@ -41,53 +43,60 @@ def rows_of(t, n: Optional[int]):
     return tuple(part[:n] for part in t) if isinstance(t, tuple) else t[:n]
 
 
-def compare(case: Case, rank: int, direct, partial, hybrid) -> None:
-    """One case on the three buffers (`hybrid` on any device, the references on the CPU): dispatch, handle, cached
-    dispatch bitwise the direct path; combine (weights, biases) bitwise the reference's partial sums."""
+def compare(case: Case, rank: int, direct, partial, hybrids) -> None:
+    """One case on the hybrid buffers (any device; partial sums or terms) and the references (CPU): dispatch, handle,
+    cached dispatch bitwise the direct path; combine (weights, biases) bitwise the reference's partial sums, or with
+    terms the direct path's result."""
     x, idx, w = rank_inputs(case, rank)
-    dev = hybrid.device
     kwargs = dict(num_experts=case.num_experts, expert_alignment=case.expert_alignment, do_expand=case.do_expand,
                   do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=case.num_max_tokens_per_rank)
+    cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
     ref, ref_partial = (b.dispatch(x, idx, w, **kwargs) for b in (direct, partial))
-    got = hybrid.dispatch(x.to(dev), idx.to(dev), None if w is None else w.to(dev), **kwargs)
     # Without a CPU sync, rows past the true count are unspecified (the reference zeroes them).
     num_tokens = int(ref[3].psum_num_recv_tokens_per_rank[-1])
     num_rows = int(ref[3].psum_num_recv_tokens_per_expert[-1]) if case.do_expand else num_tokens
-    for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
-        assert_same_outputs(what, rows_of(got[i], num_rows), rows_of(ref[i], num_rows))
-    for field, n in (("recv_src_idx", None), ("recv_topk_idx", num_tokens), ("recv_topk_weights", num_rows),
-                     ("psum_num_recv_tokens_per_rank", None), ("psum_num_recv_tokens_per_expert", None),
-                     ("topk_idx", None)):
-        assert_same_outputs(f"handle.{field}", rows_of(getattr(got[3], field), n), rows_of(getattr(ref[3], field), n))
-    for field in ("num_recv_tokens", "num_recv_tokens_per_expert_list", "num_recv_rows"):
-        assert getattr(got[3], field) == getattr(ref[3], field), field
-    cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-    assert_same_outputs("cached recv_x", rows_of(hybrid.dispatch(x.to(dev) * 2, handle=got[3], **cached)[0], num_rows),
-                        rows_of(direct.dispatch(x * 2, handle=ref[3], **cached)[0], num_rows))
-
     y = (ref[0].double() * 0.75 + 0.125).to(ref[0].dtype)
     weights = None if ref[2] is None else ref[2] * 3
     bias = rank_bias(case, rank) or None
-    expected, expected_w, _ = partial.combine(y, ref_partial[3], topk_weights=weights, bias=bias)
-    combined, combined_w, _ = hybrid.combine(y.to(dev), got[3], topk_weights=None if weights is None else
-                                             weights.to(dev), bias=None if bias is None else
-                                             tuple(b.to(dev) for b in bias))
-    assert_same_outputs("combined_x", combined, expected)
-    assert_same_outputs("combined_topk_weights", combined_w, expected_w)
+    expected = {True: partial.combine(y, ref_partial[3], topk_weights=weights, bias=bias)[:2],
+                False: direct.combine(y, ref[3], topk_weights=weights, bias=bias)[:2]}
+    direct_cached = rows_of(direct.dispatch(x * 2, handle=ref[3], **cached)[0], num_rows)
+    for hybrid in hybrids:
+        dev = hybrid.device
+        got = hybrid.dispatch(x.to(dev), idx.to(dev), None if w is None else w.to(dev), **kwargs)
+        for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+            assert_same_outputs(what, rows_of(got[i], num_rows), rows_of(ref[i], num_rows))
+        for field, n in (("recv_src_idx", None), ("recv_topk_idx", num_tokens), ("recv_topk_weights", num_rows),
+                         ("psum_num_recv_tokens_per_rank", None), ("psum_num_recv_tokens_per_expert", None),
+                         ("topk_idx", None)):
+            assert_same_outputs(f"handle.{field}", rows_of(getattr(got[3], field), n),
+                                rows_of(getattr(ref[3], field), n))
+        for field in ("num_recv_tokens", "num_recv_tokens_per_expert_list", "num_recv_rows"):
+            assert getattr(got[3], field) == getattr(ref[3], field), field
+        assert_same_outputs("cached recv_x", rows_of(hybrid.dispatch(x.to(dev) * 2, handle=got[3], **cached)[0],
+                                                     num_rows), direct_cached)
+        partial_sums = hybrid._impl.use_partial_reduction
+        combined, combined_w, _ = hybrid.combine(y.to(dev), got[3], topk_weights=None if weights is None else
+                                                 weights.to(dev), bias=None if bias is None else
+                                                 tuple(b.to(dev) for b in bias))
+        what = "partial sums" if partial_sums else "terms"
+        assert_same_outputs(f"{what} combined_x", combined, expected[partial_sums][0])
+        assert_same_outputs(f"{what} combined_topk_weights", combined_w, expected[partial_sums][1])
 
 
 def cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: list[Case]) -> int:
     for i, case in enumerate(cases):
         with ranks_per_node(str(ranks_per_host)):
-            hybrid = over_reference(make_buffer(case))
+            hybrids = [over_reference(make_buffer(case)), over_reference(make_buffer(case, deterministic=True))]
             partial = make_buffer(case)
             direct = make_buffer(case, allow_hybrid_mode=False)
-        assert hybrid._impl.name == f"hybrid {world_size // ranks_per_host}x{ranks_per_host} over torch"
+        name = f"hybrid {world_size // ranks_per_host}x{ranks_per_host} over torch"
+        assert [b._impl.name for b in hybrids] == [f"{name} partial sums", name]
         try:
-            compare(case, rank, direct, partial, hybrid)
+            compare(case, rank, direct, partial, hybrids)
         except AssertionError as exc:
             raise AssertionError(f"case {i}: {case}\n{exc}") from exc
-        for b in (hybrid, partial, direct):
+        for b in (*hybrids, partial, direct):
             b.destroy()
     return len(cases)
 
@@ -148,7 +157,7 @@ def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
             pass
         assert_same("async combined_x", later[0], combined)
         with pytest.raises(ValueError, match=r"handle was made by backend 'torch hybrid 2x2 partial sums', this "
-                                             r"buffer runs 'hybrid 2x2 over torch'"):
+                                             r"buffer runs 'hybrid 2x2 over torch partial sums'"):
             hybrid.combine(sync[0], reference.dispatch(x, idx, w, **kwargs)[3])
         for b in (hybrid, reference, direct):
             b.destroy()
@@ -165,13 +174,14 @@ def test_fp8_async_and_foreign_handles(pools, seed):
 def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
     results = []
     for case in cases:
-        with ranks_per_node("2"):
-            # float64 rows need 4x the bytes of the bf16 `hidden` the buffer is sized with.
-            buf = over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank,
-                                                 hidden=4 * case.hidden, num_topk=case.num_topk, backend="torch",
-                                                 num_cpu_timeout_secs=60))
-        results.append(run_gradcheck(buf, case, rank))
-        buf.destroy()
+        for deterministic in (False, True):  # partial sums, terms
+            with ranks_per_node("2"):
+                # float64 rows need 4x the bytes of the bf16 `hidden` the buffer is sized with.
+                buf = over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank,
+                                                     hidden=4 * case.hidden, num_topk=case.num_topk, backend="torch",
+                                                     deterministic=deterministic, num_cpu_timeout_secs=60))
+            results.append(run_gradcheck(buf, case, rank))
+            buf.destroy()
     return results
 
 
@@ -179,7 +189,7 @@ def test_gradcheck(pools):
     base = dict(num_ranks=4, num_experts=8, num_topk=3, hidden=2, num_tokens=(3, 0, 2, 1), num_max_tokens_per_rank=4,
                 dtype="float64", drop_prob=0.25, num_bias=1)
     cases = [Case(seed=41, **base), Case(seed=42, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base)]
-    assert pools(4).run(gradcheck_rank, cases) == [[True, True]] * 4
+    assert pools(4).run(gradcheck_rank, cases) == [[True] * 4] * 4
 
 
 # ------------------------------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
         fake.calls.clear()
         rows, weights, bias = torch.zeros(9, 64, dtype=dtype), torch.rand(9, 3), torch.zeros(5, 64, dtype=dtype)
         combined, combined_w = launcher.combine(ctypes.addressof(params), ctypes.addressof(args), rows, weights, bias,
-                                                None, 5, code, 2, 2, 4, 3)
+                                                None, 5, code, 2, 2, False, 4, 3)
         assert (combined.shape, combined.dtype, combined_w.shape) == ((5, 64), dtype, (5, 3))
         assert [(c[2].slot_begin, c[2].slot_end, c[2].first_round, c[2].last_round) for c in fake.calls] == [
             (0, 2, 1, 0), (2, 3, 0, 1)]
@@ -211,9 +211,20 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
     fake.calls.clear()
     args = layout.CombineArgs(slot_begin=0, slot_end=3, first_round=1, last_round=1)
     launcher.combine(ctypes.addressof(params), ctypes.addressof(args), torch.zeros(9, 64), None, None, None, 5, 2, 3, 1,
-                     4, 3)
+                     False, 4, 3)
     (_, _, a, *_), = fake.calls
     assert (a.slot_begin, a.slot_end, a.first_round, a.last_round, a.acc, a.weights) == (0, 3, 1, 1, None, None)
+    # Unreduced (the hybrid path's terms): [N, T, H] terms instead of the sums, T = ranks, or slots in expand mode;
+    # the rounds still set their slots, and there is no accumulator.
+    for do_expand, num_terms in ((0, params.num_ranks), (1, params.num_topk)):
+        fake.calls.clear()
+        args = layout.CombineArgs(do_expand=do_expand)
+        terms, _ = launcher.combine(ctypes.addressof(params), ctypes.addressof(args), torch.zeros(9, 64), None, None,
+                                    None, 5, 2, 2, 2, True, 4, 3)
+        assert terms.shape == (5, num_terms, 64)
+        assert [(c[2].slot_begin, c[2].slot_end) for c in fake.calls] == [(0, 2), (2, 3)]
+        a = fake.calls[0][2]
+        assert (a.terms, a.out, a.acc) == (terms.data_ptr(), None, None)
 
 
 def test_host_extension_raises_the_launchers_message(kernels):

@@ -496,7 +496,7 @@ class CudaBackend(Backend):
         bias = c.bias
         combined, combined_w = self.launcher.combine(
             *plan.addresses, c.x, weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None,
-            handle.num_tokens, DTYPE_CODES[c.x.dtype], plan.num_slots, plan.num_rounds, c.num_sms,
+            handle.num_tokens, DTYPE_CODES[c.x.dtype], plan.num_slots, plan.num_rounds, c.unreduced, c.num_sms,
             current_stream(self._device_index))
         return (combined, combined_w), [], []
 

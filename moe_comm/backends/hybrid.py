@@ -18,17 +18,21 @@ Fresh dispatch (me = (h0, u0)):
    the handle keeps the gather index. Outputs and handle tensors are the direct path's, bit for bit.
 A cached dispatch moves rows along the same positions (scale-out, forwarder space, inner cached dispatch, gather).
 
-Combine, with partial reduction (the only one here: `allow_multiple_reduction` and not `deterministic`): the rows go
-back through the inner combine in the accumulation precision (FP32; FP64 for float64 rows), so each forwarder holds,
-per token, its host's rows added from zero in DESIGN 2.2's order, unrounded. That partial crosses back once, on the
-positions it came by; the source adds the partials from zero in ascending host order, then `bias[0]`, `bias[1]`, and
-rounds once. Bitwise the reference's hybrid partial sums (`torch_hybrid`), within FP32 rounding of the direct path.
-Buffers that ask for the unreduced combine (`deterministic=True` or `allow_multiple_reduction=False`, every term
-crossing alone) run on the reference backend: the CUDA path has no unreduced inner combine yet.
+Combine: the rows go back through the inner combine to the forwarders, cross back once on the positions they came
+by, and the source adds from zero, then `bias[0]`, `bias[1]`, and rounds once. Two ways (`Buffer` arguments):
+- partial sums (`allow_multiple_reduction` and not `deterministic`): the inner combine runs in the accumulation
+  precision (FP32; FP64 for float64 rows), so a forwarder holds per token its host's rows added from zero in DESIGN
+  2.2's order, unrounded; one such row per (token, host) crosses, and the source adds them in ascending host order.
+  Bitwise the reference's hybrid partial sums (`torch_hybrid`), within FP32 rounding of the direct path.
+- terms (`deterministic=True` or `allow_multiple_reduction=False`): the inner combine returns each token's rows
+  unsummed (`CombineCall.unreduced`: a term per rank of the host, expand a term per slot), all of a (token, host)'s
+  term slots cross in the rows' dtype (absent ones too: U per (token, host), expand K), and the source adds the
+  present terms in DESIGN 2.2's order: bitwise the direct path's result.
 
 Costs against the direct path: two scale-out exchanges per dispatch (rows, and a float64 side row: source index,
 ids, weights, FP8 scales), one per combine; a copy into the forwarder space per dispatch; with `U > 1` one gather of
-the received rows per dispatch and combine; the combine's inner leg moves FP32 rows. Ranks that disagree on a call
+the received rows per dispatch and combine; partial sums move FP32 rows on the inner leg and across; terms move
+U (expand K) rows per (token, host) across, present or not, and the source adds them in one pass each. Ranks that disagree on a call
 without a CPU sync are caught inside a host (the inner backend) but not across hosts (sizes of the scale-out
 exchange would differ): there `MOE_COMM_CHECK_INPUTS=1` or a synchronizing call checks them. A scale-out wait that
 never ends is NCCL's process-group timeout on GPUs (on CPU: `num_cpu_timeout_secs`, naming rank, phase and rail).
@@ -117,11 +121,13 @@ class HybridBackend(Backend):
     Arguments:
         group, device, num_cpu_timeout_secs: as `Backend`.
         num_hosts, ranks_per_host: S and U (rank r on host r // U).
+        use_partial_reduction: sum a token's rows inside a host before they cross (else every term crosses alone).
         make_inner: builds the inner Buffer on the host subgroup it is given (collective over that subgroup).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float, num_hosts: int,
-                 ranks_per_host: int, make_inner: Callable[[dist.ProcessGroup], object]) -> None:
+                 ranks_per_host: int, use_partial_reduction: bool,
+                 make_inner: Callable[[dist.ProcessGroup], object]) -> None:
         super().__init__(group, device, num_cpu_timeout_secs)
         S, U = num_hosts, ranks_per_host
         if S * U != self.num_ranks:
@@ -131,8 +137,11 @@ class HybridBackend(Backend):
         self.rail_peers = [h * U + self.u0 for h in range(S)]
         self.host_group, self.rail_group = leg_groups(group, device, S, U)
         self.inner = make_inner(self.host_group)
-        # Handles of the reference's hybrid path and of this one have different layouts: the name keeps them apart.
-        self.name = f"cuda hybrid {S}x{U}" if self.inner.backend == "cuda" else f"hybrid {S}x{U} over {self.inner.backend}"
+        self.use_partial_reduction = use_partial_reduction
+        # Handles of the reference's hybrid path and of this one have different layouts, and partial sums another
+        # combine: the name keeps them apart.
+        self.name = (f"cuda hybrid {S}x{U}" if self.inner.backend == "cuda" else
+                     f"hybrid {S}x{U} over {self.inner.backend}") + (" partial sums" if use_partial_reduction else "")
         # On the CPU every exchange blocks the host anyway: check every call's agreement (as the reference does).
         self.checks_every_call = device.type == "cpu"
 
@@ -353,41 +362,70 @@ class HybridBackend(Backend):
     # Combine
     # ------------------------------------------------------------------------------------------------
     def combine_steps(self, c):
-        """Partial sums per host (inner combine in the accumulation precision), one row back per arrived row, the
-        source's sum over hosts in ascending order, then the biases."""
+        """The inner combine (partial sums in the accumulation precision, or each term unsummed), one row back per
+        arrived row, then the source adds from zero in DESIGN 2.2's order regrouped by host (partial sums) or
+        exactly (terms), then the biases."""
         handle: EPHandle = c.handle
         lay: HybridLayout = handle.layout
-        S, N, hidden, dev = self.num_hosts, handle.num_tokens, c.x.shape[1], self.device
+        N, hidden, dev = handle.num_tokens, c.x.shape[1], self.device
         acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
-        y = _gather(c.x, lay.inverse).to(acc_dtype)
-        call = dataclasses.replace(c, x=y, handle=lay.inner, topk_weights=_gather(c.topk_weights, lay.inverse),
-                                   bias=(), num_sms=lay.inner.num_sms, previous_event=None,
-                                   async_with_compute_stream=False, allocate_on_comm_stream=False)
-        partial, partial_w, _ = self.inner._impl.combine(call, verify_agreement=False)
-        rows = lay.fwd_row.clamp(min=0)  # rows that hold none send any row: the source never reads them
-        back = partial.index_select(0, rows) if partial.shape[0] else partial.new_zeros(rows.shape[0], hidden)
-        if partial_w is not None:
-            w_back = partial_w.index_select(0, rows) if partial_w.shape[0] else partial_w.new_zeros(rows.shape[0], 0)
-            back = torch.cat([back, w_back.to(acc_dtype)], 1)
-        got = self._rail(back, lay.rail_recv_splits, lay.rail_send_splits, "combine exchange")
-        got = torch.cat([got, got.new_zeros(1, got.shape[1])])  # absent hosts read this zero row
-        starts = _exclusive_cumsum(lay.rail_send_splits)
-        rows_NS = torch.where(lay.host_pos_NS >= 0, lay.host_pos_NS + torch.tensor(starts, device=dev),
-                              got.shape[0] - 1)
-        # DESIGN 2.2's order regrouped by host: from zero, each host's partial in ascending host order, then biases.
+        unreduced = not self.use_partial_reduction
+        y = _gather(c.x, lay.inverse)
+        call = dataclasses.replace(c, x=y if unreduced else y.to(acc_dtype), handle=lay.inner,
+                                   topk_weights=_gather(c.topk_weights, lay.inverse), bias=(),
+                                   num_sms=lay.inner.num_sms, previous_event=None, async_with_compute_stream=False,
+                                   allocate_on_comm_stream=False, unreduced=unreduced)
+        out, out_w, _ = self.inner._impl.combine(call, verify_agreement=False)  # [space, H] or [space, T, H]
+
+        # Back along the scale-out leg, one row per arrived row (rows that hold none send any row: never read):
+        # the rows' bytes, then the weights' bytes padded to 16 (so both parts view as their dtypes).
+        rows = lay.fwd_row.clamp(min=0)
+        parts = [out.index_select(0, rows).view(rows.shape[0], -1).view(torch.uint8)]
+        if out_w is not None:
+            w_bytes = out_w.index_select(0, rows).view(torch.uint8)
+            parts.append(torch.nn.functional.pad(w_bytes, (0, -w_bytes.shape[1] % 16)))
+        got = self._rail(torch.cat(parts, 1), lay.rail_recv_splits, lay.rail_send_splits, "combine exchange")
+        got = torch.cat([got, got.new_zeros(1, got.shape[1])])  # absent terms and hosts read this zero row
+        spare = got.shape[0] - 1
+        data_bytes = parts[0].shape[1]
+        terms = got[:, :data_bytes].view(out.dtype)  # [rows + 1, T * H]: term k at columns k * H ...
+        starts = torch.tensor(_exclusive_cumsum(lay.rail_send_splits), dtype=torch.int64, device=dev)
+        rows_NS = torch.where(lay.host_pos_NS >= 0, lay.host_pos_NS + starts, spare)
+        rows_NS = torch.cat([rows_NS, rows_NS.new_full((N, 1), spare)], 1)  # host S: none
         acc = torch.zeros(N, hidden, dtype=acc_dtype, device=dev)
-        for h in range(S):
-            acc += got.index_select(0, rows_NS[:, h])[:, :hidden]
+        for row_N, k in self._term_order(handle, rows_NS, spare):
+            acc += terms[:, k * hidden:(k + 1) * hidden].index_select(0, row_N).to(acc_dtype)
         for b in c.bias:
             acc += b.to(acc_dtype)
         combined_w = None
-        if partial_w is not None:
+        if out_w is not None:
             K = handle.num_topk
-            L = handle.num_experts // self.num_ranks
-            host_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // (self.ranks_per_host * L), S)
-            row_NK = torch.cat([rows_NS, rows_NS.new_full((N, 1), got.shape[0] - 1)], 1).gather(1, host_NK)
-            combined_w = got[row_NK, hidden + torch.arange(K, device=dev)[None, :]].to(c.topk_weights.dtype)
+            w_all = got[:, data_bytes:data_bytes + K * out_w.element_size()].view(out_w.dtype)  # [rows + 1, K]
+            row_NK = rows_NS.gather(1, self._host_of_slots(handle))
+            combined_w = w_all[row_NK, torch.arange(K, device=dev)[None, :]]
         return (acc.to(c.x.dtype), combined_w), [], []
+
+    def _host_of_slots(self, handle: EPHandle) -> torch.Tensor:
+        """`[N, K]` host of each slot's expert, S for -1 slots."""
+        L = handle.num_experts // self.num_ranks
+        return torch.where(handle.topk_idx >= 0, handle.topk_idx // (self.ranks_per_host * L), self.num_hosts)
+
+    def _term_order(self, handle: EPHandle, rows_NS: torch.Tensor, spare: int):
+        """`(row of each token in the arrived rows, term column)` in the order the source adds them: partial sums,
+        one per host in ascending host order; terms, DESIGN 2.2's (ascending rank = (host, local rank); expand,
+        ascending slot). A token without that term reads the zero row `spare` (adding +0 changes nothing: the
+        accumulator starts at +0, so it is never -0)."""
+        S, U, R = self.num_hosts, self.ranks_per_host, self.num_ranks
+        if self.use_partial_reduction:
+            return [(rows_NS[:, h], 0) for h in range(S)]
+        if handle.do_expand:
+            host_NK = self._host_of_slots(handle)
+            return [(rows_NS.gather(1, host_NK[:, j:j + 1])[:, 0], j) for j in range(handle.num_topk)]
+        L = handle.num_experts // R
+        rank_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // L, R)
+        in_rank_NR = torch.zeros(handle.num_tokens, R + 1, dtype=torch.bool, device=self.device).scatter_(
+            1, rank_NK, True)[:, :R]
+        return [(torch.where(in_rank_NR[:, r], rows_NS[:, r // U], spare), r % U) for r in range(R)]
 
 
 __all__ = ["HybridBackend", "HybridLayout", "leg_groups"]

@@ -610,7 +610,7 @@ class TorchRefBackend(Backend):
     def _combine_outputs(self, c, codec: _RowCodec, recv: torch.Tensor, rows_NT: torch.Tensor,
                          owner_NK: Optional[torch.Tensor]):
         """The combine outputs, allocated now, and the finalizer that sums them once `recv` has arrived:
-        `(outputs, finalize)`.
+        `(outputs, finalize)`; with `c.unreduced` the terms themselves, `[N, T, H]` (absent ones zero).
 
         rows_NT: `[N, T]`, the row of `recv` holding each term of each token (-1: no term), summed in column order.
         owner_NK: the column of the term that holds slot j's weight (`recv`'s weights are `[K]` per row, the
@@ -619,7 +619,7 @@ class TorchRefBackend(Backend):
         handle, dev = c.handle, self.device
         N, K, hidden = handle.num_tokens, handle.num_topk, c.x.shape[1]
         acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
-        combined = torch.empty(N, hidden, dtype=c.x.dtype, device=dev)
+        combined = torch.empty(N, *rows_NT.shape[1:] if c.unreduced else (), hidden, dtype=c.x.dtype, device=dev)
         combined_w = None if c.topk_weights is None else torch.empty(N, K, dtype=c.topk_weights.dtype, device=dev)
 
         def finalize() -> None:
@@ -627,10 +627,13 @@ class TorchRefBackend(Backend):
             got = codec.unpack(recv, pad_rows=1)
             pad = recv.shape[0]
             rows = torch.where(rows_NT >= 0, rows_NT, pad)
-            # DESIGN 2.2 order: start from zero, add the terms one by one, then bias[0], bias[1].
-            acc = _sum_terms(got["x"], rows, acc_dtype)
             if combined_w is not None:
                 combined_w.copy_(_select_weights(got["w"], rows, owner_NK, pad))
+            if c.unreduced:  # every term in its column (absent ones zero), as the dispatch's handle numbers them
+                combined.copy_(got["x"][rows])
+                return
+            # DESIGN 2.2 order: start from zero, add the terms one by one, then bias[0], bias[1].
+            acc = _sum_terms(got["x"], rows, acc_dtype)
             for b in c.bias:
                 acc += b.to(acc_dtype)
             combined.copy_(acc)

@@ -156,26 +156,31 @@ public:
 
     // A combine of `x` into [num_tokens, H], in `num_rounds` launches of `num_slots` slots each (an expand combine
     // whose rows do not fit the region at once; the rounds accumulate in fp32/fp64). `dtype`: the kernel's code
-    // for x's dtype (moe_comm.backends.common.DTYPE_CODES). Returns (combined, combined weights or None).
+    // for x's dtype (moe_comm.backends.common.DTYPE_CODES). `unreduced`: each token's rows unsummed instead,
+    // [num_tokens, T, H] with T = K (expand: a term per slot) or R (a term per rank), absent terms unwritten.
+    // Returns (combined or the terms, combined weights or None).
     py::tuple combine(uintptr_t params, uintptr_t args, const at::Tensor& x, const OptionalTensor& weights,
                       const OptionalTensor& bias0, const OptionalTensor& bias1, int64_t num_tokens, int dtype,
-                      int num_slots, int num_rounds, int num_blocks, uintptr_t stream) const {
+                      int num_slots, int num_rounds, bool unreduced, int num_blocks, uintptr_t stream) const {
         const EpParams* p = at_address<const EpParams>(params);
         const int K = p->num_topk;
-        at::Tensor combined = at::empty({num_tokens, x.size(1)}, x.options());
+        auto* a = at_address<CombineArgs>(args);
+        const int64_t num_terms = a->do_expand ? K : p->num_ranks;
+        at::Tensor combined = unreduced ? at::empty({num_tokens, num_terms, x.size(1)}, x.options())
+                                        : at::empty({num_tokens, x.size(1)}, x.options());
         OptionalTensor combined_weights, acc;
         if (weights) combined_weights = at::empty({num_tokens, K}, weights->options());
-        if (num_rounds > 1) {
+        if (num_rounds > 1 && !unreduced) {
             const auto acc_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
             acc = at::empty({num_tokens, x.size(1)}, x.options().dtype(acc_dtype));
         }
-        auto* a = at_address<CombineArgs>(args);
         a->x = bytes_of(x);
         a->weights = bytes_of(weights);
         a->acc = bytes_of(acc);
         a->bias0 = bytes_of(bias0);
         a->bias1 = bytes_of(bias1);
-        a->out = bytes_of(combined);
+        a->out = unreduced ? nullptr : bytes_of(combined);
+        a->terms = unreduced ? bytes_of(combined) : nullptr;
         a->out_weights = bytes_of(combined_weights);
         for (int r = 0; r < num_rounds; ++r) {
             if (num_rounds > 1) {  // one round: the plan set the slots once

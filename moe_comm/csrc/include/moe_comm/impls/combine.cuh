@@ -25,7 +25,8 @@ namespace moe_comm {
 // rank, or ascending slot in expand mode), each acquires its row's tag (rows from this rank itself are read from
 // x and have none), then the warp adds them in that order in Acc precision from zero (or the accumulator of
 // earlier rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select
-// of slot j's value on its owner rank.
+// of slot j's value on its owner rank. Unreduced (`terms` set, the hybrid path's deterministic combine): each row is
+// copied to its term's place (expand: its slot; else its rank) instead, no sum, no bias.
 // ------------------------------------------------------------------------------------------------------------
 template <typename T>
 struct AccOf { using type = float; };
@@ -149,7 +150,18 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
             !wait_flag_equal(row_tag_ptr(region_row, p), tag, p, p.phase, peer))
             timed_out = 1;
         __syncwarp();
-        for (int64_t v0 = v_begin; v0 < v_end; v0 += kGroup) {
+        if (a.terms != nullptr) {
+            // The r-th row is that of the r-th lane set in `present`: a rank, or slot slot_begin + lane.
+            const int64_t num_terms = a.do_expand ? K : R;
+            unsigned rest = present;
+            for (int r = 0; rest != 0; ++r, rest &= rest - 1) {
+                const int term = (a.do_expand ? a.slot_begin : 0) + __ffs(rest) - 1;
+                const int4* src = reinterpret_cast<const int4*>(rows[r]);
+                int4* dst = reinterpret_cast<int4*>(static_cast<T*>(a.terms) + (t * num_terms + term) * H);
+                for (int64_t v = v_begin + lane; v < v_end; v += kWarpSize) dst[v] = __ldcg(src + v);
+            }
+        }
+        for (int64_t v0 = v_begin; a.terms == nullptr && v0 < v_end; v0 += kGroup) {
             Acc acc[kReduceUnroll][kVec];
 #pragma unroll
             for (int u = 0; u < kReduceUnroll; ++u) {
