@@ -124,9 +124,10 @@ class Buffer:
             call needs 2x or 4x the bytes).
         num_topk: largest top-k of a call (sizing maximum).
         use_fp8_dispatch: reserve room for FP8 rows with scales.
-        backend: "torch" (reference, any group), "cuda" (NVLink kernels) or "auto" (cuda where every peer is
-            NVLink-reachable and the kernels can be built or loaded, else torch with one warning saying why; every
-            rank takes the same choice).
+        backend: "torch" (reference, any group), "cuda" (NVLink kernels; across hosts the hybrid path of
+            `moe_comm.backends.hybrid`: the kernels inside each host, NCCL between hosts) or "auto" (cuda where the
+            ranks of each host reach each other by peer access and the kernels can be built or loaded, else torch
+            with one warning saying why; every rank takes the same choice).
         deterministic: receive order and combine reduction order exactly as DESIGN 2.1/2.2 specify.
         num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing (CUDA backend kernels;
             the reference backend on NCCL relies on the process group's own timeout).
@@ -140,10 +141,11 @@ class Buffer:
             of the direct path's). With `deterministic=True` or False here, rows cross unreduced and the source
             sums them in the order of DESIGN 2.2 (bitwise the direct path's result).
         sl_idx: the InfiniBand service level (0 to 15) for the traffic between hosts, as DeepEP V2's; None (the
-            default) leaves NCCL's setting alone. moe_comm sends over the caller's group and cannot change its
-            communicator, so on NCCL the buffer checks that NCCL will use this level (`NCCL_IB_SL`, else the
-            group's `ProcessGroupNCCL.Options().config.traffic_class`) and raises ValueError on every rank if
-            not (`moe_comm/traffic_class.py`). gloo has no service level: there it is only validated.
+            default) leaves NCCL's setting alone. moe_comm does not choose it (the reference sends over the caller's
+            group; the CUDA hybrid path's subgroups copy that group's traffic class), so on NCCL the buffer checks
+            that NCCL will use this level (`NCCL_IB_SL`, else the group's
+            `ProcessGroupNCCL.Options().config.traffic_class`) and raises ValueError on every rank if not
+            (`moe_comm/traffic_class.py`). gloo has no service level: there it is only validated.
         cuda_tuning: `moe_comm.backends.cuda.CudaTuning`, kernel build variants and block splits for experiments
             (`scripts/profile_ops.py`); None: the defaults.
     """
@@ -217,7 +219,7 @@ class Buffer:
         try:
             if self.backend == "cuda" and self.is_hybrid:
                 impl = HybridBackend(self.group, self.device, self.num_cpu_timeout_secs,
-                                     *self.get_logical_domain_size(), self._partial_sums(),
+                                     *self.get_logical_domain_size(), self._partial_sums(), self.num_gpu_timeout_secs,
                                      lambda g: self._inner_buffer(g, "cuda"))
             elif self.backend == "cuda":
                 if self.num_bytes > self._memory_bytes:
@@ -305,7 +307,7 @@ class Buffer:
         """None when the CUDA backend's hybrid path (`moe_comm.backends.hybrid`) can run here, else why not, the same
         on every rank. Collective: makes the legs' subgroups and asks every host whether its kernels can run."""
         S, U = self.get_physical_domain_size()
-        host_group, _ = leg_groups(self.group, self.device, S, U)
+        host_group, _ = leg_groups(self.group, self.device, S, U, self.num_gpu_timeout_secs)
         mine = cuda_backend.why_not_usable(host_group, cuda_tuning)  # collective over the host
         everyone = [None] * self.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)

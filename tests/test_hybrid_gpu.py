@@ -213,3 +213,30 @@ def traffic_class_rank(rank: int, world_size: int) -> list:
 @pytest.mark.skipif(ONE_GPU, reason="needs NCCL between 2 GPUs")
 def test_legs_keep_the_traffic_class(pool):
     assert pool.run(traffic_class_rank) == [[3, 3]] * 2
+
+
+SPLIT_SCRIPT = """
+import datetime, torch, torch.distributed as dist
+from moe_comm.backends.hybrid import leg_groups
+dev = torch.device("cuda", 0)
+torch.cuda.set_device(dev)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev,
+                        timeout=datetime.timedelta(seconds=60))
+host, rail = leg_groups(dist.group.WORLD, dev, 1, 1, 30.0)
+ones = torch.ones(4, device=dev)
+for g in (host, rail):
+    dist.all_reduce(ones, group=g)
+torch.cuda.synchronize()
+print("sizes", host.size(), rail.size(), "sum", int(ones.sum()))
+dist.destroy_process_group()
+"""
+
+
+def test_legs_split_from_an_eager_default_group():
+    """A default group with a bound device makes its NCCL communicators eagerly, and subgroups are split from it,
+    which every rank of the parent must join: the legs are made with `split_group` then (one rank here)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sizes 1 1 sum 4" in done.stdout, done.stdout

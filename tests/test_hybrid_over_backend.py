@@ -12,6 +12,8 @@ import time
 from typing import Optional
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 import moe_comm
 from moe_comm import quant
@@ -32,7 +34,7 @@ def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
     partial_sums = buf._impl.use_partial_reduction
     buf._impl.close()
     buf._impl = HybridBackend(buf.group, buf.device, buf.num_cpu_timeout_secs, S, U, partial_sums,
-                              lambda host_group: buf._inner_buffer(host_group, "torch"))
+                              buf.num_gpu_timeout_secs, lambda host_group: buf._inner_buffer(host_group, "torch"))
     return buf
 
 
@@ -101,8 +103,9 @@ def cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: list[Case
     return len(cases)
 
 
-# (world size, ranks per host) -> cases: one rank per host (no reordering), two and four (receivers reorder).
-LAYOUTS = {(4, 2): 12, (4, 1): 6, (8, 4): 6}
+# (world size, ranks per host) -> cases: one rank per host (no reordering), two and four (receivers reorder), and
+# four hosts of two.
+LAYOUTS = {(4, 2): 12, (4, 1): 6, (8, 4): 6, (8, 2): 4}
 
 
 @pytest.mark.parametrize("world_size,ranks_per_host", sorted(LAYOUTS))
@@ -257,3 +260,63 @@ def test_missing_peer_times_out(phase):
         assert error in ("TimeoutError", "ConnectionError"), (rank, error, message)
         assert elapsed < 5, (rank, elapsed)
         assert f"rank {rank} {phase} argument agreement" in message, message
+
+
+# ------------------------------------------------------------------------------------------------
+# No host traffic without a CPU sync
+# ------------------------------------------------------------------------------------------------
+class NoHostTraffic(TorchFunctionMode):
+    """Fails on the calls that on a GPU read device values on the host or copy host values to the device (a host
+    sync, and a CUDA graph capture error): a call without a CPU sync must make none. The CPU tier sees them here;
+    the inner backend's own calls are let through (on GPUs it is the CUDA backend, which tests/test_gpu.py checks
+    under CUDA's sync debug mode)."""
+
+    FORBIDDEN = {torch.tensor, torch.as_tensor, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.nonzero,
+                 torch.nonzero, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+                 torch.Tensor.__index__, torch.masked_select, torch.unique, torch.Tensor.cpu}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        if func in self.FORBIDDEN or (func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and
+                                      isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None):
+            raise AssertionError(f"host traffic in a call without a CPU sync: {getattr(func, '__name__', func)}")
+        return func(*args, **kwargs)
+
+
+def _unchecked(call):
+    def wrapper(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return call(*args, **kwargs)
+    return wrapper
+
+
+def no_host_traffic_rank(rank: int, world_size: int, case: Case) -> list[str]:
+    done = []
+    for deterministic in (False, True):
+        with ranks_per_node("2"):
+            buf = over_reference(make_buffer(case, deterministic=deterministic))
+        impl = buf._impl
+        impl.checks_every_call = False  # as on GPUs: nothing but the call itself
+        impl.inner._impl.dispatch = _unchecked(impl.inner._impl.dispatch)
+        impl.inner._impl.combine = _unchecked(impl.inner._impl.combine)
+        x, idx, w = rank_inputs(case, rank)
+        kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, do_cpu_sync=False,
+                      expert_alignment=case.expert_alignment)
+        buf.dispatch(x, idx, w, **kwargs)  # a first call of this shape may copy its signature to the device
+        with NoHostTraffic():
+            recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, **kwargs)
+            buf.dispatch(x, handle=handle, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+        buf.barrier()
+        buf.destroy()
+        done.append(impl.name)
+    return done
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_no_host_traffic_without_cpu_sync(pools, do_expand):
+    case = Case(seed=57, num_ranks=4, num_experts=16, num_topk=3, hidden=64, num_tokens=(9, 0, 12, 7),
+                num_max_tokens_per_rank=16, do_expand=do_expand, expert_alignment=4 if do_expand else 1)
+    assert pools(4).run(no_host_traffic_rank, case) == [["hybrid 2x2 over torch partial sums",
+                                                         "hybrid 2x2 over torch"]] * 4

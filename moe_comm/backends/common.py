@@ -265,15 +265,18 @@ class Backend:
             self.pending_flags.zero_()
             self.raise_for_flags(flags, None, -1, " in an earlier dispatch without CPU sync (slots dropped)")
 
-    def _wire_tensors(self, c) -> dict[str, torch.Tensor]:
-        """The per-token data as it travels: x, or FP8 bytes and scales (cast here for `quantize=`)."""
+    @staticmethod
+    def _wire(c) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`(rows, scales or None)` as they travel: x, or FP8 rows (`torch.float8_e4m3fn`) and their scales (cast here
+        for `quantize=`)."""
         if c.wire_format is None:
-            return {"x": c.x}
-        if c.quantize is not None:
-            q, scales = quant.quantize(c.x, c.quantize)
-        else:
-            q, scales = c.fp8_q, c.fp8_scales
-        return {"q": q.view(torch.uint8), "scales": scales}
+            return c.x, None
+        return quant.quantize(c.x, c.quantize) if c.quantize is not None else (c.fp8_q, c.fp8_scales)
+
+    def _wire_tensors(self, c) -> dict[str, torch.Tensor]:
+        """The per-token data as it travels, by field: x, or FP8 bytes and scales."""
+        rows, scales = self._wire(c)
+        return {"x": rows} if scales is None else {"q": rows.view(torch.uint8), "scales": scales}
 
 
 def padded_signature(values: list[int]) -> list[int]:

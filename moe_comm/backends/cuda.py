@@ -375,13 +375,6 @@ class CudaBackend(Backend):
             return self._cached_dispatch(c)
         return self._fresh_dispatch(c)
 
-    def _wire(self, c):
-        """`(rows, scales or None)` as they travel: x, or FP8 rows (`torch.float8_e4m3fn`, so the received rows
-        come out in that dtype) and their scales."""
-        if c.wire_format is None:
-            return c.x, None
-        return quant.quantize(c.x, c.quantize) if c.quantize is not None else (c.fp8_q, c.fp8_scales)
-
     def _finish_x(self, c, out_x: torch.Tensor, out_scales: Optional[torch.Tensor]):
         if out_scales is None:
             return out_x

@@ -5,13 +5,18 @@ spans several hosts. The group is `S` hosts of `U` ranks, rank `r = h * U + u` o
 - scale-up: the ranks of one host, an inner `moe_comm.Buffer` on that subgroup (the CUDA backend's NVLink kernels on
   GPUs; the reference backend in the CPU tests, which run this module's logic on gloo).
 
+Shape legend (as `torch_ref`, and): S = hosts, U = ranks per host, cap = num_max_tokens_per_rank, F = scale-out rows
+that arrive at a forwarder, space = S * cap rows of a forwarder space, M = token rows a rank receives (P: its output
+rows, expand rows included), T = terms of a token's combine.
+
 Fresh dispatch (me = (h0, u0)):
 1. Each token goes once to every host that owns one of its experts (dedup per host), to the rank of its local index
    there, its "forwarder", with its expert ids relative to that host (-1 for slots elsewhere). The rows for a host
    are a block of the scale-out send, in token order; with a CPU sync the blocks hold exactly those tokens (the
-   counts go round in the flag exchange), without one `cap = num_max_tokens_per_rank` rows each.
+   counts go round with the flags and the call's signature, one exchange and one host read), without one `cap` rows
+   each.
 2. The forwarder places each arrived row at row `h * cap + t` of its forwarder space (source host h, source token t)
-   and dispatches that space inside its host: experts `U * L` relative to the host, `S * cap` tokens.
+   and dispatches that space inside its host: experts `U * L` relative to the host, `space` tokens.
 3. A receiver then holds rows grouped by forwarder u', each group in (h, t) order; the direct path's order is by
    source rank `h * U + u'`, then t. With `U > 1` the receiver sorts its rows by host, stably (expand: by (expert,
    host), with the host of each expanded row read from a 16-byte cached dispatch of forwarder rows), once per layout;
@@ -29,57 +34,65 @@ by, and the source adds from zero, then `bias[0]`, `bias[1]`, and rounds once. T
   term slots cross in the rows' dtype (absent ones too: U per (token, host), expand K), and the source adds the
   present terms in DESIGN 2.2's order: bitwise the direct path's result.
 
-Costs against the direct path: two scale-out exchanges per dispatch (rows, and a float64 side row: source index,
-ids, weights, FP8 scales), one per combine; a copy into the forwarder space per dispatch; with `U > 1` one gather of
-the received rows per dispatch and combine; partial sums move FP32 rows on the inner leg and across; terms move
-U (expand K) rows per (token, host) across, present or not, and the source adds them in one pass each. Ranks that disagree on a call
-without a CPU sync are caught inside a host (the inner backend) but not across hosts (sizes of the scale-out
-exchange would differ): there `MOE_COMM_CHECK_INPUTS=1` or a synchronizing call checks them. A scale-out wait that
-never ends is NCCL's process-group timeout on GPUs (on CPU: `num_cpu_timeout_secs`, naming rank, phase and rail).
+Costs against the direct path: two scale-out exchanges per dispatch (rows, and a float64 side row: source index, ids,
+weights, FP8 scales), one per combine; a copy into the forwarder space per dispatch; with `U > 1` one gather of the
+received rows per dispatch and combine; partial sums move FP32 rows on the inner leg and across; terms move U (expand
+K) rows per (token, host) across, present or not, and the source adds them in one pass each.
+Ranks that disagree: checked with the counts in a dispatch with a CPU sync, on the CPU at every call, and inside a
+host by the inner backend; a call without a CPU sync is not checked across hosts (the scale-out exchange's sizes
+would differ first): `MOE_COMM_CHECK_INPUTS=1` checks every call. A scale-out wait that never ends: on GPUs NCCL's
+timeout of the leg's subgroup, `num_gpu_timeout_secs` (NCCL's watchdog then ends the process); on the CPU
+`num_cpu_timeout_secs`, naming rank, phase and rail.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import quant, traffic_class
+from .. import traffic_class
 from ..handle import EPHandle
-from .common import Backend
+from .common import Backend, disagreement
 
-# Subgroups of a group per (group name, hosts, ranks per host): a Buffer made again on the same group (Megatron's
-# cache grows its buffers) reuses them instead of creating communicators without end.
-_LEG_GROUPS: dict[tuple[str, int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+MAX_SIGNATURES = 64  # signature tensors kept on the device per buffer (one per call shape)
+
+# Subgroups per (group, hosts, ranks per host, timeout): a Buffer made again on the same group (Megatron's cache
+# grows its buffers) reuses them instead of creating communicators without end. Keyed by the group object itself:
+# a group made after `destroy_process_group` may reuse a name.
+_LEG_GROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
-def leg_groups(group: dist.ProcessGroup, device: torch.device, num_hosts: int, ranks_per_host: int
-               ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def leg_groups(group: dist.ProcessGroup, device: torch.device, num_hosts: int, ranks_per_host: int,
+               timeout_secs: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """`(host_group, rail_group)` of this rank: the ranks of its host, and the ranks of its local index on every host,
-    with `group`'s NCCL traffic class (`Buffer(sl_idx=...)`). Collective over `group` (each rank creates its two
-    subgroups with their members only)."""
+    with `group`'s NCCL traffic class (`Buffer(sl_idx=...)`) and `timeout_secs` (NCCL's watchdog). Collective over
+    `group`. Where the default group's communicators are made eagerly (`init_process_group(device_id=...)`) NCCL
+    splits them, which every rank of the parent must join: `split_group` over `group`; else each rank makes its
+    two subgroups with their members only."""
     S, U = num_hosts, ranks_per_host
-    key = (group.group_name, S, U)
+    key = (group, S, U, timeout_secs)
     if key not in _LEG_GROUPS:
-        ranks = [dist.get_global_rank(group, r) for r in range(S * U)]
+        hosts = [[h * U + u for u in range(U)] for h in range(S)]
+        rails = [[h * U + u for h in range(S)] for u in range(U)]
         h0, u0 = divmod(dist.get_rank(group), U)
-        make = dict(backend=dist.get_backend(group), pg_options=traffic_class.subgroup_options(group, device),
-                    use_local_synchronization=True)
-        host = dist.new_group([ranks[h0 * U + u] for u in range(U)], **make)
-        rail = dist.new_group([ranks[h * U + u0] for h in range(S)], **make)
+        timeout = datetime.timedelta(seconds=timeout_secs)
+        if device.type == "cuda" and dist.group.WORLD.bound_device_id is not None:
+            host, rail = (dist.split_group(group, split, timeout=timeout,
+                                           pg_options=traffic_class.subgroup_options(group, device))
+                          for split in (hosts, rails))
+        else:
+            ranks = [dist.get_global_rank(group, r) for r in range(S * U)]
+            host, rail = (dist.new_group([ranks[r] for r in members], timeout=timeout, backend=dist.get_backend(group),
+                                         pg_options=traffic_class.subgroup_options(group, device),
+                                         use_local_synchronization=True)
+                          for members in (hosts[h0], rails[u0]))
         _LEG_GROUPS[key] = (host, rail)
     return _LEG_GROUPS[key]
-
-
-def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for v in values:
-        out.append(acc)
-        acc += v
-    return out
 
 
 def _gather(t, index: Optional[torch.Tensor]):
@@ -97,9 +110,10 @@ class HybridLayout:
 
     inner: the inner (scale-up) dispatch's handle, over this host's forwarder spaces.
     rail_send_splits / rail_recv_splits: rows per host of the scale-out leg (source side / forwarder side).
-    host_pos_NS: `[N, S]` row of each token inside its host's block of the scale-out send, -1: not sent there.
+    rows_NS: `[N, S]` scale-out send row of each token for each host; `sum(rail_send_splits)` (one past the last)
+        where it does not go.
     send_token: `[sum(rail_send_splits)]` source token of each scale-out send row (0 for rows that hold none).
-    fwd_row: `[sum(rail_recv_splits)]` forwarder-space row of each arrived scale-out row, -1: a row that holds none.
+    fwd_row: `[F]` forwarder-space row of each arrived scale-out row, -1: a row that holds none.
     order: `[P]` inner output row of each output row, None when the orders agree (one rank per host).
     inverse: `[P]` output row of each inner output row (the combine's gather), None likewise.
     """
@@ -107,7 +121,7 @@ class HybridLayout:
     inner: EPHandle
     rail_send_splits: list[int]
     rail_recv_splits: list[int]
-    host_pos_NS: torch.Tensor
+    rows_NS: torch.Tensor
     send_token: torch.Tensor
     fwd_row: torch.Tensor
     order: Optional[torch.Tensor]
@@ -122,11 +136,12 @@ class HybridBackend(Backend):
         group, device, num_cpu_timeout_secs: as `Backend`.
         num_hosts, ranks_per_host: S and U (rank r on host r // U).
         use_partial_reduction: sum a token's rows inside a host before they cross (else every term crosses alone).
+        num_gpu_timeout_secs: NCCL's timeout on the legs' subgroups.
         make_inner: builds the inner Buffer on the host subgroup it is given (collective over that subgroup).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float, num_hosts: int,
-                 ranks_per_host: int, use_partial_reduction: bool,
+                 ranks_per_host: int, use_partial_reduction: bool, num_gpu_timeout_secs: float,
                  make_inner: Callable[[dist.ProcessGroup], object]) -> None:
         super().__init__(group, device, num_cpu_timeout_secs)
         S, U = num_hosts, ranks_per_host
@@ -135,7 +150,7 @@ class HybridBackend(Backend):
         self.num_hosts, self.ranks_per_host = S, U
         self.h0, self.u0 = divmod(self.rank, U)
         self.rail_peers = [h * U + self.u0 for h in range(S)]
-        self.host_group, self.rail_group = leg_groups(group, device, S, U)
+        self.host_group, self.rail_group = leg_groups(group, device, S, U, num_gpu_timeout_secs)
         self.inner = make_inner(self.host_group)
         self.use_partial_reduction = use_partial_reduction
         # Handles of the reference's hybrid path and of this one have different layouts, and partial sums another
@@ -144,6 +159,9 @@ class HybridBackend(Backend):
                      f"hybrid {S}x{U} over {self.inner.backend}") + (" partial sums" if use_partial_reduction else "")
         # On the CPU every exchange blocks the host anyway: check every call's agreement (as the reference does).
         self.checks_every_call = device.type == "cpu"
+        # A fresh dispatch's signature on the device, per call shape: made once, so later calls copy nothing from
+        # the host (no sync, and capturable in a CUDA graph after a first call).
+        self._signatures: dict[tuple[int, ...], torch.Tensor] = {}
 
     def connect(self) -> None:
         """Nothing left to map: the inner Buffer connected when it was made."""
@@ -159,7 +177,7 @@ class HybridBackend(Backend):
     # Exchanges
     # ------------------------------------------------------------------------------------------------
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
-        everyone = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        everyone = [torch.empty_like(mine) for _ in range(self.num_ranks)]  # the list form: gloo takes CUDA tensors
         work = dist.all_gather(everyone, mine, group=self.group, async_op=True)
         self._wait([(work, f"rank {self.rank} {phase}")])
         return torch.stack(everyone)
@@ -171,14 +189,6 @@ class HybridBackend(Backend):
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.rail_group, async_op=True)
         self._wait([(work, f"rank {self.rank} {phase} (scale-out leg, with ranks {self.rail_peers})")])
         return recv
-
-    @staticmethod
-    def _wire(c) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """`(rows, scales or None)` as they travel: x, or FP8 rows (`torch.float8_e4m3fn`) and their scales (cast here
-        for `quantize=`)."""
-        if c.wire_format is None:
-            return c.x, None
-        return quant.quantize(c.x, c.quantize) if c.quantize is not None else (c.fp8_q, c.fp8_scales)
 
     def _to_forwarders(self, rows: torch.Tensor, side: Optional[torch.Tensor], send_token: torch.Tensor,
                        send_splits: list[int], recv_splits: list[int], phase: str):
@@ -214,81 +224,127 @@ class HybridBackend(Backend):
     # Dispatch
     # ------------------------------------------------------------------------------------------------
     def dispatch_steps(self, c, verify_agreement: bool):
-        # A dispatch with a CPU sync syncs anyway: the check costs no extra sync there.
-        if verify_agreement or self.checks_every_call or (c.handle is None and c.do_cpu_sync):
+        if verify_agreement or self.checks_every_call:
             self.check_agreement(c.signature())
         return self._fresh_dispatch(c) if c.handle is None else self._cached_dispatch(c)
 
     def _fresh_dispatch(self, c):
         R, S, U = self.num_ranks, self.num_hosts, self.ranks_per_host
         L, K, N, cap = c.num_experts // R, c.num_topk, c.num_tokens, c.num_max_tokens_per_rank
-        dev, space = self.device, S * cap
-        i64 = dict(dtype=torch.int64, device=dev)
+        i64 = dict(dtype=torch.int64, device=self.device)
         clean, flags = self.sanitize_topk_idx(c.topk_idx, c.num_experts)
         host_NK = torch.where(clean >= 0, clean // (U * L), S)
-        in_host_NS = torch.zeros(N, S + 1, dtype=torch.bool, device=dev).scatter_(1, host_NK, True)[:, :S]
+        in_host_NS = torch.zeros(N, S + 1, dtype=torch.bool, device=self.device).scatter_(1, host_NK, True)[:, :S]
         host_pos_NS = torch.where(in_host_NS, in_host_NS.long().cumsum(0) - 1, -1)
 
-        # Every rank's error flags and, for a CPU sync, the rows each host gets from it.
-        table = self.gather_values(torch.cat([flags.view(1), in_host_NS.long().sum(0)]), "dispatch count exchange")
+        # Every rank's error flags, the rows it sends each host, its call's signature: read with a CPU sync (one
+        # exchange, one host read), else the flags wait for the next synchronizing call.
+        signature = self._signature_tensor(c.signature())
+        table = self.gather_values(torch.cat([flags.view(1), in_host_NS.long().sum(0), signature]),
+                                   "dispatch count exchange")
         if c.do_cpu_sync:
-            values = torch.cat([table.flatten(), self.pending_flags]).tolist()
-            self.after_host_sync(synchronized=True)
-            rows_R = [values[r * (S + 1):(r + 1) * (S + 1)] for r in range(R)]
-            if any(values[R * (S + 1):]):
-                self.check_pending_errors()
-            self.raise_for_flags([row[0] for row in rows_R], c.topk_idx, c.num_experts, "")
-            rail_send = rows_R[self.rank][1:]
-            rail_recv = [rows_R[h * U + self.u0][1 + self.h0] for h in range(S)]
+            rail_send, rail_recv = self._read_table(c, table)
+            send_starts = torch.tensor([sum(rail_send[:h]) for h in range(S)], **i64)  # after the host read
+            recv_starts = torch.tensor([sum(rail_recv[:h]) for h in range(S)], **i64)
         else:
             torch.bitwise_or(self.pending_flags, table[:, 0], out=self.pending_flags)
             rail_send = rail_recv = [cap] * S
+            send_starts = recv_starts = torch.arange(S, **i64) * cap
 
-        # Scale-out send: a block per host, its tokens in order; the side row carries the source token, the ids
-        # relative to that host (-1: elsewhere, or a row that holds no token), the weights, the FP8 scales.
+        # Scale-out send, then the forwarder's inner dispatch, then the receiver's order.
         total = sum(rail_send)
-        starts = torch.tensor(_exclusive_cumsum(rail_send), **i64)
-        rows_NS = torch.where(host_pos_NS >= 0, starts + host_pos_NS, total)  # a spare row takes the rest
+        rows_NS = torch.where(host_pos_NS >= 0, send_starts + host_pos_NS, total)  # a spare row takes the rest
+        send_token, side, rows, scales = self._scale_out_send(c, clean, rows_NS, send_starts, total)
+        arrived, side_in = self._to_forwarders(rows, side, send_token, rail_send, rail_recv, "dispatch")
+        fwd_row, (recv_x, _, recv_w, inner, _) = self._forward(c, arrived, side_in, recv_starts, rows.dtype, scales)
+        recv_src_idx, recv_idx, per_rank, order_M = self._received_tokens(inner, cap)
+        order = self._expand_order(c, inner, cap) if c.do_expand and U > 1 else order_M
+        inverse = None if order is None else torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.shape[0], **i64))
+        recv_w = _gather(recv_w, order)
+        self.epoch += 1
+        handle = EPHandle(
+            group=self.group, backend=self.name, epoch=self.epoch, num_experts=c.num_experts, num_topk=K,
+            num_tokens=N, num_max_tokens_per_rank=cap, do_expand=c.do_expand, expert_alignment=c.expert_alignment,
+            num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync, topk_idx=clean, recv_src_idx=recv_src_idx,
+            recv_topk_idx=recv_idx, recv_topk_weights=recv_w, psum_num_recv_tokens_per_rank=per_rank.cumsum(0),
+            psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
+            num_recv_tokens=inner.num_recv_tokens, num_recv_tokens_per_expert_list=inner.num_recv_tokens_per_expert_list,
+            num_recv_rows=inner.num_recv_rows,
+            layout=HybridLayout(inner=inner, rail_send_splits=rail_send, rail_recv_splits=rail_recv, rows_NS=rows_NS,
+                                send_token=send_token, fwd_row=fwd_row, order=order, inverse=inverse))
+        return (_gather(recv_x, order), None if c.do_expand else recv_idx, recv_w, handle), [], []
+
+    def _signature_tensor(self, signature: list[int]) -> torch.Tensor:
+        key = tuple(signature)
+        if key not in self._signatures:
+            if len(self._signatures) >= MAX_SIGNATURES:
+                self._signatures.clear()
+            self._signatures[key] = torch.tensor(signature, dtype=torch.int64, device=self.device)
+        return self._signatures[key]
+
+    def _read_table(self, c, table: torch.Tensor) -> tuple[list[int], list[int]]:
+        """With a CPU sync: read the count exchange, raise for ranks that disagree and for bad routing (the same
+        error on every rank), and return the rows this rank sends each host and receives from each."""
+        R, S, U = self.num_ranks, self.num_hosts, self.ranks_per_host
+        values = torch.cat([table.flatten(), self.pending_flags]).tolist()
+        self.after_host_sync(synchronized=True)
+        width = table.shape[1]
+        rows_R = [values[r * width:(r + 1) * width] for r in range(R)]
+        problem = disagreement([row[S + 1:] for row in rows_R])
+        if problem:
+            raise ValueError(problem)
+        if any(values[R * width:]):
+            self.check_pending_errors()
+        self.raise_for_flags([row[0] for row in rows_R], c.topk_idx, c.num_experts, "")
+        return rows_R[self.rank][1:S + 1], [rows_R[h * U + self.u0][1 + self.h0] for h in range(S)]
+
+    def _scale_out_send(self, c, clean: torch.Tensor, rows_NS: torch.Tensor, send_starts: torch.Tensor, total: int):
+        """A block per host of the scale-out send, its tokens in order: `(send_token, side, rows, scales)`. The
+        float64 side row carries the source token, the ids relative to that host (-1: elsewhere, or a row that holds
+        no token), the weights, the FP8 scales (all exact in a double)."""
+        U, L, K, N = self.ranks_per_host, c.num_experts // self.num_ranks, c.num_topk, c.num_tokens
+        i64 = dict(dtype=torch.int64, device=self.device)
         src_N = torch.arange(N, **i64)
-        send_token = torch.zeros(total + 1, **i64).scatter_(0, rows_NS.flatten(), src_N.repeat_interleave(S))[:total]
-        sent = torch.zeros(total + 1, dtype=torch.bool, device=dev).scatter_(0, rows_NS.flatten(),
-                                                                              torch.ones_like(rows_NS.flatten(),
-                                                                                              dtype=torch.bool))[:total]
-        host_row = torch.bucketize(torch.arange(total, **i64), starts, right=True) - 1
+        flat = rows_NS.flatten()
+        send_token = torch.zeros(total + 1, **i64).scatter_(0, flat, src_N.repeat_interleave(self.num_hosts))[:total]
+        sent = torch.zeros(total + 1, dtype=torch.bool, device=self.device).index_fill_(0, flat, True)[:total]
+        host_row = torch.bucketize(torch.arange(total, **i64), send_starts, right=True) - 1
         ids = clean.index_select(0, send_token) if N else clean.new_full((total, K), -1)
         mine = (ids >= 0) & (ids // (U * L) == host_row[:, None]) & sent[:, None]
         side = [torch.where(sent, send_token, -1)[:, None], torch.where(mine, ids - host_row[:, None] * U * L, -1)]
-        if c.topk_weights is not None:
-            side.append(c.topk_weights.index_select(0, send_token) if N else
-                        c.topk_weights.new_zeros(total, K))
         rows, scales = self._wire(c)
-        if scales is not None:
-            side.append(scales.index_select(0, send_token) if N else scales.new_zeros(total, scales.shape[1]))
-        side = torch.cat([t.to(torch.float64) for t in side], 1)  # exact: ids, weights, scales all fit a double
-        arrived, side_in = self._to_forwarders(rows, side, send_token, rail_send, rail_recv, "dispatch")
+        for extra in (c.topk_weights, scales):
+            if extra is not None:
+                side.append(extra.index_select(0, send_token) if N else extra.new_zeros(total, extra.shape[1]))
+        return send_token, torch.cat([t.to(torch.float64) for t in side], 1), rows, scales
 
-        # Forwarder: arrived rows at rows h * cap + t, dispatched inside the host.
-        F = side_in.shape[0]
-        fwd_host = torch.bucketize(torch.arange(F, **i64), torch.tensor(_exclusive_cumsum(rail_recv), **i64),
-                                   right=True) - 1
+    def _forward(self, c, arrived: torch.Tensor, side_in: torch.Tensor, recv_starts: torch.Tensor,
+                 dtype: torch.dtype, scales: Optional[torch.Tensor]):
+        """The forwarder: arrived rows at rows h * cap + t of its space, dispatched inside the host. Returns
+        `(fwd_row, the inner dispatch's outputs)`."""
+        S, U, K, cap = self.num_hosts, self.ranks_per_host, c.num_topk, c.num_max_tokens_per_rank
+        space, host_experts = S * cap, U * (c.num_experts // self.num_ranks)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        fwd_host = torch.bucketize(torch.arange(side_in.shape[0], **i64), recv_starts, right=True) - 1
         src_in = side_in[:, 0].long()
         fwd_row = torch.where(src_in >= 0, fwd_host * cap + src_in, -1)
         spare = torch.where(fwd_row >= 0, fwd_row, space)
         idx_F = torch.full((space + 1, K), -1, **i64).index_copy_(0, spare, side_in[:, 1:K + 1].long())[:space]
         w_F = None
         if c.topk_weights is not None:
-            w_F = torch.zeros(space + 1, K, dtype=c.topk_weights.dtype, device=dev).index_copy_(
+            w_F = torch.zeros(space + 1, K, dtype=c.topk_weights.dtype, device=self.device).index_copy_(
                 0, spare, side_in[:, K + 1:2 * K + 1].to(c.topk_weights.dtype))[:space]
         scales_in = None if scales is None else side_in[:, side_in.shape[1] - scales.shape[1]:]
-        x_F = self._forwarder_space(arrived, fwd_row, space, rows.dtype, scales_in,
-                                    None if scales is None else scales.dtype)
-        host_experts = U * L
-        recv_x, _, recv_w, inner, _ = self._inner_dispatch(
-            c, x_F, topk_idx=idx_F, topk_weights=w_F, num_experts=host_experts, num_tokens=space,
-            num_max_tokens_per_rank=space, handle=None,
-            num_sms=self.inner.get_theoretical_num_sms(host_experts, min(K, host_experts)))
+        x_F = self._forwarder_space(arrived, fwd_row, space, dtype, scales_in, None if scales is None else scales.dtype)
+        return fwd_row, self._inner_dispatch(c, x_F, topk_idx=idx_F, topk_weights=w_F, num_experts=host_experts,
+                                             num_tokens=space, num_max_tokens_per_rank=space, handle=None)
 
-        # Receiver: rows of source rank (h, u') in the direct path's order.
+    def _received_tokens(self, inner: EPHandle, cap: int):
+        """The receiver's token rows in the direct path's order: `(recv_src_idx, recv_topk_idx, rows per source rank,
+        order)`, order None when it is the inner one (one rank per host)."""
+        R, S, U = self.num_ranks, self.num_hosts, self.ranks_per_host
+        i64 = dict(dtype=torch.int64, device=self.device)
         f_M = inner.recv_src_idx
         M = f_M.shape[0]
         valid_M = f_M >= 0
@@ -297,33 +353,15 @@ class HybridBackend(Backend):
         per_rank = torch.zeros(R + 1, **i64).scatter_add_(0, torch.where(valid_M, host_M * U + fwd_M, R),
                                                          torch.ones(M, **i64))[:R]
         order_M = None if U == 1 else torch.sort(host_M, stable=True).indices
-        order = order_M
-        if c.do_expand and U > 1:
-            order = self._expand_order(c, inner, space, cap)
-        inverse = None if order is None else torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.shape[0], **i64))
-        recv_src_idx = _gather(torch.where(valid_M, f_M % max(cap, 1), -1), order_M)
-        recv_idx_out = _gather(inner.recv_topk_idx, order_M)
-        recv_w = _gather(recv_w, order)
-        self.epoch += 1
-        handle = EPHandle(
-            group=self.group, backend=self.name, epoch=self.epoch, num_experts=c.num_experts, num_topk=K,
-            num_tokens=N, num_max_tokens_per_rank=cap, do_expand=c.do_expand, expert_alignment=c.expert_alignment,
-            num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync, topk_idx=clean, recv_src_idx=recv_src_idx,
-            recv_topk_idx=recv_idx_out, recv_topk_weights=recv_w, psum_num_recv_tokens_per_rank=per_rank.cumsum(0),
-            psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
-            num_recv_tokens=inner.num_recv_tokens, num_recv_tokens_per_expert_list=inner.num_recv_tokens_per_expert_list,
-            num_recv_rows=inner.num_recv_rows,
-            layout=HybridLayout(inner=inner, rail_send_splits=rail_send, rail_recv_splits=rail_recv,
-                                host_pos_NS=host_pos_NS, send_token=send_token, fwd_row=fwd_row, order=order,
-                                inverse=inverse))
-        return (_gather(recv_x, order), None if c.do_expand else recv_idx_out, recv_w, handle), [], []
+        return (_gather(torch.where(valid_M, f_M % max(cap, 1), -1), order_M), _gather(inner.recv_topk_idx, order_M),
+                per_rank, order_M)
 
-    def _expand_order(self, c, inner: EPHandle, space: int, cap: int) -> torch.Tensor:
+    def _expand_order(self, c, inner: EPHandle, cap: int) -> torch.Tensor:
         """Expand layout, `U > 1`: the output's order of the inner rows, sorted by (expert, source host) stably;
         alignment padding last in its expert's block, rows past the data last of all. The host of each row comes
         from a cached dispatch of 16-byte forwarder rows holding `row + 1` (padding rows arrive as zeros)."""
         S, L, dev = self.num_hosts, inner.psum_num_recv_tokens_per_expert.shape[0], self.device
+        space = S * cap
         tags = torch.zeros(space, 2, dtype=torch.float64, device=dev)
         tags[:, 0] = torch.arange(1, space + 1, dtype=torch.float64, device=dev)
         got = self._inner_dispatch(c, tags, wire_format=None, dequantize=False, topk_idx=None, topk_weights=None,
@@ -340,6 +378,7 @@ class HybridBackend(Backend):
     def _cached_dispatch(self, c):
         handle: EPHandle = c.handle
         lay: HybridLayout = handle.layout
+        inner: EPHandle = lay.inner
         rows, scales = self._wire(c)
         side = None
         if scales is not None:
@@ -351,10 +390,8 @@ class HybridBackend(Backend):
         space = self.num_hosts * handle.num_max_tokens_per_rank
         x_F = self._forwarder_space(arrived, lay.fwd_row, space, rows.dtype, scales_in,
                                     None if scales is None else scales.dtype)
-        inner: EPHandle = lay.inner
         recv_x = self._inner_dispatch(c, x_F, num_experts=inner.num_experts, num_tokens=space,
-                                      num_max_tokens_per_rank=space, handle=inner, num_sms=inner.num_sms,
-                                      do_cpu_sync=inner.do_cpu_sync)[0]
+                                      num_max_tokens_per_rank=space, handle=inner, do_cpu_sync=inner.do_cpu_sync)[0]
         return (_gather(recv_x, lay.order), None if handle.do_expand else handle.recv_topk_idx,
                 handle.recv_topk_weights, handle), [], []
 
@@ -373,7 +410,7 @@ class HybridBackend(Backend):
         y = _gather(c.x, lay.inverse)
         call = dataclasses.replace(c, x=y if unreduced else y.to(acc_dtype), handle=lay.inner,
                                    topk_weights=_gather(c.topk_weights, lay.inverse), bias=(),
-                                   num_sms=lay.inner.num_sms, previous_event=None, async_with_compute_stream=False,
+                                   previous_event=None, async_with_compute_stream=False,
                                    allocate_on_comm_stream=False, unreduced=unreduced)
         out, out_w, _ = self.inner._impl.combine(call, verify_agreement=False)  # [space, H] or [space, T, H]
 
@@ -389,9 +426,7 @@ class HybridBackend(Backend):
         spare = got.shape[0] - 1
         data_bytes = parts[0].shape[1]
         terms = got[:, :data_bytes].view(out.dtype)  # [rows + 1, T * H]: term k at columns k * H ...
-        starts = torch.tensor(_exclusive_cumsum(lay.rail_send_splits), dtype=torch.int64, device=dev)
-        rows_NS = torch.where(lay.host_pos_NS >= 0, lay.host_pos_NS + starts, spare)
-        rows_NS = torch.cat([rows_NS, rows_NS.new_full((N, 1), spare)], 1)  # host S: none
+        rows_NS = torch.cat([lay.rows_NS, lay.rows_NS.new_full((N, 1), spare)], 1)  # host S: none
         acc = torch.zeros(N, hidden, dtype=acc_dtype, device=dev)
         for row_N, k in self._term_order(handle, rows_NS, spare):
             acc += terms[:, k * hidden:(k + 1) * hidden].index_select(0, row_N).to(acc_dtype)
