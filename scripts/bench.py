@@ -21,8 +21,8 @@ The markdown starts with the run's commit, versions and command; the JSON carrie
 `scripts/plot_results.py` is written to F.png.
 
     python scripts/bench.py [--num-ranks 2] [--backend auto|torch|cuda] [--tokens 128 512 4096] [--hidden 7168]
-                            [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--expand] [--json F]
-                            [--md F]
+                            [--num-experts 256] [--num-topk 8] [--sms 4 8 16 24 32 48] [--expand]
+                            [--ranks-per-host N] [--json F] [--md F]
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
                               "cached dispatch": timer(lambda: buf.dispatch(x, handle=handle, do_expand=expand,
                                                                             num_sms=num_sms)),
                               "combine": timer(lambda: buf.combine(recv_x, handle, num_sms=num_sms))})
-    return {"backend": buf.backend, "theoretical_num_sms": buf.get_theoretical_num_sms(E, K), "rows": rows,
-            "sweep": sweep}
+    hosts, per_host = buf.get_logical_domain_size()
+    return {"backend": buf.backend, "path": f"hybrid {hosts} hosts x {per_host}" if buf.is_hybrid else "direct",
+            "theoretical_num_sms": buf.get_theoretical_num_sms(E, K), "rows": rows, "sweep": sweep}
 
 
 def jit_times() -> dict:
@@ -149,7 +150,8 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
     device = torch.cuda.get_device_name(0) if config["pg_backend"] == "nccl" else platform.machine()
     first = per_rank[0]
     lines = meta_lines(meta)
-    lines += [f"moe_comm {moe_comm.__version__}, backend {first['backend']}, {config['num_ranks']} ranks over "
+    lines += [f"moe_comm {moe_comm.__version__}, backend {first['backend']} ({first['path']} path), "
+              f"{config['num_ranks']} ranks over "
               f"{config['pg_backend']} on "
               f"{device}; hidden {config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts"
               f"{', expand layout' if config['expand'] else ''}; "
@@ -216,16 +218,21 @@ def main() -> None:
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--sms", type=int, nargs="*", default=[4, 8, 12, 16, 20, 24, 32, 48])
     parser.add_argument("--expand", action="store_true", help="moe_comm's dispatches in the expand layout")
+    parser.add_argument("--ranks-per-host", type=int, default=None,
+                        help="MOE_COMM_RANKS_PER_NODE for the ranks: this many ranks form a host, so one machine runs "
+                             "the hybrid (multi-host) path; e.g. 2 GPUs as 2 hosts x 1 against the direct path")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the JSON record here")
     parser.add_argument("--md", default=None, help="write the markdown table here")
     args = parser.parse_args()
     if args.num_ranks < 1:
         parser.error(f"--num-ranks={args.num_ranks} must be >= 1")
+    if args.ranks_per_host is not None:
+        os.environ["MOE_COMM_RANKS_PER_NODE"] = str(args.ranks_per_host)  # the spawned ranks inherit it
     pg_backend = "nccl" if torch.cuda.device_count() >= args.num_ranks else "gloo"
     config = {"num_ranks": args.num_ranks, "backend": args.backend, "tokens": args.tokens, "hidden": args.hidden,
               "num_experts": args.num_experts, "num_topk": args.num_topk, "sms": args.sms, "iters": args.iters,
-              "expand": args.expand,
+              "expand": args.expand, "ranks_per_host": args.ranks_per_host,
               "pg_backend": pg_backend}
     meta = run_metadata(sys.argv)
     start = time.monotonic()

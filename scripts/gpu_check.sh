@@ -6,7 +6,8 @@
 #                                   + FP8 casts on CUDA (~4 min; one GPU: one rank, the peer tests skip; the hybrid
 #                                   tests run 2 ranks sharing it)
 #   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, then the same with the
-#                                   expand layout (--expand: the MoE layer's dispatches) (~3 min)
+#                                   expand layout (--expand: the MoE layer's dispatches), then (2+ GPUs) the hybrid
+#                                   path as hosts of one GPU (--ranks-per-host 1: its overhead) (~4 min)
 #   scripts/gpu_check.sh soak       scripts/soak.py, 10,000 iterations of every path on the CUDA backend, one rank per
 #                                   GPU (~7 min: 2,000 took 77 s on one H200; issue 13 asks for 10,000 on 2 GPUs)
 #   scripts/gpu_check.sh megatron   Megatron GPU tier: parity on 2 GPUs, grouped experts, the sync-free layer (no host
@@ -37,7 +38,11 @@ case "${1:-}" in
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --json "$out/bench.json" --md "$out/bench.md" \
             2>&1 | tail -45
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --expand --sms 12 22 32 48 66 96 132 \
-            --json "$out/bench-expand.json" --md "$out/bench-expand.md" 2>&1 | tail -30 ;;
+            --json "$out/bench-expand.json" --md "$out/bench-expand.md" 2>&1 | tail -30
+        if [ "$gpus" -ge 2 ]; then
+            python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --ranks-per-host 1 --sms 22 \
+                --json "$out/bench-hybrid.json" --md "$out/bench-hybrid.md" 2>&1 | tail -30
+        fi ;;
     soak)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/soak.py --iters 10000 --num-ranks "$gpus" --backend cuda --json "$out/soak.json" 2>&1 \

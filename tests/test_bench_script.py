@@ -40,7 +40,7 @@ def test_bench_script_smoke(bench_run):
     # The baseline comes from the same run, beside every BF16 op.
     assert all(row["baseline_us"] > 0 for row in record["table"] if "fp8" not in row["op"])
     md = out_md.read_text()
-    assert "bitwise check passed" in md and "SM sweep at 16 tokens" in md
+    assert "bitwise check passed" in md and "SM sweep at 16 tokens" in md and "backend torch (direct path)" in md
     assert "| host us |" in md
 
 
