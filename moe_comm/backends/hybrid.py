@@ -1,5 +1,6 @@
 """The hybrid path over a scale-up backend (DESIGN 8.3, issue 15): what `Buffer(backend="cuda")` runs when the group
-spans several hosts. The group is `S` hosts of `U` ranks, rank `r = h * U + u` on host h with local index u. Two legs:
+spans several hosts. (Over 400 lines: fresh dispatch, cached dispatch and both combines of one path, which share
+the layout.) The group is `S` hosts of `U` ranks, rank `r = h * U + u` on host h with local index u. Two legs:
 - scale-out: the ranks of one local index on every host (a "rail"), a `torch.distributed` subgroup: one
   `all_to_all_single` per exchange (NCCL on GPUs: the network between hosts, on the stream, no host sync);
 - scale-up: the ranks of one host, an inner `moe_comm.Buffer` on that subgroup (the CUDA backend's NVLink kernels on
@@ -269,7 +270,8 @@ class HybridBackend(Backend):
             num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync, topk_idx=clean, recv_src_idx=recv_src_idx,
             recv_topk_idx=recv_idx, recv_topk_weights=recv_w, psum_num_recv_tokens_per_rank=per_rank.cumsum(0),
             psum_num_recv_tokens_per_expert=inner.psum_num_recv_tokens_per_expert,
-            num_recv_tokens=inner.num_recv_tokens, num_recv_tokens_per_expert_list=inner.num_recv_tokens_per_expert_list,
+            num_recv_tokens=inner.num_recv_tokens,
+            num_recv_tokens_per_expert_list=inner.num_recv_tokens_per_expert_list,
             num_recv_rows=inner.num_recv_rows,
             layout=HybridLayout(inner=inner, rail_send_splits=rail_send, rail_recv_splits=rail_recv, rows_NS=rows_NS,
                                 send_token=send_token, fwd_row=fwd_row, order=order, inverse=inverse))
@@ -349,7 +351,8 @@ class HybridBackend(Backend):
         M = f_M.shape[0]
         valid_M = f_M >= 0
         host_M = torch.where(valid_M, f_M // max(cap, 1), S)
-        fwd_M = torch.bucketize(torch.arange(M, **i64), inner.psum_num_recv_tokens_per_rank, right=True).clamp(max=U - 1)
+        fwd_M = torch.bucketize(torch.arange(M, **i64), inner.psum_num_recv_tokens_per_rank, right=True)
+        fwd_M = fwd_M.clamp(max=U - 1)
         per_rank = torch.zeros(R + 1, **i64).scatter_add_(0, torch.where(valid_M, host_M * U + fwd_M, R),
                                                          torch.ones(M, **i64))[:R]
         order_M = None if U == 1 else torch.sort(host_M, stable=True).indices
