@@ -223,6 +223,8 @@ STRUCTS = {
         ("const uint8_t*", "weights", "[N, K * wb] or null"),
         ("const int64_t*", "send_pos", "[N, R]"),
         ("const int32_t*", "expert_rank", "[N, K]"),
+        ("int64_t", "quantize", "0, or the FP8 format (1 fp8_block128, 2 mxfp8) the senders cast bf16 x [N, 2 * "
+                                "data_bytes] to (`quantize=`; scales null)"),
     ],
     "RecvOutputs": [
         ("const int64_t*", "counts", "[R][SLOT_STRIDE] from the counts of a slot: rows from source s, then its "

@@ -394,8 +394,9 @@ def test_cuda_large_shapes(nccl_pool):
 
 
 def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
-    """FP8 on the wire, both formats, pre-quantized tuples, `quantize=` and `dequantize=True`: the CUDA backend's
-    outputs equal the reference backend's bit for bit (data, scales, routing, weights, source indices)."""
+    """FP8 on the wire, both formats, pre-quantized tuples, `quantize=` (cast by the CUDA backend's senders) and
+    `dequantize=True`: the CUDA backend's outputs equal the reference backend's bit for bit (data, scales, routing,
+    weights, source indices), special values included."""
     from moe_comm import quant
 
     with Buffers() as buffers:
@@ -405,9 +406,16 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
             x, idx, w = rank_inputs(case, rank, cuda_buf.device)
             kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand,
                           expert_alignment=case.expert_alignment)
+            special = x.clone()  # what the senders' cast (`quantize=`) must treat as quant.py does
+            if special.shape[0] >= 4:
+                special[0] = 0.0  # all-zero groups: amax clamped to AMAX_MIN
+                special[1, ::3] = -0.0
+                special[2] *= 1e-30  # tiny groups: scales near the bottom, mxfp8 exponents clamped
+                special[3, ::2] *= 3e4  # groups with a few huge values: the rest rounds to zero or subnormals
             for fmt in quant.FP8_FORMATS:
                 for mode, args in (("tuple", dict(x=quant.quantize(x, fmt))), ("quantize", dict(x=x, quantize=fmt)),
-                                   ("dequantize", dict(x=x, quantize=fmt, dequantize=True))):
+                                   ("dequantize", dict(x=x, quantize=fmt, dequantize=True)),
+                                   ("quantize special values", dict(x=special, quantize=fmt))):
                     ref = ref_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
                     got = cuda_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
                     where = f"{fmt} {mode} {case}"
@@ -428,7 +436,7 @@ def test_cuda_fp8_matches_reference(nccl_pool):
                   num_tokens=per_rank(300, 77), num_max_tokens_per_rank=300),
              Case(seed=212, num_ranks=WORLD_SIZE, num_experts=8, num_topk=3, hidden=7168, num_tokens=per_rank(64, 0),
                   num_max_tokens_per_rank=64, do_expand=True, expert_alignment=32, drop_prob=0.3)]
-    assert nccl_pool.run(fp8_rank, cases) == [2 * 3 * len(cases)] * WORLD_SIZE
+    assert nccl_pool.run(fp8_rank, cases) == [2 * 4 * len(cases)] * WORLD_SIZE
 
 
 def disagreement_rank(rank: int, world_size: int) -> str:

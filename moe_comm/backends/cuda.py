@@ -375,6 +375,14 @@ class CudaBackend(Backend):
             return self._cached_dispatch(c)
         return self._fresh_dispatch(c)
 
+    @staticmethod
+    def _kernel_rows(c) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+        """`(rows, scales or None, quantize)` as the kernel takes them: x (bf16 with `quantize=`, which the senders
+        cast: `quantize` is 1 + its index in `quant.FP8_FORMATS`, else 0), or a pre-quantized tuple."""
+        if c.quantize is not None:
+            return c.x, None, 1 + quant.FP8_FORMATS.index(c.quantize)
+        return (c.x, None, 0) if c.wire_format is None else (c.fp8_q, c.fp8_scales, 0)
+
     def _finish_x(self, c, out_x: torch.Tensor, out_scales: Optional[torch.Tensor]):
         if out_scales is None:
             return out_x
@@ -407,7 +415,7 @@ class CudaBackend(Backend):
                 self._shapes.clear()
             plan = self._shapes[key] = self._fresh_plan(c, signature)
         params, layout_args, notify, inputs, outputs = plan.addresses
-        data, scales = self._wire(c)
+        data, scales, quantize = self._kernel_rows(c)
         stream = current_stream(self._device_index)
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
         # control slot and theirs into ours, read on the host when the call syncs.
@@ -421,7 +429,7 @@ class CudaBackend(Backend):
         # Send and receive.
         out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = self.launcher.dispatch(
             params, inputs, outputs, data, scales, c.topk_weights, workspace, plan.offsets, M, P, c.do_expand,
-            c.num_sms, stream)
+            quantize, c.num_sms, stream)
         self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
         handle = EPHandle(
             group=self.group, backend=self.name, epoch=self.epoch,
@@ -451,10 +459,11 @@ class CudaBackend(Backend):
                                       num_rows=handle.recv_src_idx.shape[0], num_expand_rows=handle.num_recv_rows,
                                       do_expand=int(handle.do_expand))
             plan = plans[key] = _Plan((params, inputs, outputs))
-        data, scales = self._wire(c)
+        data, scales, quantize = self._kernel_rows(c)
         params, inputs, outputs = plan.addresses
-        out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, handle.num_recv_rows,
-                                                          c.num_sms, current_stream(self._device_index))
+        out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, quantize,
+                                                          handle.num_recv_rows, c.num_sms,
+                                                          current_stream(self._device_index))
         recv_x = self._finish_x(c, out_x, out_scales)
         return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), [], []
 

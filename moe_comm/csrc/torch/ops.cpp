@@ -88,21 +88,21 @@ public:
     }
 
     // A fresh dispatch's second launch, along the workspace of `layout`: `num_rows` (M) received rows,
-    // `num_expand_rows` (P, = M without expand) output rows. Returns (x [P, H] in data's dtype, scales [P, S] or
+    // `num_expand_rows` (P, = M without expand) output rows. `quantize`: 0, or the FP8 format (1 fp8_block128, 2
+    // mxfp8) the senders cast bf16 `data` to. Returns (x [P, H] in data's dtype, or FP8, scales [P, H / 128] or
     // None, topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None), the
     // routing outputs as views of one int64 allocation.
     py::tuple dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
                        const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& workspace,
                        const std::vector<int64_t>& offsets, int64_t num_rows, int64_t num_expand_rows,
-                       bool do_expand, int num_blocks, uintptr_t stream) const {
+                       bool do_expand, int quantize, int num_blocks, uintptr_t stream) const {
         check_offsets(offsets);
         require(workspace.numel() >= offsets[kWorkspaceLength], "workspace shorter than its offsets");
         const EpParams* p = at_address<const EpParams>(params);
         const int64_t M = num_rows, P = num_expand_rows, K = p->num_topk, R = p->num_ranks;
         const int64_t L = p->num_local_experts;
-        at::Tensor x = at::empty({P, data.size(1)}, data.options());
-        OptionalTensor out_scales, out_weights;
-        if (scales) out_scales = at::empty({P, scales->size(1)}, scales->options());
+        auto [x, out_scales] = outputs_of(data, scales, quantize, P);
+        OptionalTensor out_weights;
         if (weights) {
             out_weights = do_expand ? at::empty({P}, weights->options()) : at::empty({M, K}, weights->options());
         }
@@ -113,6 +113,7 @@ public:
         auto* in = at_address<DispatchInputs>(inputs);
         in->x = bytes_of(data);
         in->scales = bytes_of(scales);
+        in->quantize = quantize;
         in->clean_idx = base;
         in->weights = bytes_of(weights);
         in->send_pos = base + offsets[kWorkspaceSendPos];
@@ -136,17 +137,17 @@ public:
                               routing.narrow(0, M * K + M + R, L), or_none(out_weights));
     }
 
-    // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows. Returns (x, scales or None).
+    // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows, `quantize` as in `dispatch`.
+    // Returns (x, scales or None).
     py::tuple cached_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                              const OptionalTensor& scales, int64_t num_rows, int num_blocks,
+                              const OptionalTensor& scales, int quantize, int64_t num_rows, int num_blocks,
                               uintptr_t stream) const {
         const EpParams* p = at_address<const EpParams>(params);
-        at::Tensor x = at::empty({num_rows, data.size(1)}, data.options());
-        OptionalTensor out_scales;
-        if (scales) out_scales = at::empty({num_rows, scales->size(1)}, scales->options());
+        auto [x, out_scales] = outputs_of(data, scales, quantize, num_rows);
         auto* in = at_address<DispatchInputs>(inputs);
         in->x = bytes_of(data);
         in->scales = bytes_of(scales);
+        in->quantize = quantize;
         auto* out = at_address<RecvOutputs>(outputs);
         out->x = bytes_of(x);
         out->scales = bytes_of(out_scales);
@@ -195,6 +196,24 @@ public:
     }
 
 private:
+    // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
+    // rows of bf16 `data` and their scales (float32 for fp8_block128, int32 words of UE8M0 bytes for mxfp8).
+    static std::pair<at::Tensor, OptionalTensor> outputs_of(const at::Tensor& data, const OptionalTensor& scales,
+                                                            int quantize, int64_t rows) {
+        if (!quantize) {
+            OptionalTensor out_scales;
+            if (scales) out_scales = at::empty({rows, scales->size(1)}, scales->options());
+            return {at::empty({rows, data.size(1)}, data.options()), out_scales};
+        }
+        require(quantize == 1 || quantize == 2, "quantize must be 0, 1 (fp8_block128) or 2 (mxfp8), got " +
+                                                    std::to_string(quantize));
+        require(data.scalar_type() == at::kBFloat16 && data.size(1) % 128 == 0 && !scales,
+                "quantize casts bf16 rows of a multiple of 128 channels and takes no scales; got " +
+                    std::string(c10::toString(data.scalar_type())) + " rows of " + std::to_string(data.size(1)));
+        return {at::empty({rows, data.size(1)}, data.options().dtype(at::kFloat8_e4m3fn)),
+                at::empty({rows, data.size(1) / 128}, data.options().dtype(quantize == 1 ? at::kFloat : at::kInt))};
+    }
+
     // A launcher call without the GIL: a launch may block (a full launch queue), other Python threads go on.
     template <typename Fn, typename... Args>
     static int released(Fn fn, Args... args) {

@@ -10,6 +10,7 @@
 #include "moe_comm/abi.h"
 #include "moe_comm/common/comm.cuh"
 #include "moe_comm/common/copy.cuh"
+#include "moe_comm/common/fp8.cuh"
 #include "moe_comm/common/rows.cuh"
 #include "moe_comm/common/tuning.cuh"
 
@@ -70,9 +71,40 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
             const int64_t my_pos = lane < p.num_ranks ? in.send_pos[t * p.num_ranks + lane] : -1;
             const unsigned dest_mask = __ballot_sync(0xffffffffu, my_pos >= 0);
 
+            // `quantize=`: bf16 rows cast to FP8 on the way (moe_comm/common/fp8.cuh), a lane's 16-byte vector of 8
+            // values giving 8 wire bytes, its half-warp's scale word written by the half's first lane.
+            if (in.quantize) {
+                const int4* src = reinterpret_cast<const int4*>(in.x + t * 2 * p.data_bytes);
+                const int64_t num_in = p.data_bytes / 8;  // bf16 vectors; a multiple of 16 (hidden % 128 == 0)
+                for (int64_t v0 = 0; v0 < num_in; v0 += kSendUnroll * kWarpSize) {
+                    uint2 q[kSendUnroll];
+                    uint32_t word[kSendUnroll];
+#pragma unroll
+                    for (int u = 0; u < kSendUnroll; ++u) {
+                        const int64_t v = v0 + lane + u * kWarpSize;
+                        fp8_cast8(v < num_in ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0), static_cast<int>(in.quantize),
+                                  lane, &q[u], &word[u]);
+                    }
+                    for (unsigned mask = dest_mask; mask; mask &= mask - 1) {
+                        const int d = __ffs(mask) - 1;
+                        const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
+                        uint8_t* row = data_dst(d, pos);
+                        if (row == nullptr) continue;
+                        uint8_t* scales = direct && d == p.rank ? out.scales + (own_start + pos) * p.scale_bytes
+                                                                : row + p.data_bytes;
+#pragma unroll
+                        for (int u = 0; u < kSendUnroll; ++u) {
+                            const int64_t v = v0 + lane + u * kWarpSize;
+                            if (v >= num_in) continue;
+                            reinterpret_cast<uint2*>(row)[v] = q[u];
+                            if (lane % 16 == 0) reinterpret_cast<uint32_t*>(scales)[v / 16] = word[u];
+                        }
+                    }
+                }
+            }
             // Data: 16-byte vectors, kSendUnroll loads in flight before the stores to every destination.
             const int4* src = reinterpret_cast<const int4*>(in.x + t * p.data_bytes);
-            const int64_t num_vecs = p.data_bytes / 16;
+            const int64_t num_vecs = in.quantize ? 0 : p.data_bytes / 16;
             // NOTES: the loop bounds are warp-uniform, because the shuffle below needs every lane.
             for (int64_t v0 = 0; v0 < num_vecs; v0 += kSendUnroll * kWarpSize) {
                 int4 values[kSendUnroll];
@@ -99,7 +131,7 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                 if (direct && d == p.rank) {
                     const int64_t m = own_start + pos;
                     if (m >= out.num_rows) continue;
-                    if (out.scales)
+                    if (out.scales && in.scales)
                         warp_copy4(out.scales + m * p.scale_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
                     if (out.src_idx && lane == 0) out.src_idx[m] = t;
                     for (int j = lane; j < K; j += kWarpSize) {
@@ -113,7 +145,7 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                     continue;
                 }
                 uint8_t* row = data_dst(d, pos);
-                if (p.scale_bytes) warp_copy4(row + p.data_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
+                if (in.scales) warp_copy4(row + p.data_bytes, in.scales + t * p.scale_bytes, p.scale_bytes, lane);
                 if (lane == 0) *reinterpret_cast<int64_t*>(row + p.meta_offset) = t;
                 int32_t* local_ids = reinterpret_cast<int32_t*>(row + p.ids_offset);
                 int32_t* ranks = reinterpret_cast<int32_t*>(row + p.ranks_offset);
