@@ -232,6 +232,9 @@ STRUCTS = {
         ("uint8_t*", "x", "[P, data_bytes]"),
         ("uint8_t*", "scales", "[P, scale_bytes] or null"),
         ("int64_t*", "topk_idx", "[M, K] local ids, or null (cached dispatch)"),
+        ("int64_t", "dequantize", "0, or the FP8 format (1 fp8_block128, 2 mxfp8) of the wire rows, which the "
+                                  "receivers (and senders, for own rows) cast to bf16 x [P, 2 * data_bytes]; "
+                                  "scales then null"),
         ("uint8_t*", "weights", "non-expand [M, K * wb], expand [P * wb], or null"),
         ("int64_t*", "src_idx", "[M] or null"),
         ("int32_t*", "expand_row", "[M, K] or null (non-expand)"),

@@ -165,7 +165,7 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
         "torch.empty from Python (one output)": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
                                                                     device=dev),
         "cached dispatch: host extension (allocation, launch)": lambda: impl.launcher.cached_dispatch(
-            *dplan.addresses, x, None, 0, handle.num_recv_rows, handle.num_sms, stream),
+            *dplan.addresses, x, None, 0, 0, handle.num_recv_rows, handle.num_sms, stream),
         "cached dispatch: whole call": lambda: buf.dispatch(x, handle=handle),
         "combine: checks (Buffer._validate_combine)": lambda: buf._validate_combine(
             recv_x, handle, None, None, 0, None, False, False),

@@ -415,13 +415,16 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
             for fmt in quant.FP8_FORMATS:
                 for mode, args in (("tuple", dict(x=quant.quantize(x, fmt))), ("quantize", dict(x=x, quantize=fmt)),
                                    ("dequantize", dict(x=x, quantize=fmt, dequantize=True)),
-                                   ("quantize special values", dict(x=special, quantize=fmt))):
+                                   ("tuple dequantize", dict(x=quant.quantize(x, fmt), dequantize=True)),
+                                   ("quantize special values", dict(x=special, quantize=fmt)),
+                                   ("dequantize special values", dict(x=special, quantize=fmt, dequantize=True))):
                     ref = ref_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
                     got = cuda_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
                     where = f"{fmt} {mode} {case}"
-                    ref_x, got_x = (ref[0], got[0]) if mode == "dequantize" else (ref[0][0], got[0][0])
+                    dequantized = "dequantize" in mode
+                    ref_x, got_x = (ref[0], got[0]) if dequantized else (ref[0][0], got[0][0])
                     assert_same(f"recv data, {where}", got_x, ref_x.cpu())
-                    if mode != "dequantize":
+                    if not dequantized:
                         assert_same(f"recv scales, {where}", got[0][1], ref[0][1].cpu())
                     for i, name in ((1, "recv_topk_idx"), (2, "recv_topk_weights")):
                         assert_same(f"{name}, {where}", got[i], None if ref[i] is None else ref[i].cpu())
@@ -436,7 +439,7 @@ def test_cuda_fp8_matches_reference(nccl_pool):
                   num_tokens=per_rank(300, 77), num_max_tokens_per_rank=300),
              Case(seed=212, num_ranks=WORLD_SIZE, num_experts=8, num_topk=3, hidden=7168, num_tokens=per_rank(64, 0),
                   num_max_tokens_per_rank=64, do_expand=True, expert_alignment=32, drop_prob=0.3)]
-    assert nccl_pool.run(fp8_rank, cases) == [2 * 4 * len(cases)] * WORLD_SIZE
+    assert nccl_pool.run(fp8_rank, cases) == [2 * 6 * len(cases)] * WORLD_SIZE
 
 
 def disagreement_rank(rank: int, world_size: int) -> str:

@@ -156,7 +156,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
         x, out_scales, idx, src, psum_rank, psum_expert, w = launcher.dispatch(
             ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), q, scales, weights,
-            workspace, list(offsets), M, P, do_expand, 0, 20, 99)
+            workspace, list(offsets), M, P, do_expand, 0, 0, 20, 99)
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((P, H), q.dtype, (P, 2), torch.float32)
         assert (idx.shape, src.shape, psum_rank.shape, psum_expert.shape) == ((M, K), (M,), (R,), (L,))
         assert w.shape == ((P,) if do_expand else (M, K)) and w.dtype == weights.dtype
@@ -175,7 +175,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     # Without weights and FP8: no weight or scale outputs, null pointers.
     x, out_scales, *_, w = launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs),
                                              ctypes.addressof(outputs), torch.zeros(N, H, dtype=torch.bfloat16), None,
-                                             None, workspace, list(offsets), 7, 7, False, 0, 20, 99)
+                                             None, workspace, list(offsets), 7, 7, False, 0, 0, 20, 99)
     assert x.dtype == torch.bfloat16 and out_scales is None and w is None
     assert not (fake.calls[-1][3].scales or fake.calls[-1][3].weights or fake.calls[-1][2].weights)
     # `quantize=`: bf16 rows in, FP8 rows and the format's scales out (the senders cast), no input scales.
@@ -183,15 +183,26 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     for code, scale_dtype in ((1, torch.float32), (2, torch.int32)):
         x, out_scales, *_ = launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs),
                                               ctypes.addressof(outputs), bf16, None, None, workspace, list(offsets),
-                                              7, 9, True, code, 20, 99)
+                                              7, 9, True, code, 0, 20, 99)
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((9, H), torch.float8_e4m3fn, (9, H // 128),
                                                                           scale_dtype)
         _, _, i, o, *_ = fake.calls[-1]
         assert (i.quantize, i.x, i.scales, o.scales) == (code, bf16.data_ptr(), None, out_scales.data_ptr())
+        # `dequantize`: bf16 outputs and no scales, whether the senders cast (quantize) or the rows came as FP8.
+        for data, scales in ((bf16, None), (q, torch.ones(N, H // 128) if code == 1 else torch.ones(N, H // 128,
+                                                                                                      dtype=torch.int32))):
+            x, out_scales, *_ = launcher.dispatch(
+                ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data, scales, None,
+                workspace, list(offsets), 7, 9, True, code if scales is None else 0, code, 20, 99)
+            assert (x.shape, x.dtype, out_scales, fake.calls[-1][3].dequantize) == ((9, H), torch.bfloat16, None,
+                                                                                    code)
+    with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):
+        launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), bf16, None,
+                          None, workspace, list(offsets), 7, 7, False, 0, 1, 20, 99)
     with pytest.raises(ValueError, match="quantize casts bf16 rows of a multiple of 128 channels"):
         launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
                           torch.zeros(N, H, dtype=torch.float32), None, None, workspace, list(offsets), 7, 7, False,
-                          1, 20, 99)
+                          1, 0, 20, 99)
 
 
 def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
@@ -202,13 +213,13 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
     params, inputs, outputs = _params(), layout.DispatchInputs(clean_idx=8), layout.RecvOutputs(counts=16)
     data = torch.zeros(5, 128, dtype=torch.bfloat16)
     x, scales = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                                         data, None, 0, 9, 6, 7)
+                                         data, None, 0, 0, 9, 6, 7)
     assert x.shape == (9, 128) and scales is None
     name, p, i, o, blocks, with_barrier, stream = fake.calls[-1]
     assert (name, blocks, with_barrier, stream, i.x, o.x, i.clean_idx, o.counts, i.quantize) == (
         "dispatch", 6, 1, 7, data.data_ptr(), x.data_ptr(), 8, 16, 0)
     x, scales = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                                         data, None, 2, 9, 6, 7)
+                                         data, None, 2, 0, 9, 6, 7)
     assert (x.dtype, scales.shape, scales.dtype, fake.calls[-1][2].quantize) == (torch.float8_e4m3fn, (9, 1),
                                                                                   torch.int32, 2)
 
@@ -253,7 +264,7 @@ def test_host_extension_raises_the_launchers_message(kernels):
     params, inputs, outputs = _params(), layout.DispatchInputs(), layout.RecvOutputs()
     with pytest.raises(RuntimeError, match=r"moe_comm: dispatch failed on rank 1: fake launcher failed \(values\)"):
         fake.launcher().cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                                        torch.zeros(2, 16), None, 0, 2, 4, 0)
+                                        torch.zeros(2, 16), None, 0, 0, 2, 4, 0)
     bad, args, notify = _params(num_ranks=0), layout.LayoutArgs(), layout.NotifyArgs(pending_flags=8)
     with pytest.raises(RuntimeError, match=r"dispatch layout and notify failed on rank 1: layout.cu:\d+: .*"
                                            r"num_ranks=0, kMaxRanks=32"):

@@ -376,17 +376,19 @@ class CudaBackend(Backend):
         return self._fresh_dispatch(c)
 
     @staticmethod
-    def _kernel_rows(c) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
-        """`(rows, scales or None, quantize)` as the kernel takes them: x (bf16 with `quantize=`, which the senders
-        cast: `quantize` is 1 + its index in `quant.FP8_FORMATS`, else 0), or a pre-quantized tuple."""
+    def _kernel_rows(c) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
+        """`(rows, scales or None, quantize, dequantize)` as the kernel takes them: x (bf16 with `quantize=`, which
+        the senders cast), or a pre-quantized tuple; the casts as format codes (1 + the index in
+        `quant.FP8_FORMATS`, 0: none), `dequantize` cast by the receivers."""
+        dequantize = 1 + quant.FP8_FORMATS.index(c.wire_format) if c.dequantize else 0
         if c.quantize is not None:
-            return c.x, None, 1 + quant.FP8_FORMATS.index(c.quantize)
-        return (c.x, None, 0) if c.wire_format is None else (c.fp8_q, c.fp8_scales, 0)
+            return c.x, None, 1 + quant.FP8_FORMATS.index(c.quantize), dequantize
+        return (c.x, None, 0, 0) if c.wire_format is None else (c.fp8_q, c.fp8_scales, 0, dequantize)
 
-    def _finish_x(self, c, out_x: torch.Tensor, out_scales: Optional[torch.Tensor]):
-        if out_scales is None:
-            return out_x
-        return quant.dequantize(out_x, out_scales) if c.dequantize else (out_x, out_scales)
+    @staticmethod
+    def _finish_x(out_x: torch.Tensor, out_scales: Optional[torch.Tensor]):
+        """The dispatch's rows: a tensor (bf16 after `dequantize`), or an FP8 tuple."""
+        return out_x if out_scales is None else (out_x, out_scales)
 
     def _fresh_plan(self, c, signature: list[int]) -> _Plan:
         """A fresh dispatch's launch structs for this call signature (the host extension sets the pointers)."""
@@ -415,7 +417,7 @@ class CudaBackend(Backend):
                 self._shapes.clear()
             plan = self._shapes[key] = self._fresh_plan(c, signature)
         params, layout_args, notify, inputs, outputs = plan.addresses
-        data, scales, quantize = self._kernel_rows(c)
+        data, scales, quantize, dequantize = self._kernel_rows(c)
         stream = current_stream(self._device_index)
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
         # control slot and theirs into ours, read on the host when the call syncs.
@@ -429,7 +431,7 @@ class CudaBackend(Backend):
         # Send and receive.
         out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = self.launcher.dispatch(
             params, inputs, outputs, data, scales, c.topk_weights, workspace, plan.offsets, M, P, c.do_expand,
-            quantize, c.num_sms, stream)
+            quantize, dequantize, c.num_sms, stream)
         self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
         handle = EPHandle(
             group=self.group, backend=self.name, epoch=self.epoch,
@@ -440,7 +442,7 @@ class CudaBackend(Backend):
             psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
             num_recv_tokens=P if c.do_cpu_sync else None, num_recv_tokens_per_expert_list=aligned_list,
             num_recv_rows=P, layout=CudaLayout(workspace, plan.offsets, c.do_expand))
-        recv_x = self._finish_x(c, out_x, out_scales)
+        recv_x = self._finish_x(out_x, out_scales)
         return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
 
     def _cached_dispatch(self, c):
@@ -459,12 +461,12 @@ class CudaBackend(Backend):
                                       num_rows=handle.recv_src_idx.shape[0], num_expand_rows=handle.num_recv_rows,
                                       do_expand=int(handle.do_expand))
             plan = plans[key] = _Plan((params, inputs, outputs))
-        data, scales, quantize = self._kernel_rows(c)
+        data, scales, quantize, dequantize = self._kernel_rows(c)
         params, inputs, outputs = plan.addresses
-        out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, quantize,
+        out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, quantize, dequantize,
                                                           handle.num_recv_rows, c.num_sms,
                                                           current_stream(self._device_index))
-        recv_x = self._finish_x(c, out_x, out_scales)
+        recv_x = self._finish_x(out_x, out_scales)
         return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), [], []
 
     def _read_summary(self, c, num_local_experts: int) -> tuple[int, list[int]]:

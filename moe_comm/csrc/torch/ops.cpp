@@ -89,19 +89,20 @@ public:
 
     // A fresh dispatch's second launch, along the workspace of `layout`: `num_rows` (M) received rows,
     // `num_expand_rows` (P, = M without expand) output rows. `quantize`: 0, or the FP8 format (1 fp8_block128, 2
-    // mxfp8) the senders cast bf16 `data` to. Returns (x [P, H] in data's dtype, or FP8, scales [P, H / 128] or
-    // None, topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None), the
-    // routing outputs as views of one int64 allocation.
+    // mxfp8) the senders cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire rows, cast back to
+    // bf16 on arrival. Returns (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx
+    // [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None), the routing outputs as
+    // views of one int64 allocation.
     py::tuple dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
                        const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& workspace,
                        const std::vector<int64_t>& offsets, int64_t num_rows, int64_t num_expand_rows,
-                       bool do_expand, int quantize, int num_blocks, uintptr_t stream) const {
+                       bool do_expand, int quantize, int dequantize, int num_blocks, uintptr_t stream) const {
         check_offsets(offsets);
         require(workspace.numel() >= offsets[kWorkspaceLength], "workspace shorter than its offsets");
         const EpParams* p = at_address<const EpParams>(params);
         const int64_t M = num_rows, P = num_expand_rows, K = p->num_topk, R = p->num_ranks;
         const int64_t L = p->num_local_experts;
-        auto [x, out_scales] = outputs_of(data, scales, quantize, P);
+        auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, P);
         OptionalTensor out_weights;
         if (weights) {
             out_weights = do_expand ? at::empty({P}, weights->options()) : at::empty({M, K}, weights->options());
@@ -122,6 +123,7 @@ public:
         out->counts = base + offsets[kWorkspaceRecvSlots];
         out->x = bytes_of(x);
         out->scales = bytes_of(out_scales);
+        out->dequantize = dequantize;
         out->topk_idx = recv;
         out->weights = bytes_of(out_weights);
         out->src_idx = recv + M * K;
@@ -137,13 +139,13 @@ public:
                               routing.narrow(0, M * K + M + R, L), or_none(out_weights));
     }
 
-    // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows, `quantize` as in `dispatch`.
-    // Returns (x, scales or None).
+    // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows, `quantize` and `dequantize`
+    // as in `dispatch`. Returns (x, scales or None).
     py::tuple cached_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                              const OptionalTensor& scales, int quantize, int64_t num_rows, int num_blocks,
-                              uintptr_t stream) const {
+                              const OptionalTensor& scales, int quantize, int dequantize, int64_t num_rows,
+                              int num_blocks, uintptr_t stream) const {
         const EpParams* p = at_address<const EpParams>(params);
-        auto [x, out_scales] = outputs_of(data, scales, quantize, num_rows);
+        auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, num_rows);
         auto* in = at_address<DispatchInputs>(inputs);
         in->x = bytes_of(data);
         in->scales = bytes_of(scales);
@@ -197,9 +199,14 @@ public:
 
 private:
     // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
-    // rows of bf16 `data` and their scales (float32 for fp8_block128, int32 words of UE8M0 bytes for mxfp8).
+    // rows of bf16 `data` and their scales (float32 for fp8_block128, int32 words of UE8M0 bytes for mxfp8), or,
+    // with `dequantize`, bf16 rows and no scales.
     static std::pair<at::Tensor, OptionalTensor> outputs_of(const at::Tensor& data, const OptionalTensor& scales,
-                                                            int quantize, int64_t rows) {
+                                                            int quantize, int dequantize, int64_t rows) {
+        require(dequantize == 0 || ((dequantize == quantize || (!quantize && scales)) && data.size(1) % 128 == 0),
+                "dequantize must be 0 or the format of FP8 rows on the wire (quantize, or a pre-quantized tuple), "
+                "got dequantize=" + std::to_string(dequantize) + ", quantize=" + std::to_string(quantize));
+        if (dequantize) return {at::empty({rows, data.size(1)}, data.options().dtype(at::kBFloat16)), {}};
         if (!quantize) {
             OptionalTensor out_scales;
             if (scales) out_scales = at::empty({rows, scales->size(1)}, scales->options());

@@ -1,7 +1,10 @@
-// FP8 cast of bf16 rows inside a kernel (a dispatch's `quantize=`), bitwise the recipe of moe_comm/quant.py:
-// every step one IEEE float32 operation in the order written there (no fast math, no FMA, no reciprocal tricks).
-// A warp casts 16-byte vectors of 8 bf16 values, one per lane; consecutive lanes hold consecutive vectors, so a
-// 128-channel group is 16 lanes and a 32-channel group 4 lanes. Device code only, no torch headers.
+// FP8 casts inside a kernel (a dispatch's `quantize=` and `dequantize=True`), bitwise the recipes of
+// moe_comm/quant.py: every step one IEEE float32 operation in the order written there (no fast math, no FMA, no
+// reciprocal tricks). Quantize: a warp casts 16-byte vectors of 8 bf16 values, one per lane; consecutive lanes
+// hold consecutive vectors, so a 128-channel group is 16 lanes and a 32-channel group 4 lanes. Dequantize: 8 FP8
+// values and their scale to 8 bf16 values. Scales are 4-byte words, word i for channels 128i .. 128i + 127 in both
+// formats (fp8_block128: a float32; mxfp8: four UE8M0 bytes, byte k for channels 128i + 32k ...). Device code only,
+// no torch headers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -61,6 +64,33 @@ __device__ __forceinline__ void fp8_cast8(int4 raw, int format, int lane, uint2*
     }
     *q = make_uint2(packed[0], packed[1]);
     *scale_word = word;
+}
+
+// The scale of channel `channel` from its 128 channels' scale word: the float32 (fp8_block128), or 2**(byte - 127)
+// of its 32-channel group's byte (mxfp8; byte 0 is the subnormal 2**-127, byte 255 NaN), exact.
+__device__ __forceinline__ float fp8_scale_of(uint32_t word, int format, int64_t channel) {
+    if (format == kFp8Block128) return __uint_as_float(word);
+    const uint32_t byte = (word >> (8 * (channel / 32 % 4))) & 0xFFu;
+    return byte == 0 ? __uint_as_float(0x00400000u) : byte == 255 ? __uint_as_float(0x7FC00000u)
+                                                                   : __uint_as_float(byte << 23);
+}
+
+// 8 FP8 values (little-endian in a uint2) times their scale, each rounded once to bf16: a 16-byte vector.
+__device__ __forceinline__ int4 fp8_dequant8(uint2 q, float scale) {
+    uint32_t packed[4];
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        uint16_t halves[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            __nv_fp8_e4m3 value;
+            value.__x = static_cast<__nv_fp8_storage_t>(((k + i < 4 ? q.x : q.y) >> (8 * ((k + i) % 4))) & 0xFFu);
+            halves[i] = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(static_cast<float>(value), scale)));
+        }
+        packed[k / 2] = halves[0] | (static_cast<uint32_t>(halves[1]) << 16);
+    }
+    return make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                     static_cast<int>(packed[3]));
 }
 
 }  // namespace moe_comm

@@ -53,11 +53,12 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
     // tag; the receivers skip our block). Expand: through the region like any other (a row has several outputs).
     const bool direct = !out.do_expand;
     const int64_t own_start = direct ? own_rows_start(p, out, lane) : 0;
+    const int64_t out_row_bytes = out.dequantize ? 2 * p.data_bytes : p.data_bytes;  // bf16 outputs of FP8 rows
     // Where row data for destination d goes, or null when an own row falls outside the outputs.
     auto data_dst = [&](int d, int64_t pos) -> uint8_t* {
         if (direct && d == p.rank) {
             const int64_t m = own_start + pos;
-            return m < out.num_rows ? out.x + m * p.data_bytes : nullptr;
+            return m < out.num_rows ? out.x + m * out_row_bytes : nullptr;
         }
         return p.peer_bases[d] + kControlBytes + (block_base + pos) * p.row_stride;
     };
@@ -90,13 +91,18 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                         const int64_t pos = __shfl_sync(0xffffffffu, my_pos, d);
                         uint8_t* row = data_dst(d, pos);
                         if (row == nullptr) continue;
-                        uint8_t* scales = direct && d == p.rank ? out.scales + (own_start + pos) * p.scale_bytes
-                                                                : row + p.data_bytes;
+                        const bool own = direct && d == p.rank;
 #pragma unroll
                         for (int u = 0; u < kSendUnroll; ++u) {
                             const int64_t v = v0 + lane + u * kWarpSize;
                             if (v >= num_in) continue;
+                            if (own && out.dequantize) {  // cast back at once: bf16 outputs, no scales
+                                reinterpret_cast<int4*>(row)[v] =
+                                    fp8_dequant8(q[u], fp8_scale_of(word[u], static_cast<int>(in.quantize), v * 8));
+                                continue;
+                            }
                             reinterpret_cast<uint2*>(row)[v] = q[u];
+                            uint8_t* scales = own ? out.scales + (own_start + pos) * p.scale_bytes : row + p.data_bytes;
                             if (lane % 16 == 0) reinterpret_cast<uint32_t*>(scales)[v / 16] = word[u];
                         }
                     }
@@ -117,6 +123,20 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                     const int d = __ffs(mask) - 1;
                     int4* dst = reinterpret_cast<int4*>(data_dst(d, __shfl_sync(0xffffffffu, my_pos, d)));
                     if (dst == nullptr) continue;
+                    if (direct && d == p.rank && out.dequantize) {
+                        // Own FP8 rows (a pre-quantized tuple) cast back at once: 16 values, one scale, 32 bytes.
+                        const uint32_t* scales = reinterpret_cast<const uint32_t*>(in.scales + t * p.scale_bytes);
+#pragma unroll
+                        for (int u = 0; u < kSendUnroll; ++u) {
+                            const int64_t v = v0 + lane + u * kWarpSize;
+                            if (v >= num_vecs) continue;
+                            const float scale = fp8_scale_of(scales[v * 16 / 128], static_cast<int>(out.dequantize),
+                                                             v * 16);
+                            dst[2 * v] = fp8_dequant8(make_uint2(values[u].x, values[u].y), scale);
+                            dst[2 * v + 1] = fp8_dequant8(make_uint2(values[u].z, values[u].w), scale);
+                        }
+                        continue;
+                    }
 #pragma unroll
                     for (int u = 0; u < kSendUnroll; ++u) {
                         const int64_t v = v0 + lane + u * kWarpSize;
@@ -366,7 +386,30 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
             const uint8_t* row = row_ptr(k);
             if (c == 0) recv_row_meta(p, out, run_base, row, s, m, row_ok, lane);
             mbarrier_wait(bars + b, static_cast<uint32_t>((it / kRecvStages) & 1));
-            if (row_ok) {
+            if (row_ok && out.dequantize) {
+                // FP8 rows cast back to bf16 by the lanes from shared memory (16 values, one scale, 32 bytes out).
+                const int64_t offset = c * plan.chunk, n = chunk_bytes(c) / 16;
+                const int4* chunk = reinterpret_cast<const int4*>(stages + b * plan.chunk);
+                const uint32_t* scales = reinterpret_cast<const uint32_t*>(row + p.data_bytes);
+                auto store_row = [&](int64_t dst_row) {
+                    int4* dst = reinterpret_cast<int4*>(out.x + dst_row * 2 * p.data_bytes + 2 * offset);
+                    for (int64_t i = lane; i < n; i += kWarpSize) {
+                        const int4 raw = chunk[i];
+                        const int64_t channel = offset + i * 16;
+                        const float scale = fp8_scale_of(__ldcg(scales + channel / 128),
+                                                         static_cast<int>(out.dequantize), channel);
+                        dst[2 * i] = fp8_dequant8(make_uint2(raw.x, raw.y), scale);
+                        dst[2 * i + 1] = fp8_dequant8(make_uint2(raw.z, raw.w), scale);
+                    }
+                };
+                if (!out.do_expand) store_row(m);
+                for (int j0 = 0; out.do_expand && j0 < K; j0 += kWarpSize) {
+                    const int j = j0 + lane;
+                    const int64_t r = j < K ? expand_row_of(p, out, run_base, row, s, j) : -1;
+                    for (unsigned mask = __ballot_sync(0xffffffffu, r >= 0); mask; mask &= mask - 1)
+                        store_row(__shfl_sync(0xffffffffu, r, __ffs(mask) - 1));
+                }
+            } else if (row_ok) {
                 const int64_t offset = c * plan.chunk;
                 if (!out.do_expand) {
                     if (lane == 0)
@@ -396,7 +439,8 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
         for (int64_t l = recv_block * warps_per_block + warp_in_block; l < L; l += num_recv_blocks * warps_per_block) {
             const int64_t end = min(expert_start[l] + aligned[l], out.num_expand_rows);
             for (int64_t r = expert_start[l] + expert_count[l]; r < end; ++r) {
-                warp_zero16(out.x + r * p.data_bytes, p.data_bytes, lane);
+                const int64_t row_bytes = out.dequantize ? 2 * p.data_bytes : p.data_bytes;
+                warp_zero16(out.x + r * row_bytes, row_bytes, lane);
                 if (out.scales)
                     for (int64_t b = lane; b < p.scale_bytes / 4; b += kWarpSize)
                         reinterpret_cast<int32_t*>(out.scales + r * p.scale_bytes)[b] = 0;
