@@ -429,6 +429,13 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
                     for i, name in ((1, "recv_topk_idx"), (2, "recv_topk_weights")):
                         assert_same(f"{name}, {where}", got[i], None if ref[i] is None else ref[i].cpu())
                     assert_same(f"recv_src_idx, {where}", got[3].recv_src_idx, ref[3].recv_src_idx.cpu())
+                    # A cached dispatch of other rows along the handle, with the same casts.
+                    x2 = args["x"] * 2 if isinstance(args["x"], torch.Tensor) else quant.quantize(x * 2, fmt)
+                    casts = {k: v for k, v in args.items() if k != "x"}
+                    got2 = cuda_buf.dispatch(x2, handle=got[3], **casts, **kwargs)[0]
+                    ref2 = ref_buf.dispatch(x2, handle=ref[3], **casts, **kwargs)[0]
+                    for i, (g, r) in enumerate(zip(*((got2, ref2) if isinstance(got2, tuple) else ((got2,), (ref2,))))):
+                        assert_same(f"cached recv {i}, {where}", g, r.cpu())
                     checked += 1
             ref_buf.destroy()
         return checked

@@ -222,6 +222,9 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
                                          data, None, 2, 0, 9, 6, 7)
     assert (x.dtype, scales.shape, scales.dtype, fake.calls[-1][2].quantize) == (torch.float8_e4m3fn, (9, 1),
                                                                                   torch.int32, 2)
+    x, scales = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
+                                         data, None, 2, 2, 9, 6, 7)
+    assert (x.dtype, scales, fake.calls[-1][3].dequantize) == (torch.bfloat16, None, 2)
 
     args = layout.CombineArgs(slot_begin=0, slot_end=3, first_round=1, last_round=1)
     for dtype, code in ((torch.bfloat16, 1), (torch.float64, 3)):

@@ -153,6 +153,7 @@ public:
         auto* out = at_address<RecvOutputs>(outputs);
         out->x = bytes_of(x);
         out->scales = bytes_of(out_scales);
+        out->dequantize = dequantize;
         check(released(dispatch_, p, in, out, num_blocks, 1, reinterpret_cast<Stream>(stream)), p, "dispatch");
         return py::make_tuple(x, or_none(out_scales));
     }
