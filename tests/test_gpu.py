@@ -434,7 +434,8 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
                     casts = {k: v for k, v in args.items() if k != "x"}
                     got2 = cuda_buf.dispatch(x2, handle=got[3], **casts, **kwargs)[0]
                     ref2 = ref_buf.dispatch(x2, handle=ref[3], **casts, **kwargs)[0]
-                    for i, (g, r) in enumerate(zip(*((got2, ref2) if isinstance(got2, tuple) else ((got2,), (ref2,))))):
+                    pairs = zip(got2, ref2) if isinstance(got2, tuple) else [(got2, ref2)]
+                    for i, (g, r) in enumerate(pairs):
                         assert_same(f"cached recv {i}, {where}", g, r.cpu())
                     checked += 1
             ref_buf.destroy()
