@@ -4,7 +4,8 @@ Spawns `--num-ranks` ranks (default 2; NCCL with one GPU each when the machine h
 on CPU), checks one case bitwise against the oracle, then per token count times, slowest rank, (a) one call on
 an idle stream, median of `--iters` runs after warm-up (host issue time included) and (b) on CUDA, device time
 per call of `--iters` back-to-back calls issued ahead of the GPU (DeepEP's measure): dispatch BF16 (fresh
-layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple; fresh and cached),
+layout, CPU sync), cached dispatch BF16, dispatch FP8 (pre-quantized fp8_block128 tuple; fresh and cached), a
+cached dispatch of BF16 rows with FP8 on the wire (`quantize=`, `dequantize=True`: cast in the kernel),
 combine BF16, and the all_to_all_single baseline (Megatron's alltoall path: dedup, permute, count exchange with
 host sync; combine = reverse + FP32 index_add). Then an SM sweep of cached dispatch and combine at the largest
 token count, next to the analytical `get_theoretical_num_sms`, and the JIT build times (CUDA backend).
@@ -77,6 +78,9 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
             ops["dispatch fp8"] = lambda: buf.dispatch(x_fp8, idx, w, num_experts=E, do_expand=expand)
             handle_fp8 = buf.dispatch(x_fp8, idx, w, num_experts=E, do_expand=expand)[3]
             ops["cached dispatch fp8"] = lambda: buf.dispatch(x_fp8, handle=handle_fp8, do_expand=expand)
+            # BF16 in and out, FP8 on the wire: both casts in the kernel on the CUDA backend.
+            ops["cached dispatch bf16 via fp8"] = lambda: buf.dispatch(
+                x, handle=handle_fp8, do_expand=expand, quantize="fp8_block128", dequantize=True)
         timings = {op: median_time_us(fn, device, num_iters=iters) for op, fn in ops.items()}
         if device.type == "cuda":
             timings.update({f"{op} b2b": loop_times(fn, iters, device)[1] for op, fn in ops.items()})
@@ -175,7 +179,8 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
         wire = {kind: sum(r["rows"][i]["wire_rows"][kind] * r["rows"][i]["row_bytes"] for r in per_rank) / len(per_rank)
                 for kind in ("dispatch", "combine")}
         for op, base in (("dispatch", "baseline dispatch"), ("cached dispatch", "baseline dispatch"),
-                         ("dispatch fp8", None), ("cached dispatch fp8", None), ("combine", "baseline combine")):
+                         ("dispatch fp8", None), ("cached dispatch fp8", None), ("cached dispatch bf16 via fp8", None),
+                         ("combine", "baseline combine")):
             if op not in slowest:
                 continue
             scale = 0.5 if "fp8" in op else 1.0  # e4m3 rows are half the bytes (scales not counted)

@@ -25,6 +25,7 @@ BENCH_LINES = {
     "cached dispatch": ("cached dispatch", dict(color="C0", linestyle="--", marker="s")),
     "dispatch fp8": ("FP8 dispatch (CPU sync)", dict(color="C2", linestyle="-", marker="o")),
     "cached dispatch fp8": ("cached FP8 dispatch", dict(color="C2", linestyle="--", marker="s")),
+    "cached dispatch bf16 via fp8": ("cached BF16 dispatch, FP8 wire", dict(color="C3", linestyle="--", marker="d")),
     "combine": ("combine", dict(color="C1", linestyle="-", marker="^")),
 }
 BASELINE_LINES = {

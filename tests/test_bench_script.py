@@ -33,7 +33,8 @@ def test_bench_script_smoke(bench_run):
     record = json.loads(out_json.read_text())
     ops = {(row["tokens"], row["op"]) for row in record["table"]}
     assert ops == {(t, op) for t in (8, 16)
-                   for op in ("dispatch", "cached dispatch", "dispatch fp8", "cached dispatch fp8", "combine")}
+                   for op in ("dispatch", "cached dispatch", "dispatch fp8", "cached dispatch fp8",
+                              "cached dispatch bf16 via fp8", "combine")}
     assert all(row["us"] > 0 for row in record["table"])
     # Back-to-back device times, and the host time derived from them, are CUDA measures: none on CPU.
     assert all(row["back_to_back_us"] is None and row["host_us"] is None for row in record["table"])
