@@ -17,7 +17,8 @@ Fresh dispatch (me = (h0, u0)):
    counts go round with the flags and the call's signature, one exchange and one host read), without one `cap` rows
    each.
 2. The forwarder places each arrived row at row `h * cap + t` of its forwarder space (source host h, source token t)
-   and dispatches that space inside its host: experts `U * L` relative to the host, `space` tokens.
+   and dispatches that space inside its host: experts `U * L` relative to the host, `space` tokens. Without a CPU
+   sync the sources put token t at row t of each block, so the arrived blocks are that space as they are.
 3. A receiver then holds rows grouped by forwarder u', each group in (h, t) order; the direct path's order is by
    source rank `h * U + u'`, then t. With `U > 1` the receiver sorts its rows by host, stably (expand: by (expert,
    host), with the host of each expanded row read from a 16-byte cached dispatch of forwarder rows), once per layout;
@@ -36,7 +37,8 @@ by, and the source adds from zero, then `bias[0]`, `bias[1]`, and rounds once. T
   present terms in DESIGN 2.2's order: bitwise the direct path's result.
 
 Costs against the direct path: two scale-out exchanges per dispatch (rows, and a float64 side row: source index, ids,
-weights, FP8 scales), one per combine; a copy into the forwarder space per dispatch; with `U > 1` one gather of the
+weights, FP8 scales), one per combine; with a CPU sync a copy into the forwarder space per dispatch and a gather out
+of it per combine (without one, none: the blocks are the space); with `U > 1` one gather of the
 received rows per dispatch and combine; partial sums move FP32 rows on the inner leg and across; terms move U (expand
 K) rows per (token, host) across, present or not, and the source adds them in one pass each.
 Ranks that disagree: checked with the counts in a dispatch with a CPU sync, on the CPU at every call, and inside a
@@ -114,7 +116,8 @@ class HybridLayout:
     rows_NS: `[N, S]` scale-out send row of each token for each host; `sum(rail_send_splits)` (one past the last)
         where it does not go.
     send_token: `[sum(rail_send_splits)]` source token of each scale-out send row (0 for rows that hold none).
-    fwd_row: `[F]` forwarder-space row of each arrived scale-out row, -1: a row that holds none.
+    fwd_row: `[F]` forwarder-space row of each arrived scale-out row, -1: a row that holds none; None when the
+        arrived rows are the forwarder space (without a CPU sync).
     order: `[P]` inner output row of each output row, None when the orders agree (one rank per host).
     inverse: `[P]` output row of each inner output row (the combine's gather), None likewise.
     """
@@ -124,7 +127,7 @@ class HybridLayout:
     rail_recv_splits: list[int]
     rows_NS: torch.Tensor
     send_token: torch.Tensor
-    fwd_row: torch.Tensor
+    fwd_row: Optional[torch.Tensor]
     order: Optional[torch.Tensor]
     inverse: Optional[torch.Tensor]
 
@@ -200,9 +203,13 @@ class HybridBackend(Backend):
         arrived = self._rail(send, send_splits, recv_splits, f"{phase} rows")
         return arrived, None if side is None else self._rail(side, send_splits, recv_splits, f"{phase} side rows")
 
-    def _forwarder_space(self, arrived: torch.Tensor, fwd_row: torch.Tensor, space: int, dtype: torch.dtype,
+    def _forwarder_space(self, arrived: torch.Tensor, fwd_row: Optional[torch.Tensor], space: int, dtype: torch.dtype,
                          scales_in: Optional[torch.Tensor], scales_dtype: Optional[torch.dtype]):
-        """The inner dispatch's input: arrived rows at their forwarder-space rows (rows that hold none: any bytes)."""
+        """The inner dispatch's input: arrived rows at their forwarder-space rows (rows that hold none: any bytes);
+        `fwd_row` None: the arrived rows are the space."""
+        if fwd_row is None:
+            x = arrived.view(dtype)
+            return x if scales_in is None else (x, scales_in.to(scales_dtype).contiguous())
         rows = torch.where(fwd_row >= 0, fwd_row, space)  # a spare last row takes what holds none
         x = arrived.new_empty(space + 1, arrived.shape[1]).index_copy_(0, rows, arrived)[:space].view(dtype)
         if scales_in is None:
@@ -252,9 +259,14 @@ class HybridBackend(Backend):
             rail_send = rail_recv = [cap] * S
             send_starts = recv_starts = torch.arange(S, **i64) * cap
 
-        # Scale-out send, then the forwarder's inner dispatch, then the receiver's order.
+        # Scale-out send, then the forwarder's inner dispatch, then the receiver's order. Without a CPU sync a block
+        # has `cap` rows whatever it holds, so token t takes row t of its host's block: the blocks that arrive are
+        # the forwarder space as they are (no copy into it).
         total = sum(rail_send)
-        rows_NS = torch.where(host_pos_NS >= 0, send_starts + host_pos_NS, total)  # a spare row takes the rest
+        if c.do_cpu_sync:
+            rows_NS = torch.where(host_pos_NS >= 0, send_starts + host_pos_NS, total)  # a spare row takes the rest
+        else:
+            rows_NS = torch.where(in_host_NS, send_starts + torch.arange(N, **i64)[:, None], total)
         send_token, side, rows, scales = self._scale_out_send(c, clean, rows_NS, send_starts, total)
         arrived, side_in = self._to_forwarders(rows, side, send_token, rail_send, rail_recv, "dispatch")
         fwd_row, (recv_x, _, recv_w, inner, _) = self._forward(c, arrived, side_in, recv_starts, rows.dtype, scales)
@@ -324,19 +336,22 @@ class HybridBackend(Backend):
     def _forward(self, c, arrived: torch.Tensor, side_in: torch.Tensor, recv_starts: torch.Tensor,
                  dtype: torch.dtype, scales: Optional[torch.Tensor]):
         """The forwarder: arrived rows at rows h * cap + t of its space, dispatched inside the host. Returns
-        `(fwd_row, the inner dispatch's outputs)`."""
+        `(fwd_row, the inner dispatch's outputs)`, `fwd_row` None when the arrived rows are the space (no CPU
+        sync: the sources sent token t at row t of each block; rows that hold none carry ids -1)."""
         S, U, K, cap = self.num_hosts, self.ranks_per_host, c.num_topk, c.num_max_tokens_per_rank
         space, host_experts = S * cap, U * (c.num_experts // self.num_ranks)
         i64 = dict(dtype=torch.int64, device=self.device)
-        fwd_host = torch.bucketize(torch.arange(side_in.shape[0], **i64), recv_starts, right=True) - 1
-        src_in = side_in[:, 0].long()
-        fwd_row = torch.where(src_in >= 0, fwd_host * cap + src_in, -1)
-        spare = torch.where(fwd_row >= 0, fwd_row, space)
-        idx_F = torch.full((space + 1, K), -1, **i64).index_copy_(0, spare, side_in[:, 1:K + 1].long())[:space]
-        w_F = None
-        if c.topk_weights is not None:
-            w_F = torch.zeros(space + 1, K, dtype=c.topk_weights.dtype, device=self.device).index_copy_(
-                0, spare, side_in[:, K + 1:2 * K + 1].to(c.topk_weights.dtype))[:space]
+        ids_in = side_in[:, 1:K + 1].long()
+        w_in = None if c.topk_weights is None else side_in[:, K + 1:2 * K + 1].to(c.topk_weights.dtype)
+        if c.do_cpu_sync:
+            fwd_host = torch.bucketize(torch.arange(side_in.shape[0], **i64), recv_starts, right=True) - 1
+            src_in = side_in[:, 0].long()
+            fwd_row = torch.where(src_in >= 0, fwd_host * cap + src_in, -1)
+            spare = torch.where(fwd_row >= 0, fwd_row, space)
+            idx_F = torch.full((space + 1, K), -1, **i64).index_copy_(0, spare, ids_in)[:space]
+            w_F = None if w_in is None else w_in.new_zeros(space + 1, K).index_copy_(0, spare, w_in)[:space]
+        else:
+            fwd_row, idx_F, w_F = None, ids_in.contiguous(), None if w_in is None else w_in.contiguous()
         scales_in = None if scales is None else side_in[:, side_in.shape[1] - scales.shape[1]:]
         x_F = self._forwarder_space(arrived, fwd_row, space, dtype, scales_in, None if scales is None else scales.dtype)
         return fwd_row, self._inner_dispatch(c, x_F, topk_idx=idx_F, topk_weights=w_F, num_experts=host_experts,
@@ -419,10 +434,10 @@ class HybridBackend(Backend):
 
         # Back along the scale-out leg, one row per arrived row (rows that hold none send any row: never read):
         # the rows' bytes, then the weights' bytes padded to 16 (so both parts view as their dtypes).
-        rows = lay.fwd_row.clamp(min=0)
-        parts = [out.index_select(0, rows).view(rows.shape[0], -1).view(torch.uint8)]
+        rows = None if lay.fwd_row is None else lay.fwd_row.clamp(min=0)
+        parts = [_gather(out, rows).view(out.shape[0] if rows is None else rows.shape[0], -1).view(torch.uint8)]
         if out_w is not None:
-            w_bytes = out_w.index_select(0, rows).view(torch.uint8)
+            w_bytes = _gather(out_w, rows).view(torch.uint8)
             parts.append(torch.nn.functional.pad(w_bytes, (0, -w_bytes.shape[1] % 16)))
         got = self._rail(torch.cat(parts, 1), lay.rail_recv_splits, lay.rail_send_splits, "combine exchange")
         got = torch.cat([got, got.new_zeros(1, got.shape[1])])  # absent terms and hosts read this zero row
