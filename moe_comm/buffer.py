@@ -129,8 +129,9 @@ class Buffer:
             ranks of each host reach each other by peer access and the kernels can be built or loaded, else torch
             with one warning saying why; every rank takes the same choice).
         deterministic: receive order and combine reduction order exactly as DESIGN 2.1/2.2 specify.
-        num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing (CUDA backend kernels;
-            the reference backend on NCCL relies on the process group's own timeout).
+        num_gpu_timeout_secs: how long a GPU wait for a peer may spin before failing (CUDA backend kernels; also
+            NCCL's timeout on the CUDA hybrid path's subgroups; the reference backend on NCCL relies on the process
+            group's own timeout).
         num_cpu_timeout_secs: how long a host wait for a peer may block before failing.
         allow_hybrid_mode: with more than one scale-up domain (hosts, see `get_physical_domain_size`), run the
             hybrid path: a token crosses between hosts once per destination host, to the rank of the same local

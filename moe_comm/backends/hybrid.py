@@ -243,10 +243,12 @@ class HybridBackend(Backend):
         clean, flags = self.sanitize_topk_idx(c.topk_idx, c.num_experts)
         host_NK = torch.where(clean >= 0, clean // (U * L), S)
         in_host_NS = torch.zeros(N, S + 1, dtype=torch.bool, device=self.device).scatter_(1, host_NK, True)[:, :S]
-        host_pos_NS = torch.where(in_host_NS, in_host_NS.long().cumsum(0) - 1, -1)
 
         # Every rank's error flags, the rows it sends each host, its call's signature: read with a CPU sync (one
-        # exchange, one host read), else the flags wait for the next synchronizing call.
+        # exchange, one host read), else the flags wait for the next synchronizing call. The scale-out send's row
+        # of each (token, host), `total` (a spare row) where it does not go: with a sync, a block holds its host's
+        # tokens in order; without one a block has `cap` rows whatever it holds, so token t takes row t, and the
+        # blocks that arrive are the forwarder space as they are (no copy into it).
         signature = self._signature_tensor(c.signature())
         table = self.gather_values(torch.cat([flags.view(1), in_host_NS.long().sum(0), signature]),
                                    "dispatch count exchange")
@@ -254,19 +256,15 @@ class HybridBackend(Backend):
             rail_send, rail_recv = self._read_table(c, table)
             send_starts = torch.tensor([sum(rail_send[:h]) for h in range(S)], **i64)  # after the host read
             recv_starts = torch.tensor([sum(rail_recv[:h]) for h in range(S)], **i64)
+            rows_NS = torch.where(in_host_NS, send_starts + in_host_NS.long().cumsum(0) - 1, sum(rail_send))
         else:
             torch.bitwise_or(self.pending_flags, table[:, 0], out=self.pending_flags)
             rail_send = rail_recv = [cap] * S
             send_starts = recv_starts = torch.arange(S, **i64) * cap
+            rows_NS = torch.where(in_host_NS, send_starts + torch.arange(N, **i64)[:, None], S * cap)
 
-        # Scale-out send, then the forwarder's inner dispatch, then the receiver's order. Without a CPU sync a block
-        # has `cap` rows whatever it holds, so token t takes row t of its host's block: the blocks that arrive are
-        # the forwarder space as they are (no copy into it).
+        # Scale-out send, then the forwarder's inner dispatch, then the receiver's order.
         total = sum(rail_send)
-        if c.do_cpu_sync:
-            rows_NS = torch.where(host_pos_NS >= 0, send_starts + host_pos_NS, total)  # a spare row takes the rest
-        else:
-            rows_NS = torch.where(in_host_NS, send_starts + torch.arange(N, **i64)[:, None], total)
         send_token, side, rows, scales = self._scale_out_send(c, clean, rows_NS, send_starts, total)
         arrived, side_in = self._to_forwarders(rows, side, send_token, rail_send, rail_recv, "dispatch")
         fwd_row, (recv_x, _, recv_w, inner, _) = self._forward(c, arrived, side_in, recv_starts, rows.dtype, scales)
