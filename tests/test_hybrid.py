@@ -162,6 +162,51 @@ def assert_same_outputs(name: str, got, expected) -> None:
         assert_same(name, got, None if expected is None else expected.cpu())
 
 
+def rows_of(t, n: Optional[int]):
+    """The first `n` rows of a tensor or of both parts of an FP8 tuple (None: all)."""
+    if t is None or n is None:
+        return t
+    return tuple(part[:n] for part in t) if isinstance(t, tuple) else t[:n]
+
+
+def true_rows(handle) -> int:
+    """Rows of a dispatch's output that hold data (expand: aligned rows of every expert); without a CPU sync the
+    rest are unspecified (the reference zeroes them)."""
+    return int(handle.psum_num_recv_tokens_per_expert[-1] if handle.do_expand else
+               handle.psum_num_recv_tokens_per_rank[-1])
+
+
+def check_fp8_modes(hybrid, direct, case: Case, rank: int, whole: bool = True) -> int:
+    """FP8 on the wire through `hybrid` (any device) and `direct` (the reference, CPU), both formats, as a tuple,
+    with `quantize=` and with `dequantize=True`, then a cached dispatch of other rows: bitwise equal. `whole`: rows
+    past the true count too (two buffers that zero them). Returns the modes checked."""
+    x, idx, w = rank_inputs(case, rank)
+    dev = hybrid.device
+
+    def on_dev(t):
+        return tuple(p.to(dev) for p in t) if isinstance(t, tuple) else t.to(dev)
+
+    kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
+                  do_cpu_sync=case.do_cpu_sync)
+    cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+    checked = 0
+    for fmt in quant.FP8_FORMATS:
+        for mode in ("tuple", "quantize", "dequantize"):
+            x_in = quant.quantize(x, fmt) if mode == "tuple" else x
+            fp8 = {} if mode == "tuple" else dict(quantize=fmt, dequantize=mode == "dequantize")
+            got = hybrid.dispatch(on_dev(x_in), idx.to(dev), None if w is None else w.to(dev), **kwargs, **fp8)
+            ref = direct.dispatch(x_in, idx, w, **kwargs, **fp8)
+            n = None if whole else true_rows(ref[3])
+            for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+                assert_same_outputs(f"{fmt} {mode} {what}", rows_of(got[i], n), rows_of(ref[i], n))
+            x2 = quant.quantize(x * 2, fmt) if mode == "tuple" else x * 2
+            assert_same_outputs(f"{fmt} {mode} cached recv_x",
+                                rows_of(hybrid.dispatch(on_dev(x2), handle=got[3], **cached, **fp8)[0], n),
+                                rows_of(direct.dispatch(x2, handle=ref[3], **cached, **fp8)[0], n))
+            checked += 1
+    return checked
+
+
 def assert_same_handles(name: str, got, expected) -> None:
     for field in ("recv_src_idx", "recv_topk_idx", "recv_topk_weights", "psum_num_recv_tokens_per_rank",
                   "psum_num_recv_tokens_per_expert", "topk_idx"):
@@ -259,23 +304,10 @@ def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
         with ranks_per_node("2"):
             hybrid = moe_comm.Buffer(None, deterministic=True, **make)
         direct = moe_comm.Buffer(None, allow_hybrid_mode=False, **make)
+        checked += check_fp8_modes(hybrid, direct, case, rank)
         x, idx, w = rank_inputs(case, rank)
         kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
                       do_cpu_sync=case.do_cpu_sync)
-        cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-        for fmt in quant.FP8_FORMATS:
-            for mode in ("tuple", "quantize", "dequantize"):
-                x_in = quant.quantize(x, fmt) if mode == "tuple" else x
-                fp8 = {} if mode == "tuple" else dict(quantize=fmt, dequantize=mode == "dequantize")
-                got = hybrid.dispatch(x_in, idx, w, **kwargs, **fp8)
-                ref = direct.dispatch(x_in, idx, w, **kwargs, **fp8)
-                for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
-                    assert_same_outputs(f"{fmt} {mode} {what}", got[i], ref[i])
-                x2 = quant.quantize(x * 2, fmt) if mode == "tuple" else x * 2
-                assert_same_outputs(f"{fmt} {mode} cached recv_x",
-                                    hybrid.dispatch(x2, handle=got[3], **cached, **fp8)[0],
-                                    direct.dispatch(x2, handle=ref[3], **cached, **fp8)[0])
-                checked += 1
 
         # Async: the call returns before the rows arrive; after the wait, the synchronous call's results.
         sync = hybrid.dispatch(x, idx, w, **kwargs)

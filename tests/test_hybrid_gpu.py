@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm import quant, traffic_class
+from moe_comm import traffic_class
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
-from test_hybrid import assert_same_outputs, ranks_per_node
-from test_hybrid_over_backend import compare, rows_of
+from test_hybrid import assert_same_outputs, check_fp8_modes, ranks_per_node, true_rows
+from test_hybrid_over_backend import compare
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
 
@@ -102,35 +102,17 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
     for case in cases:
         (hybrid, terms), _, direct = buffers(case, fp8=True)
         terms.destroy()
+        # Without a CPU sync, rows past the true count are unspecified on the CUDA path.
+        checked += check_fp8_modes(hybrid, direct, case, rank, whole=False)
         dev = hybrid.device
         x, idx, w = rank_inputs(case, rank)
         kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
                       do_cpu_sync=case.do_cpu_sync)
-        cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-        for fmt in quant.FP8_FORMATS:
-            for mode in ("tuple", "quantize", "dequantize"):
-                x_in = quant.quantize(x, fmt) if mode == "tuple" else x
-                fp8 = {} if mode == "tuple" else dict(quantize=fmt, dequantize=mode == "dequantize")
-                on_dev = tuple(t.to(dev) for t in x_in) if mode == "tuple" else x_in.to(dev)
-                got = hybrid.dispatch(on_dev, idx.to(dev), w.to(dev), **kwargs, **fp8)
-                ref = direct.dispatch(x_in, idx, w, **kwargs, **fp8)
-                # Without a CPU sync, rows past the true count are unspecified.
-                n = int(ref[3].psum_num_recv_tokens_per_expert[-1] if case.do_expand else
-                        ref[3].psum_num_recv_tokens_per_rank[-1])
-                for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
-                    assert_same_outputs(f"{fmt} {mode} {what}", rows_of(got[i], n), rows_of(ref[i], n))
-                x2 = quant.quantize(x * 2, fmt) if mode == "tuple" else x * 2
-                x2_dev = tuple(t.to(dev) for t in x2) if mode == "tuple" else x2.to(dev)
-                assert_same_outputs(f"{fmt} {mode} cached recv_x",
-                                    rows_of(hybrid.dispatch(x2_dev, handle=got[3], **cached, **fp8)[0], n),
-                                    rows_of(direct.dispatch(x2, handle=ref[3], **cached, **fp8)[0], n))
-                checked += 1
         # Async: equal to the synchronous call once waited on.
         sync = hybrid.dispatch(x.to(dev), idx.to(dev), w.to(dev), **kwargs)
         early = hybrid.dispatch(x.to(dev), idx.to(dev), w.to(dev), **kwargs, async_with_compute_stream=True)
         early[4].current_stream_wait()
-        n = int(sync[3].psum_num_recv_tokens_per_expert[-1] if case.do_expand else
-                sync[3].psum_num_recv_tokens_per_rank[-1])
+        n = true_rows(sync[3])
         assert_same_outputs("async recv_x", early[0][:n], sync[0][:n].cpu())
         combined = hybrid.combine(sync[0], sync[3])[0]
         later = hybrid.combine(sync[0], sync[3], async_with_compute_stream=True)

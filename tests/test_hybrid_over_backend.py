@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 import moe_comm
-from moe_comm import quant
 from moe_comm.backends.hybrid import HybridBackend
 from moe_comm.testing import parallel_launch
 from moe_comm.testing.checks import assert_same, check_case, skip_one_call
 from moe_comm.testing.disagreement import run_probes
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
-from test_hybrid import assert_same_outputs, make_buffer, ranks_per_node
+from test_hybrid import assert_same_outputs, check_fp8_modes, make_buffer, ranks_per_node, rows_of, true_rows
 
 
 def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
@@ -38,13 +36,6 @@ def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
     return buf
 
 
-def rows_of(t, n: Optional[int]):
-    """The first `n` rows of a tensor or of both parts of an FP8 tuple (None: all)."""
-    if t is None or n is None:
-        return t
-    return tuple(part[:n] for part in t) if isinstance(t, tuple) else t[:n]
-
-
 def compare(case: Case, rank: int, direct, partial, hybrids) -> None:
     """One case on the hybrid buffers (any device; partial sums or terms) and the references (CPU): dispatch, handle,
     cached dispatch bitwise the direct path; combine (weights, biases) bitwise the reference's partial sums, or with
@@ -55,8 +46,7 @@ def compare(case: Case, rank: int, direct, partial, hybrids) -> None:
     cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
     ref, ref_partial = (b.dispatch(x, idx, w, **kwargs) for b in (direct, partial))
     # Without a CPU sync, rows past the true count are unspecified (the reference zeroes them).
-    num_tokens = int(ref[3].psum_num_recv_tokens_per_rank[-1])
-    num_rows = int(ref[3].psum_num_recv_tokens_per_expert[-1]) if case.do_expand else num_tokens
+    num_tokens, num_rows = int(ref[3].psum_num_recv_tokens_per_rank[-1]), true_rows(ref[3])
     y = (ref[0].double() * 0.75 + 0.125).to(ref[0].dtype)
     weights = None if ref[2] is None else ref[2] * 3
     bias = rank_bias(case, rank) or None
@@ -132,24 +122,10 @@ def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
             hybrid = over_reference(moe_comm.Buffer(None, **make))
             reference = moe_comm.Buffer(None, **make)
         direct = moe_comm.Buffer(None, allow_hybrid_mode=False, **make)
+        checked += check_fp8_modes(hybrid, direct, case, rank)
         x, idx, w = rank_inputs(case, rank)
         kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,
                       do_cpu_sync=case.do_cpu_sync)
-        cached = dict(do_expand=case.do_expand, expert_alignment=case.expert_alignment)
-        for fmt in quant.FP8_FORMATS:
-            for mode in ("tuple", "quantize", "dequantize"):
-                x_in = quant.quantize(x, fmt) if mode == "tuple" else x
-                fp8 = {} if mode == "tuple" else dict(quantize=fmt, dequantize=mode == "dequantize")
-                got = hybrid.dispatch(x_in, idx, w, **kwargs, **fp8)
-                ref = direct.dispatch(x_in, idx, w, **kwargs, **fp8)
-                for i, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
-                    assert_same_outputs(f"{fmt} {mode} {what}", got[i], ref[i])
-                x2 = quant.quantize(x * 2, fmt) if mode == "tuple" else x * 2
-                assert_same_outputs(f"{fmt} {mode} cached recv_x",
-                                    hybrid.dispatch(x2, handle=got[3], **cached, **fp8)[0],
-                                    direct.dispatch(x2, handle=ref[3], **cached, **fp8)[0])
-                checked += 1
-
         sync = hybrid.dispatch(x, idx, w, **kwargs)
         early = hybrid.dispatch(x, idx, w, **kwargs, async_with_compute_stream=True)
         early[4].current_stream_wait()
