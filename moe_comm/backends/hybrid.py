@@ -186,11 +186,15 @@ class HybridBackend(Backend):
         self._wait([(work, f"rank {self.rank} {phase}")])
         return torch.stack(everyone)
 
-    def _rail(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], phase: str) -> torch.Tensor:
+    def _rail(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], phase: str,
+              zero_row: bool = False) -> torch.Tensor:
         """The scale-out leg: `send`'s block h (`send_splits[h]` rows) to this rank's rail peer on host h; returns the
-        blocks that arrive, host by host."""
-        recv = send.new_empty(sum(recv_splits), *send.shape[1:])
-        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.rail_group, async_op=True)
+        blocks that arrive, host by host, and with `zero_row` one more row of zeros after them."""
+        total = sum(recv_splits)
+        recv = send.new_empty(total + int(zero_row), *send.shape[1:])
+        recv[total:] = 0
+        work = dist.all_to_all_single(recv[:total], send, recv_splits, send_splits, group=self.rail_group,
+                                      async_op=True)
         self._wait([(work, f"rank {self.rank} {phase} (scale-out leg, with ranks {self.rail_peers})")])
         return recv
 
@@ -437,8 +441,9 @@ class HybridBackend(Backend):
         if out_w is not None:
             w_bytes = _gather(out_w, rows).view(torch.uint8)
             parts.append(torch.nn.functional.pad(w_bytes, (0, -w_bytes.shape[1] % 16)))
-        got = self._rail(torch.cat(parts, 1), lay.rail_recv_splits, lay.rail_send_splits, "combine exchange")
-        got = torch.cat([got, got.new_zeros(1, got.shape[1])])  # absent terms and hosts read this zero row
+        # Absent terms and hosts read the zero row after the arrived ones.
+        got = self._rail(torch.cat(parts, 1), lay.rail_recv_splits, lay.rail_send_splits, "combine exchange",
+                         zero_row=True)
         spare = got.shape[0] - 1
         data_bytes = parts[0].shape[1]
         terms = got[:, :data_bytes].view(out.dtype)  # [rows + 1, T * H]: term k at columns k * H ...
