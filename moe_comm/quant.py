@@ -1,9 +1,9 @@
 """FP8 formats for dispatch: the reference cast and cast-back (DESIGN 2.3).
 
 The reference backend casts with this module (`quantize=` before the rows travel, `dequantize=True` after they
-arrived); the CUDA backend's dispatch senders cast `quantize=` themselves (moe_comm/csrc/include/moe_comm/common/
-fp8.cuh) and its `dequantize=True` still calls `dequantize` here. A fused cast must match this module BITWISE, on
-data and on scales: every arithmetic step below is one IEEE-754 float32
+arrived); the CUDA backend casts inside its dispatch kernel (moe_comm/csrc/include/moe_comm/common/fp8.cuh: the
+senders quantize, the receivers dequantize). A fused cast must match this module BITWISE, on data and on scales
+(NaN payloads aside: a NaN is a NaN, its bits are not part of the contract): every arithmetic step below is one IEEE-754 float32
 operation with round-to-nearest-even, done in the order written, and the notes say which tempting shortcuts
 change bits.
 

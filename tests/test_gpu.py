@@ -413,7 +413,15 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
                 special[2] *= 1e-30  # tiny groups: scales near the bottom, mxfp8 exponents clamped
                 special[3, ::2] *= 3e4  # groups with a few huge values: the rest rounds to zero or subnormals
             for fmt in quant.FP8_FORMATS:
+                # Scale words no `quantize` makes: mxfp8 bytes 0 (2**-127), 1, 254 (products past float32: inf) and
+                # 127 (1.0); fp8_block128 a subnormal and a huge float32 scale.
+                q, q_scales = quant.quantize(x, fmt)
+                word = 0x7FFE0100 if fmt == "mxfp8" else None
+                extreme = torch.full_like(q_scales, word) if word is not None else \
+                    torch.where(torch.arange(q_scales.shape[1], device=q.device) % 2 == 0, 1e-40, 3e38).expand_as(
+                        q_scales).contiguous().to(q_scales.dtype)
                 for mode, args in (("tuple", dict(x=quant.quantize(x, fmt))), ("quantize", dict(x=x, quantize=fmt)),
+                                   ("tuple dequantize extreme scales", dict(x=(q, extreme), dequantize=True)),
                                    ("dequantize", dict(x=x, quantize=fmt, dequantize=True)),
                                    ("tuple dequantize", dict(x=quant.quantize(x, fmt), dequantize=True)),
                                    ("quantize special values", dict(x=special, quantize=fmt)),
@@ -430,7 +438,8 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
                         assert_same(f"{name}, {where}", got[i], None if ref[i] is None else ref[i].cpu())
                     assert_same(f"recv_src_idx, {where}", got[3].recv_src_idx, ref[3].recv_src_idx.cpu())
                     # A cached dispatch of other rows along the handle, with the same casts.
-                    x2 = args["x"] * 2 if isinstance(args["x"], torch.Tensor) else quant.quantize(x * 2, fmt)
+                    x2 = args["x"] * 2 if isinstance(args["x"], torch.Tensor) else \
+                        args["x"] if "extreme" in mode else quant.quantize(x * 2, fmt)
                     casts = {k: v for k, v in args.items() if k != "x"}
                     got2 = cuda_buf.dispatch(x2, handle=got[3], **casts, **kwargs)[0]
                     ref2 = ref_buf.dispatch(x2, handle=ref[3], **casts, **kwargs)[0]
@@ -446,8 +455,11 @@ def test_cuda_fp8_matches_reference(nccl_pool):
     cases = [Case(seed=211, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=512,
                   num_tokens=per_rank(300, 77), num_max_tokens_per_rank=300),
              Case(seed=212, num_ranks=WORLD_SIZE, num_experts=8, num_topk=3, hidden=7168, num_tokens=per_rank(64, 0),
-                  num_max_tokens_per_rank=64, do_expand=True, expert_alignment=32, drop_prob=0.3)]
-    assert nccl_pool.run(fp8_rank, cases) == [2 * 6 * len(cases)] * WORLD_SIZE
+                  num_max_tokens_per_rank=64, do_expand=True, expert_alignment=32, drop_prob=0.3),
+             # FP8 rows over one receive chunk (kRecvChunk, 8 KB): the receivers cast chunk by chunk.
+             Case(seed=213, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=16384, num_tokens=per_rank(40, 9),
+                  num_max_tokens_per_rank=40, do_expand=True, expert_alignment=4)]
+    assert nccl_pool.run(fp8_rank, cases) == [2 * 7 * len(cases)] * WORLD_SIZE
 
 
 def disagreement_rank(rank: int, world_size: int) -> str:

@@ -196,9 +196,13 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
                 workspace, list(offsets), 7, 9, True, code if scales is None else 0, code, 20, 99)
             assert (x.shape, x.dtype, out_scales, fake.calls[-1][3].dequantize) == ((9, H), torch.bfloat16, None,
                                                                                     code)
-    with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):
+    for data, scales, codes in ((bf16, None, (0, 1)), (q, torch.ones(N, H // 128), (0, 2)), (bf16, None, (2, 1))):
+        with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):
+            launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data,
+                              scales, None, workspace, list(offsets), 7, 7, False, *codes, 20, 99)
+    with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
         launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), bf16, None,
-                          None, workspace, list(offsets), 7, 7, False, 0, 1, 20, 99)
+                          None, workspace, list(offsets), 7, 7, False, 3, 3, 20, 99)
     with pytest.raises(ValueError, match="quantize casts bf16 rows of a multiple of 128 channels"):
         launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
                           torch.zeros(N, H, dtype=torch.float32), None, None, workspace, list(offsets), 7, 7, False,

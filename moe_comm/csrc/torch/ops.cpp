@@ -204,22 +204,29 @@ private:
     // with `dequantize`, bf16 rows and no scales.
     static std::pair<at::Tensor, OptionalTensor> outputs_of(const at::Tensor& data, const OptionalTensor& scales,
                                                             int quantize, int dequantize, int64_t rows) {
-        require(dequantize == 0 || ((dequantize == quantize || (!quantize && scales)) && data.size(1) % 128 == 0),
-                "dequantize must be 0 or the format of FP8 rows on the wire (quantize, or a pre-quantized tuple), "
-                "got dequantize=" + std::to_string(dequantize) + ", quantize=" + std::to_string(quantize));
+        require(quantize >= 0 && quantize <= 2 && dequantize >= 0 && dequantize <= 2,
+                "quantize and dequantize must be 0, 1 (fp8_block128) or 2 (mxfp8), got " + std::to_string(quantize) +
+                    " and " + std::to_string(dequantize));
+        const auto scale_type = [](int format) { return format == 1 ? at::kFloat : at::kInt; };
+        if (quantize)
+            require(data.scalar_type() == at::kBFloat16 && data.size(1) % 128 == 0 && !scales,
+                    "quantize casts bf16 rows of a multiple of 128 channels and takes no scales; got " +
+                        std::string(c10::toString(data.scalar_type())) + " rows of " + std::to_string(data.size(1)));
+        if (dequantize)
+            require(quantize ? dequantize == quantize
+                             : scales && data.scalar_type() == at::kFloat8_e4m3fn &&
+                                   scales->scalar_type() == scale_type(dequantize) && data.size(1) % 128 == 0,
+                    "dequantize must be 0 or the format of FP8 rows on the wire (quantize, or a pre-quantized tuple "
+                    "whose scales' dtype names it), got dequantize=" + std::to_string(dequantize) + ", quantize=" +
+                        std::to_string(quantize));
         if (dequantize) return {at::empty({rows, data.size(1)}, data.options().dtype(at::kBFloat16)), {}};
         if (!quantize) {
             OptionalTensor out_scales;
             if (scales) out_scales = at::empty({rows, scales->size(1)}, scales->options());
             return {at::empty({rows, data.size(1)}, data.options()), out_scales};
         }
-        require(quantize == 1 || quantize == 2, "quantize must be 0, 1 (fp8_block128) or 2 (mxfp8), got " +
-                                                    std::to_string(quantize));
-        require(data.scalar_type() == at::kBFloat16 && data.size(1) % 128 == 0 && !scales,
-                "quantize casts bf16 rows of a multiple of 128 channels and takes no scales; got " +
-                    std::string(c10::toString(data.scalar_type())) + " rows of " + std::to_string(data.size(1)));
         return {at::empty({rows, data.size(1)}, data.options().dtype(at::kFloat8_e4m3fn)),
-                at::empty({rows, data.size(1) / 128}, data.options().dtype(quantize == 1 ? at::kFloat : at::kInt))};
+                at::empty({rows, data.size(1) / 128}, data.options().dtype(scale_type(quantize)))};
     }
 
     // A launcher call without the GIL: a launch may block (a full launch queue), other Python threads go on.

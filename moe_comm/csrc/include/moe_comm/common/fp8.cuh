@@ -44,7 +44,7 @@ __device__ __forceinline__ void fp8_cast8(int4 raw, int format, int lane, uint2*
         // e = ceil(log2(amax / 448)) from the bits (a normal float: exact), clamped; multiplier 2**-e, exact.
         const uint32_t b = __float_as_uint(__fdiv_rn(amax, 448.0f));
         int e = static_cast<int>((b >> 23) & 0xFFu) - 127 + ((b & 0x7FFFFFu) != 0);
-        e = min(max(e, -127), 127);
+        e = min(max(e, -127), 127);  // the recipe's clamp: amax >= AMAX_MIN keeps e in [-22, 120] here
         const int k = -e;
         mult = k >= -126 ? __uint_as_float(static_cast<uint32_t>(k + 127) << 23)
                          : __uint_as_float(1u << (k + 149));  // 2**-127: a subnormal
