@@ -409,6 +409,8 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
                     for (unsigned mask = __ballot_sync(0xffffffffu, r >= 0); mask; mask &= mask - 1)
                         store_row(__shfl_sync(0xffffffffu, r, __ffs(mask) - 1));
                 }
+                // These generic reads of the stage buffer before the bulk load (async proxy) that refills it.
+                fence_proxy_async();
             } else if (row_ok) {
                 const int64_t offset = c * plan.chunk;
                 if (!out.do_expand) {
