@@ -5,9 +5,9 @@
 
 from . import env, quant, sizing
 from .buffer import Buffer
-from .event import EventOverlap
+from .event import EventOverlap, RecvHook
 from .handle import EPHandle
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "EPHandle", "EventOverlap", "env", "quant", "sizing", "__version__"]
+__all__ = ["Buffer", "EPHandle", "EventOverlap", "RecvHook", "env", "quant", "sizing", "__version__"]

@@ -13,6 +13,8 @@
 
 Both wrappers return the buffer's `EventOverlap` last. With `async_with_compute_stream=True` they return before
 the communication ends: call `event.current_stream_wait()` (or use `with event:`) before touching the outputs.
+With `return_recv_hook=True` they return the hook after the event: call it before using the outputs (autograd
+records the call as usual; the hook fills its outputs in place).
 The backward passes run on the comm stream and make the current stream wait for their result (on CUDA the host
 does not block; on CPU the reference backend waits for its collectives).
 """
@@ -35,7 +37,7 @@ class Dispatch(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                 buffer, topk_idx: Optional[torch.Tensor], kwargs: dict):
         x_in = x if x_scales is None else (x, x_scales)
-        recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(x_in, topk_idx, topk_weights, **kwargs)
+        recv_x, recv_idx, recv_w, handle, event, *hook = buffer.dispatch(x_in, topk_idx, topk_weights, **kwargs)
         # The handle keeps recv_topk_idx/weights: hand out aliases, so that autograd never attaches a grad_fn
         # to the handle's own tensors (a later cached dispatch returns them again).
         recv_idx = None if recv_idx is None else recv_idx.detach()
@@ -54,10 +56,10 @@ class Dispatch(torch.autograd.Function):
         # No gradient reaches x through FP8 rows: a pre-quantized input or an FP8 tuple output.
         ctx.x_has_grad = x_scales is None and recv_scales is None
         ctx.row_dtype = x.dtype if x_scales is None else torch.bfloat16
-        return recv_x, recv_scales, recv_idx, recv_w, handle, event
+        return recv_x, recv_scales, recv_idx, recv_w, handle, event, *hook
 
     @staticmethod
-    def backward(ctx, grad_recv_x, grad_scales, grad_idx, grad_recv_w, grad_handle, grad_event):
+    def backward(ctx, grad_recv_x, grad_scales, grad_idx, grad_recv_w, grad_handle, grad_event, *grad_hook):
         need_x = ctx.needs_input_grad[0] and ctx.x_has_grad
         need_w = ctx.needs_input_grad[2]
         if not (need_x or need_w):
@@ -80,13 +82,13 @@ class Combine(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, bias0: Optional[torch.Tensor], bias1: Optional[torch.Tensor], buffer,
                 handle: EPHandle, kwargs: dict):
         bias = tuple(b for b in (bias0, bias1) if b is not None)
-        combined, _, event = buffer.combine(y, handle, bias=bias or None, **kwargs)
+        combined, _, event, *hook = buffer.combine(y, handle, bias=bias or None, **kwargs)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.allocate_on_comm_stream = kwargs.get("allocate_on_comm_stream", False)
-        return combined, event
+        return combined, event, *hook
 
     @staticmethod
-    def backward(ctx, grad_combined, grad_event):
+    def backward(ctx, grad_combined, grad_event, *grad_hook):
         need_y, need_b0, need_b1 = ctx.needs_input_grad[:3]
         grad_y = None
         if need_y:
@@ -106,16 +108,16 @@ def dispatch(buffer, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: O
         x, topk_idx, topk_weights, dispatch_kwargs: as `Buffer.dispatch`.
 
     Returns:
-        `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`, as `Buffer.dispatch`; `recv_x` and
-        `recv_topk_weights` carry gradients back to `x` and `topk_weights`.
+        `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)` and the hook with `return_recv_hook`, as
+        `Buffer.dispatch`; `recv_x` and `recv_topk_weights` carry gradients back to `x` and `topk_weights`.
     """
     if isinstance(x, (tuple, list)):
         q, scales = x
         out = Dispatch.apply(q, scales, topk_weights, buffer, topk_idx, dispatch_kwargs)
     else:
         out = Dispatch.apply(x, None, topk_weights, buffer, topk_idx, dispatch_kwargs)
-    recv_x, recv_scales, recv_idx, recv_w, handle, event = out
-    return (recv_x if recv_scales is None else (recv_x, recv_scales)), recv_idx, recv_w, handle, event
+    recv_x, recv_scales, recv_idx, recv_w, handle, event, *hook = out
+    return ((recv_x if recv_scales is None else (recv_x, recv_scales)), recv_idx, recv_w, handle, event, *hook)
 
 
 def combine(buffer, y: torch.Tensor, handle: EPHandle, bias=None, **combine_kwargs: Any):
@@ -126,10 +128,11 @@ def combine(buffer, y: torch.Tensor, handle: EPHandle, bias=None, **combine_kwar
         y: `[P, H]` expert outputs in the layout of `handle`'s dispatch.
         handle: the dispatch's `EPHandle`.
         bias: None, a tensor, or a tuple of two tensors (`[N, H]`, y's dtype), differentiable.
-        combine_kwargs: `num_sms`, `previous_event`, `async_with_compute_stream`, `allocate_on_comm_stream`.
+        combine_kwargs: `num_sms`, `previous_event`, `async_with_compute_stream`, `allocate_on_comm_stream`,
+            `return_recv_hook`.
 
     Returns:
-        `(combined, event)`.
+        `(combined, event)`, and the hook with `return_recv_hook`.
     """
     for name in _NO_AUTOGRAD_ARGS:
         if name in combine_kwargs:

@@ -60,6 +60,7 @@ class DispatchCall:
     previous_event: Optional[EventOverlap]
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
+    return_recv_hook: bool = False
 
     def signature(self) -> list[int]:
         """The values every rank must agree on (they size the exchanges): `SIGNATURE_FIELDS["dispatch"]`, padded."""
@@ -88,6 +89,7 @@ class CombineCall:
     # Each token's rows unsummed, `[N, T, H]` (T = ranks, expand: slots; absent terms unspecified) instead of the sum:
     # the hybrid path's deterministic combine asks its inner buffer for them (never set by `Buffer.combine`).
     unreduced: bool = False
+    return_recv_hook: bool = False
 
     def signature(self) -> list[int]:
         """The values every rank must agree on (they size the exchange): `SIGNATURE_FIELDS["combine"]`, padded."""
@@ -147,6 +149,9 @@ class Buffer:
             that NCCL will use this level (`NCCL_IB_SL`, else the group's
             `ProcessGroupNCCL.Options().config.traffic_class`) and raises ValueError on every rank if not
             (`moe_comm/traffic_class.py`). gloo has no service level: there it is only validated.
+        use_recv_hook: reserve room for an expand combine in one round, which `combine(..., return_recv_hook=True)`
+            needs (its rounds cannot be split at the hook): a row per (peer, token, slot). Dispatches and non-expand
+            combines take the hook with any buffer.
         cuda_tuning: `moe_comm.backends.cuda.CudaTuning`, kernel build variants and block splits for experiments
             (`scripts/profile_ops.py`); None: the defaults.
     """
@@ -155,7 +160,7 @@ class Buffer:
                  hidden: int = 7168, num_topk: int = 8, use_fp8_dispatch: bool = False, backend: str = "auto",
                  deterministic: bool = False, num_gpu_timeout_secs: float = 100,
                  num_cpu_timeout_secs: float = 300, allow_hybrid_mode: bool = True,
-                 allow_multiple_reduction: bool = True, sl_idx: Optional[int] = None, *,
+                 allow_multiple_reduction: bool = True, sl_idx: Optional[int] = None, *, use_recv_hook: bool = False,
                  cuda_tuning: Optional[cuda_backend.CudaTuning] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moe_comm.Buffer needs torch.distributed to be initialized "
@@ -165,7 +170,7 @@ class Buffer:
             raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
         _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk)
         _check_int(1, hidden=hidden)
-        _check_bool(use_fp8_dispatch=use_fp8_dispatch, deterministic=deterministic,
+        _check_bool(use_fp8_dispatch=use_fp8_dispatch, use_recv_hook=use_recv_hook, deterministic=deterministic,
                     allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=allow_multiple_reduction)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -192,7 +197,7 @@ class Buffer:
         self.num_gpu_timeout_secs = float(num_gpu_timeout_secs)
         self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
         self.num_bytes = sizing.get_buffer_size_hint(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
-                                                     use_fp8_dispatch)
+                                                     use_fp8_dispatch, use_recv_hook=use_recv_hook)
         self.sl_idx = sl_idx
         self.device = self.group_device(group)
         if sl_idx is not None and self.device.type == "cuda":  # one more collective, only when asked for
@@ -351,10 +356,12 @@ class Buffer:
 
     @staticmethod
     def get_buffer_size_hint(group: Optional[dist.ProcessGroup], num_max_tokens_per_rank: int, hidden: int,
-                             num_topk: int = 0, use_fp8_dispatch: bool = False) -> int:
+                             num_topk: int = 0, use_fp8_dispatch: bool = False, *,
+                             use_recv_hook: bool = False) -> int:
         """Bytes of the per-rank buffer for these maxima (`moe_comm.sizing.get_buffer_size_hint`)."""
         num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)
-        return sizing.get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+        return sizing.get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                           use_recv_hook=use_recv_hook)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """`(num_hosts, num_ranks_per_host)`: scale-up domains (hosts, or NVLink islands of a host) and the ranks of
@@ -436,6 +443,16 @@ class Buffer:
             raise ValueError(f"{name} starts at an address that is not 16-byte aligned (data_ptr % 16 = "
                              f"{t.data_ptr() % 16}); pass a fresh or cloned tensor")
 
+    def _check_recv_hook(self, return_recv_hook, async_with_compute_stream: bool) -> None:
+        _check_bool(return_recv_hook=return_recv_hook)
+        if return_recv_hook and async_with_compute_stream:
+            raise ValueError("return_recv_hook=True and async_with_compute_stream=True cannot be combined: with a "
+                             "hook the receive runs when the hook is called, on the caller's stream")
+        if return_recv_hook and not self._impl.supports_recv_hook:
+            raise ValueError(f"return_recv_hook=True is not available on the {self._impl.name} path (a group of "
+                             f"several scale-up domains: its scale-out leg runs NCCL's kernels); use "
+                             f"async_with_compute_stream=True to overlap it")
+
     def _check_event(self, previous_event) -> None:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be a moe_comm.EventOverlap or None, "
@@ -450,7 +467,7 @@ class Buffer:
                  handle: Optional[EPHandle] = None, do_cpu_sync: Optional[bool] = None, do_expand: bool = False,
                  quantize: Optional[str] = None, dequantize: bool = False,
                  previous_event: Optional[EventOverlap] = None, async_with_compute_stream: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False, return_recv_hook: bool = False):
         """Send every token to the ranks that own its experts (once per rank).
 
         Arguments:
@@ -474,9 +491,14 @@ class Buffer:
             allocate_on_comm_stream: allocate outputs on the comm stream (CUDA). Accepted for DeepEP
                 compatibility: a synchronous call runs and allocates on the current stream, an async one on the
                 comm stream with its outputs recorded for the current stream, so both values are safe.
+            return_recv_hook: only send now and return a hook as a sixth output: the rows are received when the
+                hook is called (on the stream current at this call), and until then no kernel of moe_comm holds an
+                SM (overlap compute with the transfer, e.g. two micro-batches on two buffers). The outputs and the
+                handle are valid only after the hook ran; the hook must run, once, before the next operation on
+                this buffer. Not with `async_with_compute_stream`, nor on the hybrid path.
 
         Returns:
-            `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`:
+            `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`, and the hook with `return_recv_hook`:
             recv_x: `[P, H]` rows (x's dtype; bf16 with `dequantize`; an FP8 tuple when FP8 travels without it).
                 Non-expand: rows grouped by source rank ascending. Expand: grouped by local expert, each block
                 zero-padded to `expert_alignment`.
@@ -485,12 +507,13 @@ class Buffer:
                 `topk_weights` (cached: the handle's).
             handle: `EPHandle` for combine and cached dispatch.
             event: `EventOverlap` (already complete unless `async_with_compute_stream`).
+            hook: with `return_recv_hook`, a callable that receives the rows (`moe_comm.RecvHook`).
         """
         self._check_alive()
         call = self._validate_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                                        expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize,
                                        dequantize, previous_event, async_with_compute_stream,
-                                       allocate_on_comm_stream)
+                                       allocate_on_comm_stream, return_recv_hook)
         check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")
         if call.handle is None and check_inputs:
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
@@ -499,10 +522,12 @@ class Buffer:
 
     def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                            expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize, dequantize,
-                           previous_event, async_with_compute_stream, allocate_on_comm_stream) -> DispatchCall:
+                           previous_event, async_with_compute_stream, allocate_on_comm_stream,
+                           return_recv_hook) -> DispatchCall:
         _check_bool(do_expand=do_expand, dequantize=dequantize,
                     async_with_compute_stream=async_with_compute_stream,
                     allocate_on_comm_stream=allocate_on_comm_stream)
+        self._check_recv_hook(return_recv_hook, async_with_compute_stream)
         _check_int(1, expert_alignment=expert_alignment)
         _check_int(0, num_sms=num_sms)
         self._check_event(previous_event)
@@ -606,7 +631,7 @@ class Buffer:
             num_topk=num_topk, num_tokens=num_tokens, hidden=hidden, num_max_tokens_per_rank=num_max_tokens_per_rank,
             expert_alignment=expert_alignment, num_sms=num_sms, handle=handle, do_cpu_sync=do_cpu_sync,
             do_expand=do_expand, previous_event=previous_event, async_with_compute_stream=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream)
+            allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook)
 
     # ------------------------------------------------------------------------------------------------
     # Combine
@@ -614,7 +639,7 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Sequence[torch.Tensor]] = None, num_sms: int = 0,
                 previous_event: Optional[EventOverlap] = None, async_with_compute_stream: bool = False,
-                allocate_on_comm_stream: bool = False):
+                allocate_on_comm_stream: bool = False, return_recv_hook: bool = False):
         """Sum every token's rows back on its source rank.
 
         Arguments:
@@ -625,25 +650,30 @@ class Buffer:
             bias: None, a tensor, or a tuple of two tensors, each `[N, H]` of x's dtype, added after the rows.
             num_sms: SMs to run on; 0 = the handle's.
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
+            return_recv_hook: as in `dispatch` (the reducers run in the hook). An expand combine must fit the
+                receive region in one round: on the CUDA backend that takes `Buffer(use_recv_hook=True)` once a
+                token's slots outnumber what the default region holds (ValueError says so).
 
         Returns:
-            `(combined_x, combined_topk_weights, event)`:
+            `(combined_x, combined_topk_weights, event)`, and the hook with `return_recv_hook`:
             combined_x: `[N, H]`, x's dtype: per token, the sum (FP32 accumulation, FP64 for float64) of its
                 rows, non-expand one per destination rank in ascending rank order, expand one per valid slot
                 in ascending slot order, then `bias[0]`, then `bias[1]`. No gate weights are applied.
             combined_topk_weights: `[N, K]`: slot j's value on the rank that owns slot j's expert (a select),
                 0 for -1 slots; None without `topk_weights`.
             event: `EventOverlap`.
+            hook: with `return_recv_hook`, a callable that runs the reducers (`moe_comm.RecvHook`).
         """
         self._check_alive()
         call = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
-                                      async_with_compute_stream, allocate_on_comm_stream)
+                                      async_with_compute_stream, allocate_on_comm_stream, return_recv_hook)
         return self._impl.combine(call, verify_agreement=env.get_bool("MOE_COMM_CHECK_INPUTS"))
 
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
-                          allocate_on_comm_stream) -> CombineCall:
+                          allocate_on_comm_stream, return_recv_hook) -> CombineCall:
         _check_bool(async_with_compute_stream=async_with_compute_stream,
                     allocate_on_comm_stream=allocate_on_comm_stream)
+        self._check_recv_hook(return_recv_hook, async_with_compute_stream)
         _check_int(0, num_sms=num_sms)
         self._check_event(previous_event)
         if not isinstance(handle, EPHandle):
@@ -679,7 +709,7 @@ class Buffer:
         return CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias=bias,
                            num_sms=num_sms or handle.num_sms, previous_event=previous_event,
                            async_with_compute_stream=async_with_compute_stream,
-                           allocate_on_comm_stream=allocate_on_comm_stream)
+                           allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook)
 
     # ------------------------------------------------------------------------------------------------
     # Lifetime

@@ -81,6 +81,42 @@ class EventOverlap:
             self.current_stream_wait()
 
 
+class RecvHook:
+    """The receive half of a dispatch or combine called with `return_recv_hook=True`. Call it once, before the next
+    operation on the buffer: it receives the rows into the call's outputs.
+
+    CUDA: it launches the receivers on the stream that was current at the call (the current stream then waits for
+    that stream if it is another one); the host does not wait. CPU (reference backend): it waits for the exchange,
+    then fills the outputs.
+    """
+
+    def __init__(self, backend, receive: Callable[[], None], stream: "torch.cuda.Stream | None") -> None:
+        self._backend = backend
+        self._receive = receive
+        self._stream = stream
+
+    @property
+    def done(self) -> bool:
+        """True once the hook was called."""
+        return self._backend is None
+
+    def __call__(self) -> None:
+        backend, receive = self._backend, self._receive
+        if backend is None:
+            raise RuntimeError("moe_comm: this receive hook was already called")
+        self._backend = self._receive = None
+        backend.pending_hook = None
+        backend.after_host_sync()  # a destroyed buffer, or a fault recorded since the call
+        if self._stream is None:
+            receive()
+            return
+        current = torch.cuda.current_stream(self._stream.device)
+        with torch.cuda.stream(self._stream):
+            receive()
+        if current != self._stream:
+            current.wait_stream(self._stream)
+
+
 # What gloo says when the peer's end of the connection went away (its process exited or was killed).
 _CLOSED = ("closed by peer", "reset by peer", "broken pipe", "connection refused", "end of file")
 

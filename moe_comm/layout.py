@@ -71,6 +71,10 @@ SUMMARY_OFFSET = MAPPED_SIGNATURES_OFFSET + 8 * MAX_RANKS * SIGNATURE_LEN
 ERROR_TIMEOUT = 1                   # ErrorRecord.code of a timed-out wait
 ERROR_DISAGREE = 2                  # ErrorRecord.code of an operation whose ranks' signatures differ
 
+# What a dispatch or combine launch runs: the whole kernel (senders and receivers at once), its senders alone (a
+# call with `return_recv_hook=True`) or its receivers alone (that call's hook).
+PART_WHOLE, PART_SEND, PART_RECEIVE = 0, 1, 2
+
 
 def align16(n: int) -> int:
     return -(-n // ROW_ALIGN) * ROW_ALIGN
@@ -284,6 +288,7 @@ CONSTANTS = {  # name in C -> (value, C type)
     "kMappedSignaturesOffset": (MAPPED_SIGNATURES_OFFSET, "int64_t"),
     "kSlotStride": (SLOT_STRIDE, "int64_t"), "kTagMagic": (TAG_MAGIC, "int64_t"),
     "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"), "kErrorDisagree": (ERROR_DISAGREE, "int64_t"),
+    "kPartWhole": (PART_WHOLE, "int"), "kPartSend": (PART_SEND, "int"), "kPartReceive": (PART_RECEIVE, "int"),
 }
 
 _CTYPES = {"int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}

@@ -725,6 +725,7 @@ def get_buffer_size_hint(
     num_topk: int = 0,
     use_fp8_dispatch: bool = False,
     elem_size: int = 2,
+    use_recv_hook: bool = False,
 ) -> int:
     """Bytes of the per-rank symmetric buffer for dispatch and combine.
 
@@ -749,6 +750,8 @@ def get_buffer_size_hint(
         num_topk: experts per token (0 for a buffer that carries no routing metadata).
         use_fp8_dispatch: whether dispatch sends fp8 data with fp32 block scales.
         elem_size: bytes per element of the unquantized activations (2 for bf16).
+        use_recv_hook: room for an expand combine of one round, a row per (peer, token, slot) (`combine(...,
+            return_recv_hook=True)` cannot split rounds): with DeepSeek-V3's rows at EP2, top-8, twice the default.
 
     Returns:
         The size in bytes.
@@ -764,4 +767,8 @@ def get_buffer_size_hint(
     row_bytes = layout.dispatch_row(hidden * elem_size, 0, num_topk, 8).stride
     if use_fp8_dispatch:
         row_bytes = max(row_bytes, layout.dispatch_row(hidden, (hidden // FP8_SCALE_BLOCK) * 4, num_topk, 8).stride)
-    return 2 * num_ranks * num_max_tokens_per_rank * row_bytes + BUFFER_CONTROL_BYTES
+    region = 2 * num_ranks * num_max_tokens_per_rank * row_bytes
+    if use_recv_hook:
+        one_round = layout.combine_row(hidden * elem_size, 1, 8).stride * min(num_topk, layout.MAX_ROUND_SLOTS)
+        region = max(region, (num_ranks - 1) * num_max_tokens_per_rank * one_round)
+    return region + BUFFER_CONTROL_BYTES

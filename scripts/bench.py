@@ -246,20 +246,26 @@ def main() -> None:
     text, record = report(config, per_rank, jit, meta)
     print(text)
     print(f"({time.monotonic() - start:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
+    write_results(text, record, args.json, args.md, "plot_bench")
+
+
+def write_results(text: str, record: dict, json_path: str | None, md_path: str | None, plot: str) -> None:
+    """The markdown and the JSON record where asked, and beside the JSON its PNG, drawn by `plot_results.<plot>`
+    when matplotlib is importable."""
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(record, f, indent=2)
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             print("plot skipped: matplotlib is not importable")
         else:
-            from plot_results import plot_bench  # scripts/ is sys.path[0] when this file runs as a script
-            png = os.path.splitext(args.json)[0] + ".png"
-            plot_bench(record, png)
+            import plot_results  # scripts/ is sys.path[0] when this file runs as a script
+            png = os.path.splitext(json_path)[0] + ".png"
+            getattr(plot_results, plot)(record, png)
             print(f"plot: {png}")
-    if args.md:
-        with open(args.md, "w") as f:
+    if md_path:
+        with open(md_path, "w") as f:
             f.write(text + "\n")
 
 

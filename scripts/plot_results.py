@@ -6,6 +6,9 @@ axes; back-to-back device time on CUDA, one isolated call where there is none (C
 has one, shows the SM sweep at the largest token count beside the analytical SM count and that size's baseline.
 Every cell is the slowest rank's, as in the table.
 
+An overlap record (`scripts/bench_overlap.py --json`): per op, bars of a GEMM's time beside it in flight over the
+GEMM alone.
+
 Recipe metrics (`recipes/megatron_moe/train.py --metrics-json`, one file per dispatcher of the same preset and
 seed): loss and tokens/s per step, one line per file.
 
@@ -145,6 +148,33 @@ def plot_bench(record: dict, path: str | pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_overlap(record: dict, path: str | pathlib.Path) -> None:
+    """Write an overlap record's bars (`scripts/bench_overlap.py --json`) to `path` (PNG): per op, the GEMM's time
+    beside each way of running it, relative to the GEMM alone (1.0: no cost to the compute)."""
+    from matplotlib.figure import Figure
+
+    modes = ("async", "hook", "nccl")
+    table, config, meta = record["table"], record["config"], record["meta"]
+    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        xs = [i + (k - (len(modes) - 1) / 2) * width for i in range(len(table))]
+        ax.bar(xs, [row[f"gemm_{mode}_ratio"] for row in table], width, label=f"beside {mode}", color=f"C{k}")
+    ax.axhline(1.0, color="0.3", linewidth=1)
+    ax.axhline(1.03, color="C3", linestyle="--", linewidth=1, label="+3% (the hook's target)")
+    ax.set_xticks(range(len(table)), [row["op"] for row in table])
+    ax.set_ylabel("GEMM time / GEMM alone")
+    ax.set_ylim(bottom=0.9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    commit = "no checkout" if meta["commit"] is None else meta["commit"][:10]
+    fig.suptitle(f"a GEMM beside communication in flight: {config['num_ranks']} ranks, {config['tokens']} tokens, "
+                 f"hidden {config['hidden']}\ncommit {commit}, torch {meta['torch']}, {meta['date_utc'][:10]}",
+                 fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
 def plot_recipe(runs: list[dict], path: str | pathlib.Path) -> None:
     """Write loss and tokens/s per step of recipe runs to `path` (PNG).
 
@@ -188,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     if all("table" in record for record in records):
         if len(records) != 1:
             parser.error(f"one bench JSON at a time, got {len(records)}")
-        plot_bench(records[0], out)
+        overlap = records[0]["table"] and "gemm_alone_us" in records[0]["table"][0]
+        (plot_overlap if overlap else plot_bench)(records[0], out)
     elif all({"summary", "history"} <= record.keys() for record in records):
         plot_recipe(records, out)
     else:

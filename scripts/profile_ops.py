@@ -161,17 +161,17 @@ def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
     stream = torch.cuda.current_stream(dev).cuda_stream
     pieces = {
         "cached dispatch: checks (Buffer._validate_dispatch)": lambda: buf._validate_dispatch(
-            x, None, None, None, None, 1, 0, handle, None, handle.do_expand, None, False, None, False, False),
+            x, None, None, None, None, 1, 0, handle, None, handle.do_expand, None, False, None, False, False, False),
         "torch.empty from Python (one output)": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
                                                                     device=dev),
         "cached dispatch: host extension (allocation, launch)": lambda: impl.launcher.cached_dispatch(
-            *dplan.addresses, x, None, 0, 0, handle.num_recv_rows, handle.num_sms, stream),
+            *dplan.addresses, x, None, 0, 0, handle.num_recv_rows, handle.num_sms, 0, stream),
         "cached dispatch: whole call": lambda: buf.dispatch(x, handle=handle),
         "combine: checks (Buffer._validate_combine)": lambda: buf._validate_combine(
-            recv_x, handle, None, None, 0, None, False, False),
+            recv_x, handle, None, None, 0, None, False, False, False),
         "combine: host extension (allocation, launch)": lambda: impl.launcher.combine(
             *cplan.addresses, recv_x, None, None, None, handle.num_tokens, 1, cplan.num_slots, cplan.num_rounds,
-            False, handle.num_sms, stream),
+            False, handle.num_sms, 0, stream),
         "combine: whole call": lambda: buf.combine(recv_x, handle),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
     }

@@ -24,13 +24,13 @@ def gradcheck_cases(world_size: int) -> list[Case]:
     ]
 
 
-def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
+def gradcheck_rank(rank: int, world_size: int, cases: list[Case], recv_hook: bool = False) -> list[bool]:
     results = []
     for case in cases:
         # float64 rows need 4x the bytes of the bf16 `hidden` the buffer is sized with.
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=4 * case.hidden,
                               num_topk=case.num_topk, backend="torch", num_cpu_timeout_secs=60)
-        results.append(run_gradcheck(buf, case, rank))
+        results.append(run_gradcheck(buf, case, rank, recv_hook))
     return results
 
 
@@ -45,8 +45,17 @@ def test_gradcheck(pools, world_size):
     assert all(all(r) for r in results)
 
 
-def grads_rank(rank: int, world_size: int, use_async: bool, do_expand: bool) -> dict:
-    """Gradients of a small bf16 pipeline; with `use_async` every call returns early and waits on its event."""
+def test_gradcheck_through_recv_hooks(pools):
+    """Dispatch and combine that receive in their hooks (`return_recv_hook=True`) differentiate as the plain calls."""
+    results = pools(2).run(gradcheck_rank, gradcheck_cases(2), True)
+    assert all(all(r) for r in results)
+
+
+def grads_rank(rank: int, world_size: int, mode: str, do_expand: bool) -> dict:
+    """Gradients of a small bf16 pipeline; `mode` "async": every call returns early and waits on its event, "hook":
+    every call receives in its hook (called before the outputs are used), "sync": neither."""
+    use_async = mode == "async"
+    hook = {"return_recv_hook": True} if mode == "hook" else {}
     case = Case(seed=21, num_ranks=world_size, num_experts=4, num_topk=2, hidden=16, num_tokens=(5, 3),
                 num_max_tokens_per_rank=8, do_expand=do_expand, expert_alignment=2)
     buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
@@ -56,15 +65,21 @@ def grads_rank(rank: int, world_size: int, use_async: bool, do_expand: bool) -> 
     w.requires_grad_()
     bias = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
     bias = bias.to(torch.bfloat16).requires_grad_()
-    recv_x, _, recv_w, handle, event = moe_autograd.dispatch(
+    recv_x, _, recv_w, handle, event, *receive = moe_autograd.dispatch(
         buf, x, idx, w, num_experts=4, do_expand=do_expand, expert_alignment=2,
-        async_with_compute_stream=use_async)
+        async_with_compute_stream=use_async, **hook)
+    assert len(receive) == len(hook)
+    for received in receive:
+        received()
     if use_async:
         assert not event.done
         event.current_stream_wait()
     gate = recv_w if do_expand else recv_w.sum(1)
     y = (recv_x.float() * (1 + gate)[:, None]).to(torch.bfloat16)
-    combined, event = moe_autograd.combine(buf, y, handle, bias=bias, async_with_compute_stream=use_async)
+    combined, event, *receive = moe_autograd.combine(buf, y, handle, bias=bias, async_with_compute_stream=use_async,
+                                                     **hook)
+    for received in receive:
+        received()
     with event:
         pass
     grad_out = torch.randn(combined.shape, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)
@@ -74,10 +89,10 @@ def grads_rank(rank: int, world_size: int, use_async: bool, do_expand: bool) -> 
 
 
 @pytest.mark.parametrize("do_expand", [False, True])
-def test_async_pattern_matches_sync(pools, do_expand):
-    sync = pools(2).run(grads_rank, False, do_expand)
-    asyn = pools(2).run(grads_rank, True, do_expand)
-    assert sync == asyn
+def test_async_and_hook_patterns_match_sync(pools, do_expand):
+    sync = pools(2).run(grads_rank, "sync", do_expand)
+    assert pools(2).run(grads_rank, "async", do_expand) == sync
+    assert pools(2).run(grads_rank, "hook", do_expand) == sync
     assert all(r["bias_is_grad_out"] for r in sync)
 
 

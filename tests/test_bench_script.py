@@ -120,3 +120,33 @@ def test_bench_layer_runs_and_report():
     assert record["ms"] == {"route A (CPU sync)": 12.0, "floor": 10.0}
     assert record["b2b_ms"] == {"route A (CPU sync)": 10.5, "floor": 10.0}
     assert "| route A (CPU sync) | 12.00 | 1.200 | - | 10.50 | 1.050 | 1.0 |" in text
+
+
+def test_bench_overlap_report_and_plot(tmp_path):
+    """The overlap table: the slowest rank's GEMM times and their ratios to the GEMM alone; the plotter draws the
+    record's bars from the JSON alone."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_overlap import report
+        from moe_comm.testing.bench import run_metadata
+    finally:
+        sys.path.pop(0)
+    config = {"num_ranks": 2, "tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8, "num_sms": 0,
+              "expand": False, "iters": 20}
+    row = lambda op, alone, hook: {"op": op, "op_us": 300.0, "gemm_rows": 1024, "gemm_alone_us": alone,  # noqa: E731
+                                   "gemm_async_us": 2 * alone, "gemm_hook_us": hook, "gemm_nccl_us": 1.5 * alone}
+    per_rank = [{"rows": [row("cached dispatch", 100.0, 101.0), row("combine", 100.0, 102.0)], "num_sms": 24,
+                 "device": "H200"},
+                {"rows": [row("cached dispatch", 110.0, 111.0), row("combine", 100.0, 100.0)], "num_sms": 24,
+                 "device": "H200"}]
+    text, record = report(config, per_rank, run_metadata(["bench_overlap.py"]))
+    first = record["table"][0]
+    assert (first["gemm_alone_us"], first["gemm_hook_us"], first["gemm_async_ratio"]) == (110.0, 111.0, 2.0)
+    assert "| cached dispatch | 300.0 | 1024 | 110.0 | 220.0 (2.000) | 111.0 (1.009) | 165.0 (1.500) |" in text
+    pytest.importorskip("matplotlib")
+    out_json, png = tmp_path / "overlap.json", tmp_path / "overlap.png"
+    out_json.write_text(json.dumps(record))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_results.py"), str(out_json), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.stat().st_size > 10_000

@@ -85,11 +85,12 @@ class Buffers:
             buf.destroy()
 
 
-def random_cases_rank(rank: int, world_size: int, cases: list[Case], backend: str) -> int:
+def random_cases_rank(rank: int, world_size: int, cases: list[Case], backend: str, recv_hook: bool = False) -> int:
     with Buffers() as buffers:
         for i, case in enumerate(cases):
             try:
-                check_case(buffers.get(case, backend), case, rank)
+                buf = buffers.get(case, backend, use_recv_hook=True) if recv_hook else buffers.get(case, backend)
+                check_case(buf, case, rank, recv_hook=recv_hook)
             except AssertionError as exc:
                 raise AssertionError(f"case {i}: {case}\n{exc}") from exc
     return len(cases)
@@ -266,20 +267,28 @@ def test_autograd_async(nccl_pool, backend):
         assert sync_grad == async_grad
 
 
-def graph_rank(rank: int, world_size: int, do_expand: bool) -> int:
+def graph_rank(rank: int, world_size: int, do_expand: bool, recv_hook: bool = False) -> int:
     """A no-sync dispatch + combine + cached dispatch captured once in a CUDA graph, replayed on new data,
-    equals the same calls run eagerly (bitwise on every valid row)."""
+    equals the same calls run eagerly (bitwise on every valid row); with `recv_hook` the captured calls receive in
+    their hooks (the sends and the receivers are two launches each, both in the graph)."""
     case = Case(seed=90, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=512, num_tokens=per_rank(256),
                 num_max_tokens_per_rank=256, do_expand=do_expand, expert_alignment=16, do_cpu_sync=False)
     with Buffers() as buffers:
-        buf = buffers.get(case, "cuda")
+        buf = buffers.get(case, "cuda", use_recv_hook=True)
         kwargs = dict(num_experts=16, do_cpu_sync=False, do_expand=do_expand, expert_alignment=16)
         static = [t.clone() for t in rank_inputs(case, rank, buf.device)]
+        hook = {"return_recv_hook": True} if recv_hook else {}
+
+        def received(outputs: tuple) -> tuple:
+            if recv_hook:
+                outputs[-1]()
+            return outputs
 
         def step():
-            recv_x, _, recv_w, handle, _ = buf.dispatch(*static, **kwargs)
-            combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w * 3)
-            again, _, _, _, _ = buf.dispatch(combined, handle=handle, do_expand=do_expand, expert_alignment=16)
+            recv_x, _, recv_w, handle, *_ = received(buf.dispatch(*static, **kwargs, **hook))
+            combined, combined_w, *_ = received(buf.combine(recv_x, handle, topk_weights=recv_w * 3, **hook))
+            again = received(buf.dispatch(combined, handle=handle, do_expand=do_expand, expert_alignment=16,
+                                          **hook))[0]
             return recv_x, combined, combined_w, again, handle
 
         side = torch.cuda.Stream()
@@ -310,9 +319,67 @@ def graph_rank(rank: int, world_size: int, do_expand: bool) -> int:
         return replays
 
 
+@pytest.mark.parametrize("recv_hook", [False, True])
 @pytest.mark.parametrize("do_expand", [False, True])
-def test_cuda_graph_replay(nccl_pool, do_expand):
-    assert nccl_pool.run(graph_rank, do_expand) == [3] * WORLD_SIZE
+def test_cuda_graph_replay(nccl_pool, do_expand, recv_hook):
+    assert nccl_pool.run(graph_rank, do_expand, recv_hook) == [3] * WORLD_SIZE
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recv_hook_cases(nccl_pool, seed, backend):
+    """Every call sends, then receives in its hook: bitwise the oracle, every layout and mode of the random cases."""
+    cases = draw_cases(seed * 10 + 104, 8, WORLD_SIZE, max_tokens=4096) + draw_cases(seed * 10 + 105, 16, WORLD_SIZE)
+    assert nccl_pool.run(random_cases_rank, cases, backend, True) == [len(cases)] * WORLD_SIZE
+
+
+def recv_hook_cuda_rank(rank: int, world_size: int) -> list[str]:
+    """CUDA: the send launch ends without its receivers (the device drains before the hook: between the two no
+    kernel of ours runs), no host sync, a hook called on another stream orders that stream after the receivers, and
+    an expand combine in rounds is refused before anything is launched (the buffer works after it)."""
+    case = Case(seed=73, num_ranks=WORLD_SIZE, num_experts=16, num_topk=4, hidden=256, num_tokens=per_rank(300, 200),
+                num_max_tokens_per_rank=512, do_expand=True, expert_alignment=16, do_cpu_sync=False)
+    kwargs = dict(num_experts=16, do_expand=True, expert_alignment=16, do_cpu_sync=False)
+    with Buffers() as buffers:
+        buf = buffers.get(case, "cuda", use_recv_hook=True)
+        x, idx, w = rank_inputs(case, rank, buf.device)
+        ref_x, _, ref_w, ref_handle, _ = buf.dispatch(x, idx, w, **kwargs)
+        ref_combined, _, _ = buf.combine(ref_x, ref_handle, topk_weights=ref_w)
+        rows = int(ref_handle.psum_num_recv_tokens_per_expert[-1])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv_x, _, recv_w, handle, _, hook = buf.dispatch(x, idx, w, return_recv_hook=True, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()  # returns: the senders finished alone
+        dist.barrier()  # every rank's rows are in its peers' regions
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            hook()
+            got_x, got_w = recv_x[:rows].clone(), recv_w[:rows].clone()
+        side.synchronize()
+        assert_same("hooked recv_x", got_x, ref_x[:rows].cpu())
+        assert_same("hooked recv_w", got_w, ref_w[:rows].cpu())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            combined, _, _, hook = buf.combine(recv_x, handle, topk_weights=recv_w, return_recv_hook=True)
+            hook()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_same("hooked combined", combined, ref_combined.cpu())
+
+        rounds = buffers.get(case, "cuda", cuda_tuning=CudaTuning(max_round_slots=2))
+        recv_x, _, recv_w, handle, _ = rounds.dispatch(x, idx, w, **kwargs)
+        with pytest.raises(ValueError, match=r"this expand combine runs in 2 rounds \(CudaTuning.max_round_slots=2 "
+                                             r"limits a round to 2 of a token's 4 slots\)") as info:
+            rounds.combine(recv_x, handle, topk_weights=recv_w, return_recv_hook=True)
+        assert_same("combined in rounds", rounds.combine(recv_x, handle, topk_weights=recv_w)[0], ref_combined.cpu())
+        return [str(info.value)]
+
+
+def test_recv_hook_cuda(nccl_pool):
+    messages = nccl_pool.run(recv_hook_cuda_rank)
+    assert all(m == messages[0] for m in messages)
 
 
 def missing_peer_rank(rank: int, world_size: int) -> str:

@@ -387,6 +387,28 @@ def test_value_errors_raise_on_every_rank(pools):
     assert all("topk_idx is invalid: entries outside [-1, 8) on rank(s) [3]" in m for m in messages), messages
 
 
+def hybrid_hook_rank(rank: int, world_size: int) -> str:
+    """The hybrid path takes no receive hook: a ValueError before anything moves, then the buffer works."""
+    with ranks_per_node("1"):
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
+                              num_cpu_timeout_secs=30)
+    case = Case(seed=5, num_ranks=2, num_experts=4, num_topk=2, hidden=16, num_tokens=(5, 3),
+                num_max_tokens_per_rank=8)
+    x, idx, w = rank_inputs(case, rank)
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, idx, w, num_experts=4, return_recv_hook=True)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
+    with pytest.raises(ValueError, match="return_recv_hook=True is not available on the torch hybrid 2x1"):
+        buf.combine(recv_x, handle, return_recv_hook=True)
+    check_case(buf, case, rank)
+    return str(info.value)
+
+
+def test_hybrid_path_refuses_recv_hooks(pools):
+    messages = pools(2).run(hybrid_hook_rank)
+    assert messages[0] == messages[1] and "scale-out leg runs NCCL's kernels" in messages[0], messages
+
+
 def hybrid_probes_rank(rank: int, world_size: int) -> list[str]:
     def make() -> moe_comm.Buffer:
         with ranks_per_node("1"):  # 2 hosts x 1: every exchange but a rank's own crosses on a rail

@@ -66,10 +66,18 @@ def test_launcher_failure_names_the_condition_and_values(kernels):
     assert "layout.cu" in message and "num_ranks=0, kMaxRanks=32" in message, message
     with pytest.raises(RuntimeError, match="dispatch failed on rank 3: .*num_ranks=0"):
         kernels.check(kernels.dispatch(ctypes.byref(params), ctypes.byref(layout.DispatchInputs()),
-                                       ctypes.byref(layout.RecvOutputs()), 4, 0, None), "dispatch", 3)
+                                       ctypes.byref(layout.RecvOutputs()), 4, 0, 0, None), "dispatch", 3)
     params = layout.EpParams(num_ranks=2, num_experts=8, data_bytes=14336, row_stride=14416, num_send_blocks=4)
-    assert kernels.combine(ctypes.byref(params), ctypes.byref(layout.CombineArgs()), 1, 4, None) == 1
-    assert "num_send_blocks=4, num_blocks=4" in kernels.last_error().decode()
+    assert kernels.combine(ctypes.byref(params), ctypes.byref(layout.CombineArgs()), 1, 4, 0, None) == 1
+    assert "part=0, num_send_blocks=4, num_blocks=4" in kernels.last_error().decode()
+    # A send or receive launch of a combine in rounds (the next round's senders would overwrite unread rows).
+    rounds = layout.CombineArgs(slot_begin=0, slot_end=2, first_round=1, last_round=0)
+    assert kernels.combine(ctypes.byref(params), ctypes.byref(rounds), 1, 4, layout.PART_SEND, None) == 1
+    assert "part=1, first_round=1, last_round=0" in kernels.last_error().decode()
+    assert kernels.dispatch(ctypes.byref(params), ctypes.byref(layout.DispatchInputs()),
+                            ctypes.byref(layout.RecvOutputs()), 4, 0, 3, None) == 1
+    assert "`part == kPartWhole || part == kPartSend || part == kPartReceive` failed (part=3)" in \
+        kernels.last_error().decode()
 
 
 def test_generated_header_is_in_the_cache_key(nvcc):
@@ -91,9 +99,10 @@ def test_copy_microbenchmark_compiles_for_sm90a(nvcc):
 _LAYOUT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.LayoutArgs),
                               ctypes.POINTER(layout.NotifyArgs), ctypes.c_void_p)
 _DISPATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.DispatchInputs),
-                                ctypes.POINTER(layout.RecvOutputs), ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+                                ctypes.POINTER(layout.RecvOutputs), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_void_p)
 _COMBINE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.CombineArgs),
-                               ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
 _LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)
 
 
@@ -111,8 +120,8 @@ class FakeLaunchers:
 
         # Kept on self: the C function pointers live as long as these objects.
         self.fns = (_LAYOUT_FN(lambda p, a, n, s: record("layout", p, a, n, s)),
-                    _DISPATCH_FN(lambda p, i, o, b, w, s: record("dispatch", p, i, o, b, w, s)),
-                    _COMBINE_FN(lambda p, a, d, b, s: record("combine", p, a, d, b, s)),
+                    _DISPATCH_FN(lambda p, i, o, b, w, part, s: record("dispatch", p, i, o, b, w, part, s)),
+                    _COMBINE_FN(lambda p, a, d, b, part, s: record("combine", p, a, d, b, part, s)),
                     _LAST_ERROR_FN(lambda: ctypes.addressof(self.message)))
 
     def launcher(self):
@@ -156,15 +165,15 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
         x, out_scales, idx, src, psum_rank, psum_expert, w = launcher.dispatch(
             ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), q, scales, weights,
-            workspace, list(offsets), M, P, do_expand, 0, 0, 20, 99)
+            workspace, list(offsets), M, P, do_expand, 0, 0, 20, 0, 99)
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((P, H), q.dtype, (P, 2), torch.float32)
         assert (idx.shape, src.shape, psum_rank.shape, psum_expert.shape) == ((M, K), (M,), (R,), (L,))
         assert w.shape == ((P,) if do_expand else (M, K)) and w.dtype == weights.dtype
         routing = idx.data_ptr()
         assert [t.data_ptr() for t in (src, psum_rank, psum_expert)] == [routing + 8 * M * K, routing + 8 * (M * K + M),
                                                                         routing + 8 * (M * K + M + R)]
-        name, p, i, o, blocks, with_barrier, stream = fake.calls[-1]
-        assert (name, blocks, with_barrier, stream) == ("dispatch", 20, 0, 99)
+        name, p, i, o, blocks, with_barrier, part, stream = fake.calls[-1]
+        assert (name, blocks, with_barrier, part, stream) == ("dispatch", 20, 0, 0, 99)
         assert (i.x, i.scales, i.clean_idx, i.weights, i.send_pos, i.expert_rank) == (
             q.data_ptr(), scales.data_ptr(), base, weights.data_ptr(), at(0), at(3))
         assert (o.counts, o.x, o.scales, o.topk_idx, o.weights, o.src_idx) == (
@@ -175,7 +184,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     # Without weights and FP8: no weight or scale outputs, null pointers.
     x, out_scales, *_, w = launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs),
                                              ctypes.addressof(outputs), torch.zeros(N, H, dtype=torch.bfloat16), None,
-                                             None, workspace, list(offsets), 7, 7, False, 0, 0, 20, 99)
+                                             None, workspace, list(offsets), 7, 7, False, 0, 0, 20, 0, 99)
     assert x.dtype == torch.bfloat16 and out_scales is None and w is None
     assert not (fake.calls[-1][3].scales or fake.calls[-1][3].weights or fake.calls[-1][2].weights)
     # `quantize=`: bf16 rows in, FP8 rows and the format's scales out (the senders cast), no input scales.
@@ -183,7 +192,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     for code, scale_dtype in ((1, torch.float32), (2, torch.int32)):
         x, out_scales, *_ = launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs),
                                               ctypes.addressof(outputs), bf16, None, None, workspace, list(offsets),
-                                              7, 9, True, code, 0, 20, 99)
+                                              7, 9, True, code, 0, 20, 0, 99)
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((9, H), torch.float8_e4m3fn, (9, H // 128),
                                                                           scale_dtype)
         _, _, i, o, *_ = fake.calls[-1]
@@ -193,20 +202,20 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
                                                                                                       dtype=torch.int32))):
             x, out_scales, *_ = launcher.dispatch(
                 ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data, scales, None,
-                workspace, list(offsets), 7, 9, True, code if scales is None else 0, code, 20, 99)
+                workspace, list(offsets), 7, 9, True, code if scales is None else 0, code, 20, 0, 99)
             assert (x.shape, x.dtype, out_scales, fake.calls[-1][3].dequantize) == ((9, H), torch.bfloat16, None,
                                                                                     code)
     for data, scales, codes in ((bf16, None, (0, 1)), (q, torch.ones(N, H // 128), (0, 2)), (bf16, None, (2, 1))):
         with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):
             launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data,
-                              scales, None, workspace, list(offsets), 7, 7, False, *codes, 20, 99)
+                              scales, None, workspace, list(offsets), 7, 7, False, *codes, 20, 0, 99)
     with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
         launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), bf16, None,
-                          None, workspace, list(offsets), 7, 7, False, 3, 3, 20, 99)
+                          None, workspace, list(offsets), 7, 7, False, 3, 3, 20, 0, 99)
     with pytest.raises(ValueError, match="quantize casts bf16 rows of a multiple of 128 channels"):
         launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
                           torch.zeros(N, H, dtype=torch.float32), None, None, workspace, list(offsets), 7, 7, False,
-                          1, 0, 20, 99)
+                          1, 0, 20, 0, 99)
 
 
 def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
@@ -217,17 +226,17 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
     params, inputs, outputs = _params(), layout.DispatchInputs(clean_idx=8), layout.RecvOutputs(counts=16)
     data = torch.zeros(5, 128, dtype=torch.bfloat16)
     x, scales = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                                         data, None, 0, 0, 9, 6, 7)
+                                         data, None, 0, 0, 9, 6, 0, 7)
     assert x.shape == (9, 128) and scales is None
-    name, p, i, o, blocks, with_barrier, stream = fake.calls[-1]
-    assert (name, blocks, with_barrier, stream, i.x, o.x, i.clean_idx, o.counts, i.quantize) == (
-        "dispatch", 6, 1, 7, data.data_ptr(), x.data_ptr(), 8, 16, 0)
+    name, p, i, o, blocks, with_barrier, part, stream = fake.calls[-1]
+    assert (name, blocks, with_barrier, part, stream, i.x, o.x, i.clean_idx, o.counts, i.quantize) == (
+        "dispatch", 6, 1, 0, 7, data.data_ptr(), x.data_ptr(), 8, 16, 0)
     x, scales = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                                         data, None, 2, 0, 9, 6, 7)
+                                         data, None, 2, 0, 9, 6, 0, 7)
     assert (x.dtype, scales.shape, scales.dtype, fake.calls[-1][2].quantize) == (torch.float8_e4m3fn, (9, 1),
                                                                                   torch.int32, 2)
     x, scales = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                                         data, None, 2, 2, 9, 6, 7)
+                                         data, None, 2, 2, 9, 6, 0, 7)
     assert (x.dtype, scales, fake.calls[-1][3].dequantize) == (torch.bfloat16, None, 2)
 
     args = layout.CombineArgs(slot_begin=0, slot_end=3, first_round=1, last_round=1)
@@ -235,11 +244,11 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
         fake.calls.clear()
         rows, weights, bias = torch.zeros(9, 64, dtype=dtype), torch.rand(9, 3), torch.zeros(5, 64, dtype=dtype)
         combined, combined_w = launcher.combine(ctypes.addressof(params), ctypes.addressof(args), rows, weights, bias,
-                                                None, 5, code, 2, 2, False, 4, 3)
+                                                None, 5, code, 2, 2, False, 4, 0, 3)
         assert (combined.shape, combined.dtype, combined_w.shape) == ((5, 64), dtype, (5, 3))
         assert [(c[2].slot_begin, c[2].slot_end, c[2].first_round, c[2].last_round) for c in fake.calls] == [
             (0, 2, 1, 0), (2, 3, 0, 1)]
-        assert {(c[3], c[4], c[5]) for c in fake.calls} == {(code, 4, 3)}
+        assert {(c[3], c[4], c[5], c[6]) for c in fake.calls} == {(code, 4, 0, 3)}
         a = fake.calls[0][2]
         assert (a.x, a.weights, a.bias0, a.bias1, a.out, a.out_weights) == (
             rows.data_ptr(), weights.data_ptr(), bias.data_ptr(), None, combined.data_ptr(), combined_w.data_ptr())
@@ -247,7 +256,7 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
     fake.calls.clear()
     args = layout.CombineArgs(slot_begin=0, slot_end=3, first_round=1, last_round=1)
     launcher.combine(ctypes.addressof(params), ctypes.addressof(args), torch.zeros(9, 64), None, None, None, 5, 2, 3, 1,
-                     False, 4, 3)
+                     False, 4, 0, 3)
     (_, _, a, *_), = fake.calls
     assert (a.slot_begin, a.slot_end, a.first_round, a.last_round, a.acc, a.weights) == (0, 3, 1, 1, None, None)
     # Unreduced (the hybrid path's terms): [N, T, H] terms instead of the sums, T = ranks, or slots in expand mode;
@@ -256,11 +265,43 @@ def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
         fake.calls.clear()
         args = layout.CombineArgs(do_expand=do_expand)
         terms, _ = launcher.combine(ctypes.addressof(params), ctypes.addressof(args), torch.zeros(9, 64), None, None,
-                                    None, 5, 2, 2, 2, True, 4, 3)
+                                    None, 5, 2, 2, 2, True, 4, 0, 3)
         assert terms.shape == (5, num_terms, 64)
         assert [(c[2].slot_begin, c[2].slot_end) for c in fake.calls] == [(0, 2), (2, 3)]
         a = fake.calls[0][2]
         assert (a.terms, a.out, a.acc) == (terms.data_ptr(), None, None)
+
+
+def test_host_extension_receive_hook_parts(kernels):
+    """A call with a hook launches its senders alone (part 1); its hook launches the receivers alone (part 2) along
+    the structs as the call set them; a combine in rounds cannot be split (ValueError before any launch)."""
+    fake = FakeLaunchers()
+    launcher = fake.launcher()
+    params, inputs, outputs = _params(), layout.DispatchInputs(clean_idx=8), layout.RecvOutputs(counts=16)
+    data = torch.zeros(5, 128, dtype=torch.bfloat16)
+    x, _ = launcher.cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
+                                    data, None, 0, 0, 9, 6, layout.PART_SEND, 7)
+    launcher.receive_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), 6, 8)
+    (_, _, i1, o1, b1, w1, part1, s1), (_, _, i2, o2, b2, w2, part2, s2) = fake.calls
+    assert (b1, w1, part1, s1, b2, part2, s2) == (6, 1, layout.PART_SEND, 7, 6, layout.PART_RECEIVE, 8)
+    assert (bytes(i1), bytes(o1)) == (bytes(i2), bytes(o2)) and o2.x == x.data_ptr()
+
+    fake.calls.clear()
+    args = layout.CombineArgs(slot_begin=0, slot_end=3, first_round=1, last_round=1)
+    rows = torch.zeros(9, 64, dtype=torch.bfloat16)
+    combined, _ = launcher.combine(ctypes.addressof(params), ctypes.addressof(args), rows, None, None, None, 5, 1, 3,
+                                   1, False, 4, layout.PART_SEND, 3)
+    launcher.receive_combine(ctypes.addressof(params), ctypes.addressof(args), 1, 4, 5)
+    (_, _, a1, d1, b1, part1, s1), (_, _, a2, d2, b2, part2, s2) = fake.calls
+    assert (d1, b1, part1, s1, d2, b2, part2, s2) == (1, 4, layout.PART_SEND, 3, 1, 4, layout.PART_RECEIVE, 5)
+    assert bytes(a1) == bytes(a2) and a2.out == combined.data_ptr()
+    fake.calls.clear()
+    for part, rounds in ((layout.PART_SEND, 2), (layout.PART_RECEIVE, 1)):
+        with pytest.raises(ValueError, match=f"part must be 0 .whole., or 1 .send. for a combine of one round; got "
+                                             f"part={part}, num_rounds={rounds}"):
+            launcher.combine(ctypes.addressof(params), ctypes.addressof(args), rows, None, None, None, 5, 1, 2,
+                             rounds, False, 4, part, 3)
+    assert not fake.calls
 
 
 def test_host_extension_raises_the_launchers_message(kernels):
@@ -271,7 +312,7 @@ def test_host_extension_raises_the_launchers_message(kernels):
     params, inputs, outputs = _params(), layout.DispatchInputs(), layout.RecvOutputs()
     with pytest.raises(RuntimeError, match=r"moe_comm: dispatch failed on rank 1: fake launcher failed \(values\)"):
         fake.launcher().cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                                        torch.zeros(2, 16), None, 0, 0, 2, 4, 0)
+                                        torch.zeros(2, 16), None, 0, 0, 2, 4, 0, 0)
     bad, args, notify = _params(num_ranks=0), layout.LayoutArgs(), layout.NotifyArgs(pending_flags=8)
     with pytest.raises(RuntimeError, match=r"dispatch layout and notify failed on rank 1: layout.cu:\d+: .*"
                                            r"num_ranks=0, kMaxRanks=32"):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import quant
-from ..event import EventOverlap
+from ..event import EventOverlap, RecvHook
 from ..handle import EPHandle
 from ..layout import SIGNATURE_LEN
 
@@ -54,6 +54,8 @@ class Backend:
     # Check that all ranks agree on every call's signature on the host (where calls are host-synchronous anyway);
     # otherwise only when the Buffer asks (a synchronizing call, MOE_COMM_CHECK_INPUTS=1) or on the device.
     checks_every_call = False
+    # Whether calls take `return_recv_hook=True` (not the hybrid paths: their legs run one after another).
+    supports_recv_hook = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float) -> None:
         self.group = group
@@ -70,6 +72,8 @@ class Backend:
         self.broken: Optional[str] = None
         # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
         self.pending_flags = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
+        # The hook of a call with `return_recv_hook=True` until it is called: no operation may run before it.
+        self.pending_hook: Optional[RecvHook] = None
 
     # ------------------------------------------------------------------------------------------------
     # Entry points (Buffer calls these with validated calls)
@@ -79,12 +83,13 @@ class Backend:
         first check on the host that all ranks called it with the same sizes (each backend also checks on its
         own, see `checks_every_call` and the CUDA backend's barrier)."""
         self.after_host_sync()
+        self._check_no_pending_hook("dispatch")
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None] \
             if c.async_with_compute_stream else ()
-        outputs, event = self.run(lambda: self.dispatch_steps(c, verify_agreement), c.previous_event,
-                                  c.async_with_compute_stream, inputs)
+        outputs, event, hook = self.run(lambda: self.dispatch_steps(c, verify_agreement), c.previous_event,
+                                        c.async_with_compute_stream, inputs, c.return_recv_hook)
         recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
-        return recv_x, recv_topk_idx, recv_topk_weights, handle, event
+        return (recv_x, recv_topk_idx, recv_topk_weights, handle, event) + (() if hook is None else (hook,))
 
     def dispatch_steps(self, c, verify_agreement: bool):
         """The dispatch itself, inside the stream scope of `run`: `(outputs, works, finalizers)`; with
@@ -99,6 +104,7 @@ class Backend:
         """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement` (or `checks_every_call`),
         first check on the host, after `previous_event`, that all ranks called it with the same sizes."""
         self.after_host_sync()
+        self._check_no_pending_hook("combine")
         inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None] if c.async_with_compute_stream else ()
 
         def steps():
@@ -106,9 +112,10 @@ class Backend:
                 self.check_agreement(c.signature())
             return self.combine_steps(c)
 
-        outputs, event = self.run(steps, c.previous_event, c.async_with_compute_stream, inputs)
+        outputs, event, hook = self.run(steps, c.previous_event, c.async_with_compute_stream, inputs,
+                                        c.return_recv_hook)
         combined_x, combined_w = outputs
-        return combined_x, combined_w, event
+        return (combined_x, combined_w, event) + (() if hook is None else (hook,))
 
     # ------------------------------------------------------------------------------------------------
     # Streams, checks
@@ -129,6 +136,12 @@ class Backend:
         if self.broken is None:
             self.broken = why
 
+    def _check_no_pending_hook(self, what: str) -> None:
+        if self.pending_hook is not None:
+            raise RuntimeError(f"moe_comm: a {what} was called while the receive hook of an earlier call with "
+                               f"return_recv_hook=True on this buffer had not run: call that hook first (its rows "
+                               f"are still in the receive region, which this {what} would overwrite)")
+
     def _wait(self, works: list[tuple[object, str]]) -> None:
         """Block until `works` are done (CPU), or make the current stream wait for them (CUDA)."""
         if self.comm_stream is None:
@@ -138,24 +151,41 @@ class Backend:
             work.wait()
 
     def run(self, body: Callable[[], tuple], previous_event: Optional[EventOverlap],
-             async_with_compute_stream: bool, inputs: Sequence[torch.Tensor]):
+             async_with_compute_stream: bool, inputs: Sequence[torch.Tensor], return_recv_hook: bool = False):
         """Stream control around one operation.
 
         `body` returns `(outputs, works, finalizers)`: outputs are allocated, works are the data exchange in
-        flight, finalizers fill the outputs once the works are done. Returns `(outputs, event)`.
+        flight, finalizers fill the outputs once the works are done (the CUDA backend's: the receivers' launch
+        of a call with a hook). Returns `(outputs, event, hook)`, hook None unless `return_recv_hook`: then the
+        works and finalizers are left to it.
         On CUDA a synchronous call runs on the current stream (stream-ordered, nothing to hand over between
         streams); an async call runs on the comm stream, ordered after the current stream, and the outputs are
         recorded for the current stream. The host never waits for the device here.
         """
         if previous_event is not None:
             previous_event.current_stream_wait()
+        if return_recv_hook:
+            if self._comm_stream_busy:
+                torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+                self._comm_stream_busy = False
+            outputs, works, finalizers = body()
+
+            def receive() -> None:
+                self._wait(works)
+                with torch.no_grad():  # outputs may already be autograd outputs
+                    for finalize in finalizers:
+                        finalize()
+
+            stream = None if self.comm_stream is None else torch.cuda.current_stream(self.device)
+            self.pending_hook = RecvHook(self, receive, stream)
+            return outputs, DONE, self.pending_hook
         if self.comm_stream is None:
             outputs, works, finalizers = body()
             event = EventOverlap(works=works, finalizers=finalizers, timeout_secs=self.timeout_secs,
                                  on_fault=self.mark_broken)
             if not async_with_compute_stream:
                 event.current_stream_wait()
-            return outputs, event
+            return outputs, event, None
         if not async_with_compute_stream:
             # An async call may still be using the buffer on the comm stream.
             if self._comm_stream_busy:
@@ -165,7 +195,7 @@ class Backend:
             self._wait(works)
             for finalize in finalizers:
                 finalize()
-            return outputs, DONE
+            return outputs, DONE, None
         compute_stream = torch.cuda.current_stream(self.device)
         self.comm_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self.comm_stream):
@@ -180,7 +210,7 @@ class Backend:
             t.record_stream(compute_stream)
         cuda_event = torch.cuda.Event()
         cuda_event.record(self.comm_stream)
-        return outputs, EventOverlap(event=cuda_event, extra_tensors=tuple(inputs))
+        return outputs, EventOverlap(event=cuda_event, extra_tensors=tuple(inputs)), None
 
     # ------------------------------------------------------------------------------------------------
     # Value checks

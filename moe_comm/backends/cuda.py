@@ -131,6 +131,7 @@ class _Plan:
     offsets: a fresh dispatch's workspace offsets (`moe_comm.layout.workspace_offsets`).
     num_rows, num_expand_rows: a fresh dispatch's worst-case M and P (without CPU sync).
     num_slots, num_rounds: an expand combine's slots per round and rounds (1 and 1 otherwise).
+    combine_dtype: a combine's row dtype code (`DTYPE_CODES`), 0 for a dispatch.
     """
 
     structs: tuple
@@ -139,10 +140,16 @@ class _Plan:
     num_expand_rows: int = 0
     num_slots: int = 1
     num_rounds: int = 1
+    combine_dtype: int = 0
     addresses: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.addresses = tuple(ctypes.addressof(s) for s in self.structs)
+
+
+def _part(c) -> int:
+    """The launch part of a call: the whole kernel, or its senders alone with a hook (the receivers in the hook)."""
+    return lay.PART_SEND if c.return_recv_hook else lay.PART_WHOLE
 
 
 def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None) -> Optional[str]:
@@ -428,10 +435,10 @@ class CudaBackend(Backend):
             P = sum(aligned_list) if c.do_expand else M
         else:
             aligned_list, M, P = None, plan.num_rows, plan.num_expand_rows
-        # Send and receive.
+        # Send and receive (with a hook: send now, the receivers in the hook).
         out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = self.launcher.dispatch(
             params, inputs, outputs, data, scales, c.topk_weights, workspace, plan.offsets, M, P, c.do_expand,
-            quantize, dequantize, c.num_sms, stream)
+            quantize, dequantize, c.num_sms, _part(c), stream)
         self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
         handle = EPHandle(
             group=self.group, backend=self.name, epoch=self.epoch,
@@ -442,8 +449,8 @@ class CudaBackend(Backend):
             psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
             num_recv_tokens=P if c.do_cpu_sync else None, num_recv_tokens_per_expert_list=aligned_list,
             num_recv_rows=P, layout=CudaLayout(workspace, plan.offsets, c.do_expand))
-        recv_x = self._finish_x(out_x, out_scales)
-        return (recv_x, None if c.do_expand else out_idx, out_w, handle), [], []
+        results = (self._finish_x(out_x, out_scales), None if c.do_expand else out_idx, out_w, handle)
+        return results, [], self._receivers(c, plan, results)
 
     def _cached_dispatch(self, c):
         """The dispatch kernel along the handle's layout, barrier fused in (no layout work, no host sync)."""
@@ -464,10 +471,28 @@ class CudaBackend(Backend):
         data, scales, quantize, dequantize = self._kernel_rows(c)
         params, inputs, outputs = plan.addresses
         out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, quantize, dequantize,
-                                                          handle.num_recv_rows, c.num_sms,
+                                                          handle.num_recv_rows, c.num_sms, _part(c),
                                                           current_stream(self._device_index))
-        recv_x = self._finish_x(out_x, out_scales)
-        return (recv_x, None if handle.do_expand else handle.recv_topk_idx, handle.recv_topk_weights, handle), [], []
+        results = (self._finish_x(out_x, out_scales), None if handle.do_expand else handle.recv_topk_idx,
+                   handle.recv_topk_weights, handle)
+        return results, [], self._receivers(c, plan, results)
+
+    def _receivers(self, c, plan: _Plan, tensors: tuple) -> list:
+        """With a hook: `[launch of the receivers]`, the finalizer the hook runs (on the call's stream, along the
+        structs the call set: no operation can run on the buffer in between), else `[]`. `tensors` (the outputs the
+        receivers write, a combine's inputs its reducers read) stay allocated until then, whatever the caller
+        drops: freed, their memory could be handed to a tensor made before the hook."""
+        if not c.return_recv_hook:
+            return []
+        if plan.combine_dtype:
+            launch, args = self.launcher.receive_combine, (*plan.addresses, plan.combine_dtype)
+        else:
+            launch, args = self.launcher.receive_dispatch, plan.addresses[:1] + plan.addresses[-2:]
+
+        def receive(_keep=(plan, tensors)) -> None:
+            launch(*args, c.num_sms, current_stream(self._device_index))
+
+        return [receive]
 
     def _read_summary(self, c, num_local_experts: int) -> tuple[int, list[int]]:
         """Wait for the notify, raise what the kernels recorded (a disagreement, a timeout) and every rank's error
@@ -497,12 +522,26 @@ class CudaBackend(Backend):
         if plan is None:
             plan = self._combine_plan(c)
             plans[key] = plan
+        if c.return_recv_hook and plan.num_rounds > 1:
+            raise ValueError(self._rounds_error(c, plan))
         bias = c.bias
         combined, combined_w = self.launcher.combine(
             *plan.addresses, c.x, weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None,
             handle.num_tokens, DTYPE_CODES[c.x.dtype], plan.num_slots, plan.num_rounds, c.unreduced, c.num_sms,
-            current_stream(self._device_index))
-        return (combined, combined_w), [], []
+            _part(c), current_stream(self._device_index))
+        return (combined, combined_w), [], self._receivers(c, plan, (combined, combined_w, c.x, weights, *bias))
+
+    def _rounds_error(self, c, plan: _Plan) -> str:
+        K, cap = c.handle.num_topk, self.tuning.max_round_slots
+        if K > lay.MAX_ROUND_SLOTS:
+            why = f"top-{K} is more than the {lay.MAX_ROUND_SLOTS} slots a round takes"
+        elif cap is not None and plan.num_slots == cap:
+            why = f"CudaTuning.max_round_slots={cap} limits a round to {cap} of a token's {K} slots"
+        else:
+            why = (f"the receive region holds {plan.num_slots} of a token's {K} slots per peer: create the Buffer with "
+                   f"use_recv_hook=True")
+        return (f"return_recv_hook=True: this expand combine runs in {plan.num_rounds} rounds ({why}); rounds cannot "
+                f"be split at a hook (each round's reducers free the region for the next round's senders)")
 
     def _combine_plan(self, c) -> _Plan:
         handle: EPHandle = c.handle
@@ -532,7 +571,8 @@ class CudaBackend(Backend):
             send_pos=layout.pointer("send_pos"), clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
             num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots, slot_begin=0,
             slot_end=min(K, num_slots), first_round=1, last_round=int(num_slots >= K or not handle.do_expand))
-        return _Plan((params, args), num_slots=num_slots, num_rounds=-(-K // num_slots) if handle.do_expand else 1)
+        return _Plan((params, args), num_slots=num_slots, num_rounds=-(-K // num_slots) if handle.do_expand else 1,
+                     combine_dtype=DTYPE_CODES[c.x.dtype])
 
 
 __all__ = ["CudaBackend", "CudaLayout", "CudaTuning", "num_send_blocks", "why_not_usable"]

@@ -41,8 +41,8 @@ SIGNATURES = {
     "moe_comm_free_mapped": (_int, [_ptr]),
     "moe_comm_layout": (_int, [_EP, ctypes.POINTER(layout.LayoutArgs), ctypes.POINTER(layout.NotifyArgs), _ptr]),
     "moe_comm_dispatch": (_int, [_EP, ctypes.POINTER(layout.DispatchInputs), ctypes.POINTER(layout.RecvOutputs),
-                                 _int, _int, _ptr]),
-    "moe_comm_combine": (_int, [_EP, ctypes.POINTER(layout.CombineArgs), _int, _int, _ptr]),
+                                 _int, _int, _int, _ptr]),
+    "moe_comm_combine": (_int, [_EP, ctypes.POINTER(layout.CombineArgs), _int, _int, _int, _ptr]),
 }
 # Only in a build with -DMOE_COMM_BLOCK_TIMES (scripts/profile_ops.py --variants times=1).
 BLOCK_TIME_SIGNATURES = {name: (_int, [ctypes.POINTER(ctypes.c_uint64), _int])
@@ -104,7 +104,8 @@ class Kernels:
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, name[len("moe_comm_"):], fn)
         self._check_abi()
-        # Launches: `launcher.layout(...)`, `.dispatch`, `.cached_dispatch`, `.combine` (csrc/torch/ops.cpp).
+        # Launches: `launcher.layout(...)`, `.dispatch`, `.cached_dispatch`, `.combine`, and the receivers of a call
+        # with a hook, `.receive_dispatch`, `.receive_combine` (csrc/torch/ops.cpp).
         self.launcher = host_extension().Launcher(*(ctypes.cast(fn, ctypes.c_void_p).value
                                         for fn in (self.layout, self.dispatch, self.combine, self.last_error)))
 

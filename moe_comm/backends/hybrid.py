@@ -144,6 +144,8 @@ class HybridBackend(Backend):
         make_inner: builds the inner Buffer on the host subgroup it is given (collective over that subgroup).
     """
 
+    supports_recv_hook = False  # the legs run one after another: nothing is left in flight to receive later
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float, num_hosts: int,
                  ranks_per_host: int, use_partial_reduction: bool, num_gpu_timeout_secs: float,
                  make_inner: Callable[[dist.ProcessGroup], object]) -> None:

@@ -138,6 +138,8 @@ class HybridRefBackend(TorchRefBackend):
         use_partial_reduction: sum a token's rows inside a host before they cross (module docstring).
     """
 
+    supports_recv_hook = False  # as the CUDA hybrid path, which this one checks
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float,
                  num_scaleout_ranks: int, num_scaleup_ranks: int, use_partial_reduction: bool) -> None:
         super().__init__(group, device, num_cpu_timeout_secs)

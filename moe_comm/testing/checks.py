@@ -2,8 +2,9 @@
 
 `check_case(buffer, case, rank)` runs dispatch, combine and a cached dispatch for `case` on `buffer` and
 compares everything bitwise: received rows, ids, weights, handle counts, source indices, combined rows and
-weights. Without a CPU sync only the rows up to the true count are compared (the reference backend zeroes the
-rest; other backends leave them unspecified). Used by the CPU tier (reference over gloo) and the GPU tier.
+weights (with `recv_hook=True` every call sends with `return_recv_hook=True` and receives in its hook). Without a
+CPU sync only the rows up to the true count are compared (the reference backend zeroes the rest; other backends
+leave them unspecified). Used by the CPU tier (reference over gloo) and the GPU tier.
 
 `skip_one_call(buffer, case, rank, missing_rank, phase)` has one rank sleep through a call the others make, for
 the timeout tests.
@@ -39,14 +40,27 @@ def assert_same(name: str, got: Optional[torch.Tensor], expected: Optional[torch
                              f"got {got[tuple(where)].item()}, expected {expected[tuple(where)].item()}")
 
 
-def check_case(buffer, case: Case, rank: int, check_cached: bool = True) -> dict:
+def _received(outputs: tuple, recv_hook: bool) -> tuple:
+    """A call's outputs, its hook run first when it has one."""
+    if not recv_hook:
+        return outputs
+    *outputs, hook = outputs
+    assert not hook.done
+    hook()
+    assert hook.done
+    return tuple(outputs)
+
+
+def check_case(buffer, case: Case, rank: int, check_cached: bool = True, recv_hook: bool = False) -> dict:
     """Run and verify one case on this rank; returns a few counts for the caller's summary."""
     dev = buffer.device
     L = case.num_local_experts
+    hook = {"return_recv_hook": True} if recv_hook else {}
     x, topk_idx, topk_weights = rank_inputs(case, rank, dev)
-    recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
+    recv_x, recv_idx, recv_w, handle, event = _received(buffer.dispatch(
         x, topk_idx, topk_weights, num_experts=case.num_experts, expert_alignment=case.expert_alignment,
-        do_expand=case.do_expand, do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=case.num_max_tokens_per_rank)
+        do_expand=case.do_expand, do_cpu_sync=case.do_cpu_sync, num_max_tokens_per_rank=case.num_max_tokens_per_rank,
+        **hook), recv_hook)
     # A synchronous call returns a completed event: on CPU it has waited, on CUDA its work is ordered on the current
     # stream (nothing left for the caller to wait for).
     assert event.done, "a synchronous dispatch returned an incomplete event"
@@ -88,7 +102,8 @@ def check_case(buffer, case: Case, rank: int, check_cached: bool = True) -> dict
         y = expert_output(recv_x, torch.full((recv_x.shape[0],), rank * L, device=dev))
     combine_w = None if recv_w is None else recv_w * 3
     bias = rank_bias(case, rank, dev)
-    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=combine_w, bias=bias or None)
+    combined, combined_w, _ = _received(buffer.combine(y, handle, topk_weights=combine_w, bias=bias or None, **hook),
+                                        recv_hook)
     exp_combined, exp_combined_w = expected_combine(case, rank)
     assert_same("combined_x", combined, exp_combined)
     assert_same("combined_topk_weights", combined_w, exp_combined_w)
@@ -96,8 +111,8 @@ def check_case(buffer, case: Case, rank: int, check_cached: bool = True) -> dict
     # Cached dispatch moves new data along the same layout.
     if check_cached:
         x2 = x * 2
-        recv_x2, recv_idx2, recv_w2, handle2, _ = buffer.dispatch(
-            x2, handle=handle, do_expand=case.do_expand, expert_alignment=case.expert_alignment)
+        recv_x2, recv_idx2, recv_w2, handle2, _ = _received(buffer.dispatch(
+            x2, handle=handle, do_expand=case.do_expand, expert_alignment=case.expert_alignment, **hook), recv_hook)
         assert handle2 is handle
         assert recv_x2.shape == recv_x.shape, f"cached recv_x shape {tuple(recv_x2.shape)} != {tuple(recv_x.shape)}"
         assert_same("cached recv_x", recv_x2[:num_rows], exp.x * 2)

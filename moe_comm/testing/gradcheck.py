@@ -66,8 +66,9 @@ def global_inputs(case: Case, device="cpu") -> tuple[torch.Tensor, torch.Tensor,
     return torch.cat(xs).requires_grad_(), torch.cat(ws).requires_grad_(), starts
 
 
-def dispatch_combine_fn(buffer, case: Case, rank: int):
-    """The function gradcheck differentiates: global (x, topk_weights) -> global combined rows."""
+def dispatch_combine_fn(buffer, case: Case, rank: int, recv_hook: bool = False):
+    """The function gradcheck differentiates: global (x, topk_weights) -> global combined rows (with `recv_hook`,
+    both calls receive in their hooks)."""
     _, topk_idx, _ = rank_inputs(case, rank, buffer.device)
     bias = rank_bias(case, rank, buffer.device)
     n = case.num_tokens[rank]
@@ -77,20 +78,25 @@ def dispatch_combine_fn(buffer, case: Case, rank: int):
     def fn(x_global: torch.Tensor, w_global: torch.Tensor) -> torch.Tensor:
         x = take_rank_slice(x_global, start, n)
         w = take_rank_slice(w_global, start, n)
-        recv_x, _, recv_w, handle, _ = moe_autograd.dispatch(
+        recv_x, _, recv_w, handle, _, *hook = moe_autograd.dispatch(
             buffer, x, topk_idx, w, num_experts=case.num_experts, expert_alignment=case.expert_alignment,
-            do_expand=case.do_expand, do_cpu_sync=case.do_cpu_sync)
+            do_expand=case.do_expand, do_cpu_sync=case.do_cpu_sync, return_recv_hook=recv_hook)
+        for receive in hook:
+            receive()
         # A per-row op that uses both the rows and the weights, non-linear in both.
         gate = recv_w if case.do_expand else recv_w.sum(dim=1)
         y = recv_x * (1 + gate)[:, None] + 0.25 * recv_x * recv_x * gate[:, None]
-        combined, _ = moe_autograd.combine(buffer, y, handle, bias=tuple(b.requires_grad_(False) for b in bias))
+        combined, _, *hook = moe_autograd.combine(buffer, y, handle, bias=tuple(b.requires_grad_(False) for b in bias),
+                                                  return_recv_hook=recv_hook)
+        for receive in hook:
+            receive()
         return gather_rank_slices(combined, start, total)
 
     return fn
 
 
-def run_gradcheck(buffer, case: Case, rank: int) -> bool:
+def run_gradcheck(buffer, case: Case, rank: int, recv_hook: bool = False) -> bool:
     """`torch.autograd.gradcheck` of `dispatch_combine_fn` on this rank (call on every rank at once)."""
     x_global, w_global, _ = global_inputs(case, buffer.device)
-    fn = dispatch_combine_fn(buffer, case, rank)
+    fn = dispatch_combine_fn(buffer, case, rank, recv_hook)
     return torch.autograd.gradcheck(fn, (x_global, w_global), eps=1e-6, atol=1e-7, rtol=1e-5)

@@ -5,19 +5,25 @@
 using namespace moe_comm;
 
 // dtype: 1 bf16, 2 float32, 3 float64 (accumulating in float32, float32, float64). num_blocks: p->num_send_blocks
-// senders, then the reducers (at least one of each).
-extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dtype, int num_blocks,
+// senders, then the reducers (at least one of each). part: kPartWhole, or kPartSend (every block a sender, with the
+// barrier) then later kPartReceive (every block a reducer, no barrier: the same row tag as the send launch's).
+extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dtype, int num_blocks, int part,
                                 cudaStream_t stream) {
     MOE_COMM_REQUIRE(p->num_ranks >= 1 && p->num_ranks <= kWarpSize, "num_ranks=%d", p->num_ranks);
     MOE_COMM_REQUIRE(a->slot_end - a->slot_begin <= kWarpSize, "slot_begin=%d, slot_end=%d", a->slot_begin,
                      a->slot_end);
-    MOE_COMM_REQUIRE(p->num_send_blocks >= 1 && p->num_send_blocks < num_blocks, "num_send_blocks=%d, num_blocks=%d",
-                     p->num_send_blocks, num_blocks);
+    MOE_COMM_REQUIRE(part == kPartWhole || part == kPartSend || part == kPartReceive, "part=%d", part);
+    MOE_COMM_REQUIRE(part == kPartWhole ? p->num_send_blocks >= 1 && p->num_send_blocks < num_blocks : num_blocks >= 1,
+                     "part=%d, num_send_blocks=%d, num_blocks=%d", part, p->num_send_blocks, num_blocks);
+    // A split combine is one round: the next round's senders would overwrite what the reducers have not read.
+    MOE_COMM_REQUIRE(part == kPartWhole || (a->first_round && a->last_round), "part=%d, first_round=%d, last_round=%d",
+                     part, a->first_round, a->last_round);
     MOE_COMM_REQUIRE(p->data_bytes % 16 == 0 && p->row_stride % 16 == 0, "data_bytes=%lld, row_stride=%lld",
                      static_cast<long long>(p->data_bytes), static_cast<long long>(p->row_stride));
     MOE_COMM_REQUIRE(dtype >= 1 && dtype <= 3, "dtype=%d (1 bf16, 2 float32, 3 float64)", dtype);
     EpParams q = *p;
-    q.with_barrier = 1;
+    q.num_send_blocks = part == kPartSend ? num_blocks : part == kPartReceive ? 0 : p->num_send_blocks;
+    q.with_barrier = part == kPartReceive ? 0 : 1;
     switch (dtype) {
         case 1: combine_impl<__nv_bfloat16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
         case 2: combine_impl<float><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;

@@ -27,8 +27,8 @@ namespace {
 
 using Stream = void*;  // cudaStream_t, an opaque pointer
 using LayoutFn = int (*)(const EpParams*, const LayoutArgs*, const NotifyArgs*, Stream);
-using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOutputs*, int, int, Stream);
-using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, Stream);
+using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOutputs*, int, int, int, Stream);
+using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, int, Stream);
 using LastErrorFn = const char* (*)();
 using OptionalTensor = std::optional<at::Tensor>;
 
@@ -90,13 +90,14 @@ public:
     // A fresh dispatch's second launch, along the workspace of `layout`: `num_rows` (M) received rows,
     // `num_expand_rows` (P, = M without expand) output rows. `quantize`: 0, or the FP8 format (1 fp8_block128, 2
     // mxfp8) the senders cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire rows, cast back to
-    // bf16 on arrival. Returns (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx
-    // [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None), the routing outputs as
-    // views of one int64 allocation.
+    // bf16 on arrival. `part`: kPartWhole, or kPartSend (the receivers run later, `receive`). Returns (x [P, H]
+    // in data's dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx [M, K], src_idx [M], psum per rank [R],
+    // psum per local expert [L], weights or None), the routing outputs as views of one int64 allocation.
     py::tuple dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
                        const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& workspace,
                        const std::vector<int64_t>& offsets, int64_t num_rows, int64_t num_expand_rows,
-                       bool do_expand, int quantize, int dequantize, int num_blocks, uintptr_t stream) const {
+                       bool do_expand, int quantize, int dequantize, int num_blocks, int part,
+                       uintptr_t stream) const {
         check_offsets(offsets);
         require(workspace.numel() >= offsets[kWorkspaceLength], "workspace shorter than its offsets");
         const EpParams* p = at_address<const EpParams>(params);
@@ -133,17 +134,17 @@ public:
         out->num_rows = M;
         out->num_expand_rows = P;
         out->do_expand = do_expand ? 1 : 0;
-        check(released(dispatch_, p, in, out, num_blocks, 0, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        check(released(dispatch_, p, in, out, num_blocks, 0, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
         return py::make_tuple(x, or_none(out_scales), routing.narrow(0, 0, M * K).view({M, K}),
                               routing.narrow(0, M * K, M), routing.narrow(0, M * K + M, R),
                               routing.narrow(0, M * K + M + R, L), or_none(out_weights));
     }
 
     // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows, `quantize` and `dequantize`
-    // as in `dispatch`. Returns (x, scales or None).
+    // and `part` as in `dispatch`. Returns (x, scales or None).
     py::tuple cached_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
                               const OptionalTensor& scales, int quantize, int dequantize, int64_t num_rows,
-                              int num_blocks, uintptr_t stream) const {
+                              int num_blocks, int part, uintptr_t stream) const {
         const EpParams* p = at_address<const EpParams>(params);
         auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, num_rows);
         auto* in = at_address<DispatchInputs>(inputs);
@@ -154,18 +155,33 @@ public:
         out->x = bytes_of(x);
         out->scales = bytes_of(out_scales);
         out->dequantize = dequantize;
-        check(released(dispatch_, p, in, out, num_blocks, 1, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        check(released(dispatch_, p, in, out, num_blocks, 1, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
         return py::make_tuple(x, or_none(out_scales));
+    }
+
+    // The receivers of a dispatch launched with kPartSend (fresh or cached), along the structs as that call set
+    // them (nothing may run on the buffer in between: moe_comm.Buffer refuses it).
+    void receive_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, int num_blocks,
+                          uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        check(released(dispatch_, p, at_address<const DispatchInputs>(inputs), at_address<const RecvOutputs>(outputs),
+                       num_blocks, 0, kPartReceive, reinterpret_cast<Stream>(stream)),
+              p, "dispatch receive");
     }
 
     // A combine of `x` into [num_tokens, H], in `num_rounds` launches of `num_slots` slots each (an expand combine
     // whose rows do not fit the region at once; the rounds accumulate in fp32/fp64). `dtype`: the kernel's code
     // for x's dtype (moe_comm.backends.common.DTYPE_CODES). `unreduced`: each token's rows unsummed instead,
     // [num_tokens, T, H] with T = K (expand: a term per slot) or R (a term per rank), absent terms unwritten.
-    // Returns (combined or the terms, combined weights or None).
+    // `part`: kPartWhole, or kPartSend (one round; the reducers run later, `receive_combine`). Returns (combined or
+    // the terms, combined weights or None).
     py::tuple combine(uintptr_t params, uintptr_t args, const at::Tensor& x, const OptionalTensor& weights,
                       const OptionalTensor& bias0, const OptionalTensor& bias1, int64_t num_tokens, int dtype,
-                      int num_slots, int num_rounds, bool unreduced, int num_blocks, uintptr_t stream) const {
+                      int num_slots, int num_rounds, bool unreduced, int num_blocks, int part,
+                      uintptr_t stream) const {
+        require(part == kPartWhole || (part == kPartSend && num_rounds == 1),
+                "part must be 0 (whole), or 1 (send) for a combine of one round; got part=" + std::to_string(part) +
+                    ", num_rounds=" + std::to_string(num_rounds));
         const EpParams* p = at_address<const EpParams>(params);
         const int K = p->num_topk;
         auto* a = at_address<CombineArgs>(args);
@@ -193,9 +209,17 @@ public:
                 a->first_round = r == 0;
                 a->last_round = r == num_rounds - 1;
             }
-            check(released(combine_, p, a, dtype, num_blocks, reinterpret_cast<Stream>(stream)), p, "combine");
+            check(released(combine_, p, a, dtype, num_blocks, part, reinterpret_cast<Stream>(stream)), p, "combine");
         }
         return py::make_tuple(combined, or_none(combined_weights));
+    }
+
+    // The reducers of a combine launched with kPartSend, along the struct as that call set it.
+    void receive_combine(uintptr_t params, uintptr_t args, int dtype, int num_blocks, uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        check(released(combine_, p, at_address<const CombineArgs>(args), dtype, num_blocks, kPartReceive,
+                       reinterpret_cast<Stream>(stream)),
+              p, "combine receive");
     }
 
 private:
@@ -271,5 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("layout", &Launcher::layout)
         .def("dispatch", &Launcher::dispatch)
         .def("cached_dispatch", &Launcher::cached_dispatch)
-        .def("combine", &Launcher::combine);
+        .def("receive_dispatch", &Launcher::receive_dispatch)
+        .def("combine", &Launcher::combine)
+        .def("receive_combine", &Launcher::receive_combine);
 }
