@@ -9,10 +9,11 @@ and way of running it:
   between the two);
 - nccl: `all_to_all_single` of the same rows on a side stream (the baseline's exchange; NCCL's kernels beside the
   GEMM).
-The GEMM ([M, H] x [H, H], M chosen so that it takes about as long as the op alone) is timed alone and beside the
-op; the table gives both (median of `--iters`, slowest rank) and their ratio, the op's time alone, and checks the
-hooked results bitwise against the plain call first. Without a peer (one GPU) the numbers say only what the kernels
-do on one device: the hook's point, data arriving while no kernel waits for it, needs two ranks.
+The GEMM ([M, H] x [H, H], M doubled from 128 until it takes at least as long as the op alone) is timed alone and
+beside the op; the table gives both (median of `--iters`, slowest rank) and their ratio, the op's time alone (one
+isolated call, host included; and sent with a hook then received: its two launches), and checks the hooked results
+bitwise against the plain call first. Without a peer (one GPU) the numbers say only what the kernels do on one
+device: the hook's point, data arriving while no kernel waits for it, needs two ranks.
 
     python scripts/bench_overlap.py [--num-ranks 2] [--tokens 4096] [--hidden 7168] [--num-experts 256]
                                     [--num-topk 8] [--num-sms 0] [--expand] [--iters 20] [--json F] [--md F]
@@ -80,16 +81,23 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
     send = recv_x[:N * world_size].contiguous() if recv_x.shape[0] >= N * world_size else \
         recv_x.new_zeros(N * world_size, H)
     received = torch.empty_like(send)
-    a = torch.randn(128, H, dtype=torch.bfloat16, device=device)
     b = torch.randn(H, H, dtype=torch.bfloat16, device=device)
     side = torch.cuda.Stream(device)
     rows = []
     for name, call in calls.items():
         op_us = median_time_us(call, device, num_iters=args["iters"])
-        # A GEMM about as long as the op: M rows, measured from a 128-row one.
-        per_row = median_time_us(lambda: a @ b, device, num_iters=args["iters"]) / 128
-        m = max(128, round(op_us / per_row / 128) * 128)
-        big = torch.randn(m, H, dtype=torch.bfloat16, device=device)
+        hooked_us = median_time_us(lambda: call(return_recv_hook=True)[-1](), device, num_iters=args["iters"])
+        # A GEMM at least as long as the op on every rank (small GEMMs do not scale with M: M doubles while one
+        # rank's is shorter; the ranks take the same steps, as each timing is collective).
+        m = 128
+        while True:
+            big = torch.randn(m, H, dtype=torch.bfloat16, device=device)
+            short = torch.tensor([m < 65536 and median_time_us(lambda: big @ b, device, num_iters=5) < op_us],
+                                 dtype=torch.int32, device=device)
+            dist.all_reduce(short, op=dist.ReduceOp.MAX)
+            if not short.item():
+                break
+            m *= 2
 
         def nccl():
             side.wait_stream(torch.cuda.current_stream(device))
@@ -102,7 +110,7 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
         beside = {"async": lambda: call(async_with_compute_stream=True)[-1],
                   "hook": lambda: call(return_recv_hook=True)[-1], "nccl": nccl}
         alone = gemm_us(big, b, None, args["iters"])
-        rows.append({"op": name, "op_us": op_us, "gemm_rows": m, "gemm_alone_us": alone,
+        rows.append({"op": name, "op_us": op_us, "op_hooked_us": hooked_us, "gemm_rows": m, "gemm_alone_us": alone,
                      **{f"gemm_{mode}_us": gemm_us(big, b, beside[mode], args["iters"]) for mode in MODES}})
     return {"rows": rows, "num_sms": sms or buf.get_theoretical_num_sms(E, K), "device": torch.cuda.get_device_name()}
 
@@ -116,8 +124,8 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
         f"slowest rank; hooked results bitwise the plain calls'",
         "", "GEMM us alone and beside the op in flight (ratio to alone): async = the kernel on the comm stream, hook = "
         "sends before the GEMM and the hook after it, nccl = all_to_all_single of the same rows on a side stream.", "",
-        "| op | op us alone | GEMM rows | GEMM us alone | beside async | beside hook | beside nccl |",
-        "|---|---|---|---|---|---|---|"]
+        "| op | op us alone | op + hook us | GEMM rows | GEMM us alone | beside async | beside hook | beside nccl |",
+        "|---|---|---|---|---|---|---|---|"]
     table = []
     for i, row in enumerate(first["rows"]):
         slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k.endswith("_us")}
@@ -125,8 +133,8 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
                  **{f"gemm_{mode}_ratio": slowest[f"gemm_{mode}_us"] / slowest["gemm_alone_us"] for mode in MODES}}
         table.append(entry)
         cells = " | ".join(f"{entry[f'gemm_{mode}_us']:.1f} ({entry[f'gemm_{mode}_ratio']:.3f})" for mode in MODES)
-        lines.append(f"| {row['op']} | {entry['op_us']:.1f} | {row['gemm_rows']} | {entry['gemm_alone_us']:.1f} | "
-                     f"{cells} |")
+        lines.append(f"| {row['op']} | {entry['op_us']:.1f} | {entry['op_hooked_us']:.1f} | {row['gemm_rows']} | "
+                     f"{entry['gemm_alone_us']:.1f} | {cells} |")
     record = {"date": meta["date_utc"][:10], "meta": meta, "config": config, "table": table, "per_rank": per_rank}
     return "\n".join(lines), record
 

@@ -51,16 +51,17 @@ def test_public_api_names():
     params = inspect.signature(moe_comm.Buffer.__init__).parameters
     assert list(params)[1:] == ["group", "num_max_tokens_per_rank", "hidden", "num_topk", "use_fp8_dispatch",
                                 "backend", "deterministic", "num_gpu_timeout_secs", "num_cpu_timeout_secs",
-                                "allow_hybrid_mode", "allow_multiple_reduction", "sl_idx", "cuda_tuning"]
+                                "allow_hybrid_mode", "allow_multiple_reduction", "sl_idx", "use_recv_hook",
+                                "cuda_tuning"]
     assert list(inspect.signature(moe_comm.Buffer.dispatch).parameters)[1:] == [
         "x", "topk_idx", "topk_weights", "num_experts", "num_max_tokens_per_rank", "expert_alignment", "num_sms",
         "handle", "do_cpu_sync", "do_expand", "quantize", "dequantize", "previous_event",
-        "async_with_compute_stream", "allocate_on_comm_stream"]
+        "async_with_compute_stream", "allocate_on_comm_stream", "return_recv_hook"]
     assert list(inspect.signature(moe_comm.Buffer.combine).parameters)[1:] == [
         "x", "handle", "topk_weights", "bias", "num_sms", "previous_event", "async_with_compute_stream",
-        "allocate_on_comm_stream"]
+        "allocate_on_comm_stream", "return_recv_hook"]
     assert list(inspect.signature(moe_comm.Buffer.get_buffer_size_hint).parameters) == [
-        "group", "num_max_tokens_per_rank", "hidden", "num_topk", "use_fp8_dispatch"]
+        "group", "num_max_tokens_per_rank", "hidden", "num_topk", "use_fp8_dispatch", "use_recv_hook"]
     for name in ("get_theoretical_num_sms", "get_theoretical_num_qps", "get_physical_domain_size",
                  "get_logical_domain_size", "barrier", "destroy"):
         assert callable(getattr(moe_comm.Buffer, name))
@@ -69,3 +70,4 @@ def test_public_api_names():
                   "num_recv_tokens_per_expert_list"):
         assert field in moe_comm.EPHandle.__dataclass_fields__, field
     assert callable(moe_comm.EventOverlap.current_stream_wait)
+    assert callable(moe_comm.RecvHook) and isinstance(moe_comm.RecvHook.done, property)
