@@ -107,14 +107,15 @@ class RecvHook:
         self._backend = self._receive = None
         backend.pending_hook = None
         backend.after_host_sync()  # a destroyed buffer, or a fault recorded since the call
-        if self._stream is None:
+        stream = self._stream
+        # The common case, the call's stream still current, without stream objects (each costs host time).
+        if stream is None or torch._C._cuda_getCurrentRawStream(stream.device_index) == stream.cuda_stream:
             receive()
             return
-        current = torch.cuda.current_stream(self._stream.device)
-        with torch.cuda.stream(self._stream):
+        current = torch.cuda.current_stream(stream.device)
+        with torch.cuda.stream(stream):
             receive()
-        if current != self._stream:
-            current.wait_stream(self._stream)
+        current.wait_stream(stream)
 
 
 # What gloo says when the peer's end of the connection went away (its process exited or was killed).

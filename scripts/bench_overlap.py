@@ -8,7 +8,9 @@ and way of running it:
 - hook: `return_recv_hook=True`, the sends issued before the GEMM, the hook called after it (no kernel of moe_comm
   between the two);
 - nccl: `all_to_all_single` of the same rows on a side stream (the baseline's exchange; NCCL's kernels beside the
-  GEMM).
+  GEMM);
+- after: the plain call, completed before the GEMM starts (nothing beside it: what the op's memory traffic leaves
+  behind, e.g. dirty L2 lines, which the hook's sends leave too).
 The GEMM ([M, H] x [H, H], M doubled from 128 until it takes at least as long as the op alone) is timed alone and
 beside the op; the table gives both (median of `--iters`, slowest rank) and their ratio, the op's time alone (one
 isolated call, host included; and sent with a hook then received: its two launches), and checks the hooked results
@@ -36,7 +38,7 @@ from moe_comm.testing.routing import Case, rank_inputs
 
 from bench import meta_lines, write_results  # scripts/bench.py: scripts/ is sys.path[0] when this file runs as a script
 
-MODES = ("async", "hook", "nccl")
+MODES = ("after", "async", "hook", "nccl")
 
 
 def gemm_us(a: torch.Tensor, b: torch.Tensor, beside, iters: int) -> float:
@@ -107,7 +109,10 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
             done.record(side)
             return lambda: torch.cuda.current_stream(device).wait_event(done)
 
-        beside = {"async": lambda: call(async_with_compute_stream=True)[-1],
+        def after():
+            call()
+
+        beside = {"after": after, "async": lambda: call(async_with_compute_stream=True)[-1],
                   "hook": lambda: call(return_recv_hook=True)[-1], "nccl": nccl}
         alone = gemm_us(big, b, None, args["iters"])
         rows.append({"op": name, "op_us": op_us, "op_hooked_us": hooked_us, "gemm_rows": m, "gemm_alone_us": alone,
@@ -122,10 +127,12 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
         f"{config['hidden']} bf16, top-{config['num_topk']} of {config['num_experts']} experts"
         f"{', expand layout' if config['expand'] else ''}; {first['num_sms']} SMs; median of {config['iters']}, "
         f"slowest rank; hooked results bitwise the plain calls'",
-        "", "GEMM us alone and beside the op in flight (ratio to alone): async = the kernel on the comm stream, hook = "
-        "sends before the GEMM and the hook after it, nccl = all_to_all_single of the same rows on a side stream.", "",
-        "| op | op us alone | op + hook us | GEMM rows | GEMM us alone | beside async | beside hook | beside nccl |",
-        "|---|---|---|---|---|---|---|---|"]
+        "", "GEMM us alone and beside the op in flight (ratio to alone): async = the kernel on the comm stream, "
+        "hook = sends before the GEMM and the hook after it, nccl = all_to_all_single of the same rows on a side "
+        "stream; after the op = the plain call completed first.", "",
+        "| op | op us alone | op + hook us | GEMM rows | GEMM us alone | after the op | beside async | beside hook | "
+        "beside nccl |",
+        "|---|---|---|---|---|---|---|---|---|"]
     table = []
     for i, row in enumerate(first["rows"]):
         slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k.endswith("_us")}

@@ -153,14 +153,15 @@ def plot_overlap(record: dict, path: str | pathlib.Path) -> None:
     beside each way of running it, relative to the GEMM alone (1.0: no cost to the compute)."""
     from matplotlib.figure import Figure
 
-    modes = ("async", "hook", "nccl")
+    modes = ("after", "async", "hook", "nccl")
     table, config, meta = record["table"], record["config"], record["meta"]
     fig = Figure(figsize=(7.5, 4.8), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):
         xs = [i + (k - (len(modes) - 1) / 2) * width for i in range(len(table))]
-        ax.bar(xs, [row[f"gemm_{mode}_ratio"] for row in table], width, label=f"beside {mode}", color=f"C{k}")
+        label = "after the op" if mode == "after" else f"beside {mode}"
+        ax.bar(xs, [row[f"gemm_{mode}_ratio"] for row in table], width, label=label, color=f"C{k}")
     ax.axhline(1.0, color="0.3", linewidth=1)
     ax.axhline(1.03, color="C3", linestyle="--", linewidth=1, label="+3% (the hook's target)")
     ax.set_xticks(range(len(table)), [row["op"] for row in table])
