@@ -85,15 +85,16 @@ class RecvHook:
     """The receive half of a dispatch or combine called with `return_recv_hook=True`. Call it once, before the next
     operation on the buffer: it receives the rows into the call's outputs.
 
-    CUDA: it launches the receivers on the stream that was current at the call (the current stream then waits for
-    that stream if it is another one); the host does not wait. CPU (reference backend): it waits for the exchange,
-    then fills the outputs.
+    CUDA: it launches the receivers on the stream that was current at the call (`stream`, a raw handle of device
+    `device_index`; the current stream then waits for that stream if it is another one); the host does not wait.
+    CPU (reference backend, `stream` None): it waits for the exchange, then fills the outputs.
     """
 
-    def __init__(self, backend, receive: Callable[[], None], stream: "torch.cuda.Stream | None") -> None:
+    def __init__(self, backend, receive: Callable[[], None], stream: Optional[int], device_index: int = -1) -> None:
         self._backend = backend
         self._receive = receive
         self._stream = stream
+        self._device_index = device_index
 
     @property
     def done(self) -> bool:
@@ -107,15 +108,15 @@ class RecvHook:
         self._backend = self._receive = None
         backend.pending_hook = None
         backend.after_host_sync()  # a destroyed buffer, or a fault recorded since the call
-        stream = self._stream
         # The common case, the call's stream still current, without stream objects (each costs host time).
-        if stream is None or torch._C._cuda_getCurrentRawStream(stream.device_index) == stream.cuda_stream:
+        if self._stream is None or torch._C._cuda_getCurrentRawStream(self._device_index) == self._stream:
             receive()
             return
-        current = torch.cuda.current_stream(stream.device)
-        with torch.cuda.stream(stream):
+        call_stream = torch.cuda.ExternalStream(self._stream, device=self._device_index)
+        current = torch.cuda.current_stream(self._device_index)
+        with torch.cuda.stream(call_stream):
             receive()
-        current.wait_stream(stream)
+        current.wait_stream(call_stream)
 
 
 # What gloo says when the peer's end of the connection went away (its process exited or was killed).

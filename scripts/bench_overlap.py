@@ -41,14 +41,20 @@ from bench import meta_lines, write_results  # scripts/bench.py: scripts/ is sys
 MODES = ("after", "async", "hook", "nccl")
 
 
+# Cycles of the gate that holds the stream while the host queues a run (~0.5 ms on an H200): without it the
+# GEMM's time would include the host's launch gap whenever the stream is idle at `start` (alone, mostly).
+GATE_CYCLES = 1_000_000
+
+
 def gemm_us(a: torch.Tensor, b: torch.Tensor, beside, iters: int) -> float:
     """Median us of `a @ b` on the current stream, `beside()` issued just before it (and its hook, if it returns
-    one, called after); ranks start each run together."""
+    one, called after), everything queued behind a gate; ranks start each run together."""
     times = []
     for _ in range(iters + 2):
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(GATE_CYCLES)
         pending = beside() if beside is not None else None
         start.record()
         a @ b

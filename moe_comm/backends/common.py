@@ -176,8 +176,11 @@ class Backend:
                     for finalize in finalizers:
                         finalize()
 
-            stream = None if self.comm_stream is None else torch.cuda.current_stream(self.device)
-            self.pending_hook = RecvHook(self, receive, stream)
+            if self.comm_stream is None:
+                self.pending_hook = RecvHook(self, receive, None)
+            else:
+                index = self.device.index
+                self.pending_hook = RecvHook(self, receive, torch._C._cuda_getCurrentRawStream(index), index)
             return outputs, DONE, self.pending_hook
         if self.comm_stream is None:
             outputs, works, finalizers = body()
