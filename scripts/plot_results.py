@@ -163,15 +163,16 @@ def plot_overlap(record: dict, path: str | pathlib.Path) -> None:
         label = "after the op" if mode == "after" else f"beside {mode}"
         ax.bar(xs, [row[f"gemm_{mode}_ratio"] for row in table], width, label=label, color=f"C{k}")
     ax.axhline(1.0, color="0.3", linewidth=1)
-    ax.axhline(1.03, color="C3", linestyle="--", linewidth=1, label="+3% (the hook's target)")
+    ax.axhline(1.03, color="k", linestyle="--", linewidth=1, label="+3% (the hook's target)")
     ax.set_xticks(range(len(table)), [row["op"] for row in table])
     ax.set_ylabel("GEMM time / GEMM alone")
     ax.set_ylim(bottom=0.9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     commit = "no checkout" if meta["commit"] is None else meta["commit"][:10]
+    layout = ", expand layout" if config["expand"] else ""
     fig.suptitle(f"a GEMM beside communication in flight: {config['num_ranks']} ranks, {config['tokens']} tokens, "
-                 f"hidden {config['hidden']}\ncommit {commit}, torch {meta['torch']}, {meta['date_utc'][:10]}",
+                 f"hidden {config['hidden']}{layout}\ncommit {commit}, torch {meta['torch']}, {meta['date_utc'][:10]}",
                  fontsize=10)
     fig.savefig(path, dpi=110)
 
