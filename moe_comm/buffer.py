@@ -18,13 +18,16 @@ import torch
 import torch.distributed as dist
 
 from . import domains, env, quant, sizing, traffic_class
+from .args import check_bool, check_int
 from .backends import cuda as cuda_backend
 from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
 from .backends.hybrid import HybridBackend, leg_groups
 from .backends.torch_hybrid import HybridRefBackend
+from .backends.torch_primitives import TorchPrimitives
 from .backends.torch_ref import TorchRefBackend
 from .event import EventOverlap
 from .handle import EPHandle
+from .primitives import PrimitivesMixin
 
 BACKENDS = ("auto", "torch", "cuda")
 DATA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -98,21 +101,7 @@ class CombineCall:
                                  DTYPE_CODES[self.x.dtype], int(w is not None), DTYPE_CODES[w.dtype] if w is not None else 0])
 
 
-def _check_bool(**values) -> None:
-    for name, value in values.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-
-
-def _check_int(minimum: int, **values) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-        if value < minimum:
-            raise ValueError(f"{name}={value} must be >= {minimum}")
-
-
-class Buffer:
+class Buffer(PrimitivesMixin):
     """Expert-parallel dispatch and combine over one process group.
 
     Making one is collective: every rank of the group makes its buffer at the same point (a rank that cannot, for
@@ -168,9 +157,9 @@ class Buffer:
         group = dist.group.WORLD if group is None else group
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-        _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk)
-        _check_int(1, hidden=hidden)
-        _check_bool(use_fp8_dispatch=use_fp8_dispatch, use_recv_hook=use_recv_hook, deterministic=deterministic,
+        check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk)
+        check_int(1, hidden=hidden)
+        check_bool(use_fp8_dispatch=use_fp8_dispatch, use_recv_hook=use_recv_hook, deterministic=deterministic,
                     allow_hybrid_mode=allow_hybrid_mode, allow_multiple_reduction=allow_multiple_reduction)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -212,6 +201,7 @@ class Buffer:
         self._num_sms_cache: dict[tuple[int, int], int] = {}
         self._fitting: set[tuple] = set()  # call shapes that fit the buffer
         self._impl = self._make_backend(cuda_tuning)
+        self._prims = TorchPrimitives(self._impl)  # pipeline, all-gather / reduce-scatter, Engram (`primitives`)
         self._destroyed = False
 
     def _make_backend(self, cuda_tuning):
@@ -375,7 +365,7 @@ class Buffer:
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
         """SMs that saturate the bottleneck link for this routing (`moe_comm.sizing`, DESIGN 2.4)."""
-        _check_int(1, num_experts=num_experts, num_topk=num_topk)
+        check_int(1, num_experts=num_experts, num_topk=num_topk)
         return self._num_sms(num_experts, num_topk)
 
     def _num_sms(self, num_experts: int, num_topk: int) -> int:
@@ -387,7 +377,7 @@ class Buffer:
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """RDMA queue pairs an RDMA transport would use with `num_sms`; informational for NVLink-only groups."""
-        _check_int(1, num_sms=num_sms)
+        check_int(1, num_sms=num_sms)
         hybrid = self.topology.is_hybrid
         # NVLink-only: no QPs are allocated, so the cap is the rule's own value.
         return sizing.get_num_qps(num_sms, hybrid, num_sms * 16 + 1 if hybrid else sizing.MAX_DIRECT_NUM_QPS)
@@ -395,6 +385,12 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this moe_comm.Buffer was destroyed")
+
+    def _check_ready(self, what: str) -> None:
+        """Alive, and no receive hook pending: an operation before it would overwrite the rows it has to read (or,
+        for a barrier, realign the counters its receivers wait on)."""
+        self._check_alive()
+        self._impl.check_no_pending_hook(what)
 
     def _check_tensor(self, name: str, t, dtypes: Sequence[torch.dtype], ndim: int) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -444,14 +440,14 @@ class Buffer:
                              f"{t.data_ptr() % 16}); pass a fresh or cloned tensor")
 
     def _check_recv_hook(self, return_recv_hook, async_with_compute_stream: bool) -> None:
-        _check_bool(return_recv_hook=return_recv_hook)
+        check_bool(return_recv_hook=return_recv_hook)
         if return_recv_hook and async_with_compute_stream:
             raise ValueError("return_recv_hook=True and async_with_compute_stream=True cannot be combined: with a "
                              "hook the receive runs when the hook is called, on the caller's stream")
         if return_recv_hook and not self._impl.supports_recv_hook:
             raise ValueError(f"return_recv_hook=True is not available on the {self._impl.name} path (a group of "
-                             f"several scale-up domains: its scale-out leg runs NCCL's kernels); use "
-                             f"async_with_compute_stream=True to overlap it")
+                             f"several scale-up domains, whose legs run one after another: nothing is left to "
+                             f"receive later); use async_with_compute_stream=True to overlap it")
 
     def _check_event(self, previous_event) -> None:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
@@ -491,11 +487,13 @@ class Buffer:
             allocate_on_comm_stream: allocate outputs on the comm stream (CUDA). Accepted for DeepEP
                 compatibility: a synchronous call runs and allocates on the current stream, an async one on the
                 comm stream with its outputs recorded for the current stream, so both values are safe.
-            return_recv_hook: only send now and return a hook as a sixth output: the rows are received when the
-                hook is called (on the stream current at this call), and until then no kernel of moe_comm holds an
-                SM (overlap compute with the transfer, e.g. two micro-batches on two buffers). The outputs and the
-                handle are valid only after the hook ran; the hook must run, once, before the next operation on
-                this buffer. Not with `async_with_compute_stream`, nor on the hybrid path.
+            return_recv_hook: only send now and return a hook as a sixth output that receives the rows when it
+                is called (on the stream current at this call). Between the two no kernel of moe_comm runs: the
+                CUDA backend's send launch (the barrier, then the rows pushed into the peers' regions) has ended,
+                and the copy out of the region waits for the hook, so peers' rows land while other work runs
+                (e.g. two micro-batches on two buffers). The outputs and the handle are valid only after the hook
+                ran; the hook must run, once, before the next operation on this buffer (dispatch, combine,
+                barrier). Not with `async_with_compute_stream`, nor on the hybrid path.
 
         Returns:
             `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)`, and the hook with `return_recv_hook`:
@@ -509,7 +507,7 @@ class Buffer:
             event: `EventOverlap` (already complete unless `async_with_compute_stream`).
             hook: with `return_recv_hook`, a callable that receives the rows (`moe_comm.RecvHook`).
         """
-        self._check_alive()
+        self._check_ready("dispatch")
         call = self._validate_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                                        expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize,
                                        dequantize, previous_event, async_with_compute_stream,
@@ -524,15 +522,15 @@ class Buffer:
                            expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize, dequantize,
                            previous_event, async_with_compute_stream, allocate_on_comm_stream,
                            return_recv_hook) -> DispatchCall:
-        _check_bool(do_expand=do_expand, dequantize=dequantize,
+        check_bool(do_expand=do_expand, dequantize=dequantize,
                     async_with_compute_stream=async_with_compute_stream,
                     allocate_on_comm_stream=allocate_on_comm_stream)
         self._check_recv_hook(return_recv_hook, async_with_compute_stream)
-        _check_int(1, expert_alignment=expert_alignment)
-        _check_int(0, num_sms=num_sms)
+        check_int(1, expert_alignment=expert_alignment)
+        check_int(0, num_sms=num_sms)
         self._check_event(previous_event)
         if do_cpu_sync is not None:
-            _check_bool(do_cpu_sync=do_cpu_sync)
+            check_bool(do_cpu_sync=do_cpu_sync)
         if quantize is not None and quantize not in quant.FP8_FORMATS:
             raise ValueError(f"quantize={quantize!r} is not one of {(None, *quant.FP8_FORMATS)}")
 
@@ -597,14 +595,14 @@ class Buffer:
                                      f"{tuple(topk_idx.shape)}")
             if num_experts is None:
                 raise ValueError("num_experts is required unless handle is given")
-            _check_int(1, num_experts=num_experts)
+            check_int(1, num_experts=num_experts)
             if num_experts % self.num_ranks:
                 raise ValueError(f"num_experts={num_experts} is not a multiple of the group size {self.num_ranks}")
             if num_topk > num_experts:
                 raise ValueError(f"num_topk={num_topk} (topk_idx columns) exceeds num_experts={num_experts}")
             if num_max_tokens_per_rank is None:
                 num_max_tokens_per_rank = self.num_max_tokens_per_rank
-            _check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank)
+            check_int(0, num_max_tokens_per_rank=num_max_tokens_per_rank)
             do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
             if 8 * (num_experts + 1) > self._memory_bytes:
                 raise self._too_large(f"per-expert counts of num_experts={num_experts}", 8 * (num_experts + 1))
@@ -650,9 +648,11 @@ class Buffer:
             bias: None, a tensor, or a tuple of two tensors, each `[N, H]` of x's dtype, added after the rows.
             num_sms: SMs to run on; 0 = the handle's.
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
-            return_recv_hook: as in `dispatch` (the reducers run in the hook). An expand combine must fit the
-                receive region in one round: on the CUDA backend that takes `Buffer(use_recv_hook=True)` once a
-                token's slots outnumber what the default region holds (ValueError says so).
+            return_recv_hook: as in `dispatch` (the reducers run in the hook). The CUDA reducers read this rank's
+                own rows, weights and the bias when the hook runs: leave `x`, `topk_weights` and `bias` unchanged
+                until then. An expand combine must fit the receive region in one round: on the CUDA backend that
+                takes `Buffer(use_recv_hook=True)` once a token's slots outnumber what the default region holds
+                (ValueError says so).
 
         Returns:
             `(combined_x, combined_topk_weights, event)`, and the hook with `return_recv_hook`:
@@ -664,17 +664,17 @@ class Buffer:
             event: `EventOverlap`.
             hook: with `return_recv_hook`, a callable that runs the reducers (`moe_comm.RecvHook`).
         """
-        self._check_alive()
+        self._check_ready("combine")
         call = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
                                       async_with_compute_stream, allocate_on_comm_stream, return_recv_hook)
         return self._impl.combine(call, verify_agreement=env.get_bool("MOE_COMM_CHECK_INPUTS"))
 
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
                           allocate_on_comm_stream, return_recv_hook) -> CombineCall:
-        _check_bool(async_with_compute_stream=async_with_compute_stream,
+        check_bool(async_with_compute_stream=async_with_compute_stream,
                     allocate_on_comm_stream=allocate_on_comm_stream)
         self._check_recv_hook(return_recv_hook, async_with_compute_stream)
-        _check_int(0, num_sms=num_sms)
+        check_int(0, num_sms=num_sms)
         self._check_event(previous_event)
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be a moe_comm.EPHandle, got {type(handle).__name__}")
@@ -717,7 +717,7 @@ class Buffer:
     def barrier(self) -> None:
         """Wait for every rank of the group; raise errors that calls without a CPU sync deferred (invalid routing,
         ranks that disagreed in a call the CUDA kernels checked)."""
-        self._check_alive()
+        self._check_ready("barrier")
         self._impl.after_host_sync()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import re
 import time
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -86,37 +87,45 @@ class RecvHook:
     operation on the buffer: it receives the rows into the call's outputs.
 
     CUDA: it launches the receivers on the stream that was current at the call (`stream`, a raw handle of device
-    `device_index`; the current stream then waits for that stream if it is another one); the host does not wait.
-    CPU (reference backend, `stream` None): it waits for the exchange, then fills the outputs.
+    `device_index`); when another stream is current, that stream then waits for them and `outputs` are recorded as
+    used by it (the caching allocator keeps them until its work is done). The host does not wait. CPU (reference
+    backend, `stream` None): it waits for the exchange, then fills the outputs.
     """
 
-    def __init__(self, backend, receive: Callable[[], None], stream: Optional[int], device_index: int = -1) -> None:
-        self._backend = backend
+    def __init__(self, backend, receive: Callable[[object], None], stream: Optional[int], device_index: int = -1,
+                 outputs: Sequence[torch.Tensor] = ()) -> None:
+        self._backend = weakref.ref(backend)  # the backend holds the hook while it is pending: no cycle
         self._receive = receive
         self._stream = stream
         self._device_index = device_index
+        self._outputs = tuple(outputs)
 
     @property
     def done(self) -> bool:
         """True once the hook was called."""
-        return self._backend is None
+        return self._receive is None
 
     def __call__(self) -> None:
-        backend, receive = self._backend, self._receive
-        if backend is None:
+        receive = self._receive
+        if receive is None:
             raise RuntimeError("moe_comm: this receive hook was already called")
-        self._backend = self._receive = None
+        backend = self._backend()
+        self._receive = None
+        if backend is None:
+            raise RuntimeError("moe_comm: the buffer of this receive hook was destroyed")
         backend.pending_hook = None
         backend.after_host_sync()  # a destroyed buffer, or a fault recorded since the call
         # The common case, the call's stream still current, without stream objects (each costs host time).
         if self._stream is None or torch._C._cuda_getCurrentRawStream(self._device_index) == self._stream:
-            receive()
+            receive(backend)
             return
         call_stream = torch.cuda.ExternalStream(self._stream, device=self._device_index)
         current = torch.cuda.current_stream(self._device_index)
         with torch.cuda.stream(call_stream):
-            receive()
+            receive(backend)
         current.wait_stream(call_stream)
+        for t in self._outputs:
+            t.record_stream(current)
 
 
 # What gloo says when the peer's end of the connection went away (its process exited or was killed).

@@ -5,17 +5,19 @@ Per op (cached dispatch and combine of DeepSeek-V3 rows, `--tokens` per rank, th
 and way of running it:
 - async: `async_with_compute_stream=True`, the kernel on the comm stream beside the GEMM (it holds its SMs until
   its rows have arrived);
-- hook: `return_recv_hook=True`, the sends issued before the GEMM, the hook called after it (no kernel of moe_comm
-  between the two);
+- hook: `return_recv_hook=True`, the call (its send launch: the barrier, then its rows pushed with SM stores)
+  before the GEMM on the same stream, the hook (the receivers) after it: what runs beside the GEMM is only what the
+  peers still push into this rank's region, so the GEMM column alone says little; the step column says what the
+  split buys or costs against running the op then the GEMM;
 - nccl: `all_to_all_single` of the same rows on a side stream (the baseline's exchange; NCCL's kernels beside the
   GEMM);
 - after: the plain call, completed before the GEMM starts (nothing beside it: what the op's memory traffic leaves
-  behind, e.g. dirty L2 lines, which the hook's sends leave too).
+  behind, e.g. dirty L2 lines).
 The GEMM ([M, H] x [H, H], M doubled from 128 until it takes at least as long as the op alone) is timed alone and
-beside the op; the table gives both (median of `--iters`, slowest rank) and their ratio, the op's time alone (one
-isolated call, host included; and sent with a hook then received: its two launches), and checks the hooked results
-bitwise against the plain call first. Without a peer (one GPU) the numbers say only what the kernels do on one
-device: the hook's point, data arriving while no kernel waits for it, needs two ranks.
+in each way; the tables give the GEMM's time and its ratio to alone, and the whole step (from the gate's end until
+the op and the GEMM are both done), median of `--iters`, slowest rank; also the op's time alone (one isolated call,
+host included; and sent with a hook then received: its two launches). The hooked results are checked bitwise
+against the plain call first. Without a peer (one GPU) the numbers say only what the kernels do on one device.
 
     python scripts/bench_overlap.py [--num-ranks 2] [--tokens 4096] [--hidden 7168] [--num-experts 256]
                                     [--num-topk 8] [--num-sms 0] [--expand] [--iters 20] [--json F] [--md F]
@@ -46,15 +48,17 @@ MODES = ("after", "async", "hook", "nccl")
 GATE_CYCLES = 1_000_000
 
 
-def gemm_us(a: torch.Tensor, b: torch.Tensor, beside, iters: int) -> float:
-    """Median us of `a @ b` on the current stream, `beside()` issued just before it (and its hook, if it returns
-    one, called after), everything queued behind a gate; ranks start each run together."""
-    times = []
+def gemm_us(a: torch.Tensor, b: torch.Tensor, beside, iters: int) -> tuple[float, float]:
+    """Medians `(GEMM us, step us)`: `a @ b` on the current stream, `beside()` issued just before it (and its hook,
+    if it returns one, called after), everything queued behind a gate; step = from the gate's end until both the
+    GEMM and the op are done (their hook run, their event waited). Ranks start each run together."""
+    gemms, steps = [], []
     for _ in range(iters + 2):
         torch.cuda.synchronize()
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gate, start, end, done = (torch.cuda.Event(enable_timing=True) for _ in range(4))
         torch.cuda._sleep(GATE_CYCLES)
+        gate.record()
         pending = beside() if beside is not None else None
         start.record()
         a @ b
@@ -63,9 +67,11 @@ def gemm_us(a: torch.Tensor, b: torch.Tensor, beside, iters: int) -> float:
             pending()
         elif pending is not None:
             pending.current_stream_wait()
+        done.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[2:])
+        gemms.append(start.elapsed_time(end) * 1e3)
+        steps.append(gate.elapsed_time(done) * 1e3)
+    return statistics.median(gemms[2:]), statistics.median(steps[2:])
 
 
 def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
@@ -120,9 +126,11 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
 
         beside = {"after": after, "async": lambda: call(async_with_compute_stream=True)[-1],
                   "hook": lambda: call(return_recv_hook=True)[-1], "nccl": nccl}
-        alone = gemm_us(big, b, None, args["iters"])
-        rows.append({"op": name, "op_us": op_us, "op_hooked_us": hooked_us, "gemm_rows": m, "gemm_alone_us": alone,
-                     **{f"gemm_{mode}_us": gemm_us(big, b, beside[mode], args["iters"]) for mode in MODES}})
+        row = {"op": name, "op_us": op_us, "op_hooked_us": hooked_us, "gemm_rows": m}
+        row["gemm_alone_us"], _ = gemm_us(big, b, None, args["iters"])
+        for mode in MODES:
+            row[f"gemm_{mode}_us"], row[f"step_{mode}_us"] = gemm_us(big, b, beside[mode], args["iters"])
+        rows.append(row)
     return {"rows": rows, "num_sms": sms or buf.get_theoretical_num_sms(E, K), "device": torch.cuda.get_device_name()}
 
 
@@ -139,6 +147,9 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
         "| op | op us alone | op + hook us | GEMM rows | GEMM us alone | after the op | beside async | beside hook | "
         "beside nccl |",
         "|---|---|---|---|---|---|---|---|---|"]
+    steps = ["", "The whole step (op and GEMM, from the gate's end until both are done) in us: after the op = one "
+             "after the other; the others overlap what they can.", "",
+             "| op | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
     table = []
     for i, row in enumerate(first["rows"]):
         slowest = {k: max(r["rows"][i][k] for r in per_rank) for k in row if k.endswith("_us")}
@@ -148,8 +159,9 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
         cells = " | ".join(f"{entry[f'gemm_{mode}_us']:.1f} ({entry[f'gemm_{mode}_ratio']:.3f})" for mode in MODES)
         lines.append(f"| {row['op']} | {entry['op_us']:.1f} | {entry['op_hooked_us']:.1f} | {row['gemm_rows']} | "
                      f"{entry['gemm_alone_us']:.1f} | {cells} |")
+        steps.append(f"| {row['op']} | " + " | ".join(f"{entry[f'step_{mode}_us']:.1f}" for mode in MODES) + " |")
     record = {"date": meta["date_utc"][:10], "meta": meta, "config": config, "table": table, "per_rank": per_rank}
-    return "\n".join(lines), record
+    return "\n".join(lines + steps), record
 
 
 def main() -> None:

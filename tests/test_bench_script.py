@@ -135,8 +135,8 @@ def test_bench_overlap_report_and_plot(tmp_path):
               "expand": False, "iters": 20}
     row = lambda op, alone, hook: {"op": op, "op_us": 300.0, "op_hooked_us": 310.0, "gemm_rows": 1024,  # noqa: E731
                                    "gemm_alone_us": alone, "gemm_after_us": alone, "gemm_async_us": 2 * alone,
-                                   "gemm_hook_us": hook,
-                                   "gemm_nccl_us": 1.5 * alone}
+                                   "gemm_hook_us": hook, "gemm_nccl_us": 1.5 * alone,
+                                   **{f"step_{m}_us": 400.0 for m in ("after", "async", "hook", "nccl")}}
     per_rank = [{"rows": [row("cached dispatch", 100.0, 101.0), row("combine", 100.0, 102.0)], "num_sms": 24,
                  "device": "H200"},
                 {"rows": [row("cached dispatch", 110.0, 111.0), row("combine", 100.0, 100.0)], "num_sms": 24,
@@ -146,6 +146,7 @@ def test_bench_overlap_report_and_plot(tmp_path):
     assert (first["gemm_alone_us"], first["gemm_hook_us"], first["gemm_async_ratio"]) == (110.0, 111.0, 2.0)
     assert ("| cached dispatch | 300.0 | 310.0 | 1024 | 110.0 | 110.0 (1.000) | 220.0 (2.000) | 111.0 (1.009) | "
             "165.0 (1.500) |") in text
+    assert "| cached dispatch | 400.0 | 400.0 | 400.0 | 400.0 |" in text
     pytest.importorskip("matplotlib")
     out_json, png = tmp_path / "overlap.json", tmp_path / "overlap.png"
     out_json.write_text(json.dumps(record))

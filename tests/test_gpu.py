@@ -368,6 +368,21 @@ def recv_hook_cuda_rank(rank: int, world_size: int) -> list[str]:
             torch.cuda.set_sync_debug_mode("default")
         assert_same("hooked combined", combined, ref_combined.cpu())
 
+        # What the caller drops before the hook stays allocated for the receivers: a tensor made in between gets
+        # other memory, and neither it nor the results are overwritten.
+        recv_x, _, recv_w, handle, _, hook = buf.dispatch(x, idx, w, return_recv_hook=True, **kwargs)
+        del recv_x, recv_w, handle
+        pattern = torch.full((ref_x.shape[0] * 2, ref_x.shape[1]), 7.0, dtype=ref_x.dtype, device=buf.device)
+        hook()
+        y = ref_x.clone()
+        combined, _, _, hook = buf.combine(y, ref_handle, topk_weights=ref_w.clone(), return_recv_hook=True)
+        del y
+        filler = torch.full_like(ref_x, 3.0)
+        hook()
+        torch.cuda.synchronize()
+        assert bool((pattern == 7.0).all()) and bool((filler == 3.0).all()), "a hook wrote into memory made after it"
+        assert_same("combined, inputs dropped before the hook", combined, ref_combined.cpu())
+
         rounds = buffers.get(case, "cuda", cuda_tuning=CudaTuning(max_round_slots=2))
         recv_x, _, recv_w, handle, _ = rounds.dispatch(x, idx, w, **kwargs)
         with pytest.raises(ValueError, match=r"this expand combine runs in 2 rounds \(CudaTuning.max_round_slots=2 "
@@ -380,6 +395,18 @@ def recv_hook_cuda_rank(rank: int, world_size: int) -> list[str]:
 def test_recv_hook_cuda(nccl_pool):
     messages = nccl_pool.run(recv_hook_cuda_rank)
     assert all(m == messages[0] for m in messages)
+
+
+@pytest.mark.parametrize("name", ["collectives_rank", "engram_rank",
+                                  pytest.param("pipeline_rank", marks=needs_peer)])
+def test_primitives_over_nccl(nccl_pool, name):
+    """The buffer's primitives (tests/test_primitives.py's rank functions) on the GPU tier: the reference over
+    NCCL, which every backend runs for now."""
+    import test_primitives
+
+    fn = getattr(test_primitives, name)
+    args = (7,) if name == "pipeline_rank" else ()
+    assert all(result in (True, []) for result in nccl_pool.run(fn, *args))
 
 
 def missing_peer_rank(rank: int, world_size: int) -> str:

@@ -53,7 +53,7 @@ def hook_rules_rank(rank: int, world_size: int) -> list[str]:
     recv_x, _, recv_w, handle, event, hook = buf.dispatch(x, idx, w, num_experts=4, return_recv_hook=True)
     assert event.done and not hook.done
     # Nothing may run on the buffer before the hook: its rows would be overwritten.
-    for call in (lambda: buf.combine(recv_x, handle), lambda: buf.dispatch(x, idx, w, num_experts=4)):
+    for call in (lambda: buf.combine(recv_x, handle), lambda: buf.dispatch(x, idx, w, num_experts=4), buf.barrier):
         with pytest.raises(RuntimeError, match="receive hook of an earlier call with return_recv_hook=True on this "
                                                "buffer had not run") as info:
             call()
@@ -71,9 +71,6 @@ def hook_rules_rank(rank: int, world_size: int) -> list[str]:
     hook()
     plain, plain_cw, _ = buf.combine(y, handle, topk_weights=recv_w)
     assert torch.equal(combined, plain) and torch.equal(combined_w, plain_cw)
-    # Outputs dropped before the hook: it still receives (the call keeps what its receive writes).
-    hook = buf.dispatch(x, handle=handle, return_recv_hook=True)[-1]
-    hook()
     buf.barrier()
     return messages
 
@@ -82,7 +79,7 @@ def test_hook_rules(pools):
     messages = pools(2).run(hook_rules_rank)
     assert messages[0] == messages[1]
     assert "call that hook first" in messages[0][1] and "this combine would overwrite" in messages[0][1]
-    assert "this dispatch would overwrite" in messages[0][2]
+    assert "this dispatch would overwrite" in messages[0][2] and "this barrier would overwrite" in messages[0][3]
 
 
 def test_buffer_sized_for_hooks():

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import quant
-from ..event import EventOverlap, RecvHook
+from ..event import EventOverlap, RecvHook, wait_error
 from ..handle import EPHandle
 from ..layout import SIGNATURE_LEN
 
@@ -83,7 +83,6 @@ class Backend:
         first check on the host that all ranks called it with the same sizes (each backend also checks on its
         own, see `checks_every_call` and the CUDA backend's barrier)."""
         self.after_host_sync()
-        self._check_no_pending_hook("dispatch")
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None] \
             if c.async_with_compute_stream else ()
         outputs, event, hook = self.run(lambda: self.dispatch_steps(c, verify_agreement), c.previous_event,
@@ -104,7 +103,6 @@ class Backend:
         """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement` (or `checks_every_call`),
         first check on the host, after `previous_event`, that all ranks called it with the same sizes."""
         self.after_host_sync()
-        self._check_no_pending_hook("combine")
         inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None] if c.async_with_compute_stream else ()
 
         def steps():
@@ -136,11 +134,11 @@ class Backend:
         if self.broken is None:
             self.broken = why
 
-    def _check_no_pending_hook(self, what: str) -> None:
+    def check_no_pending_hook(self, what: str) -> None:
         if self.pending_hook is not None:
             raise RuntimeError(f"moe_comm: a {what} was called while the receive hook of an earlier call with "
                                f"return_recv_hook=True on this buffer had not run: call that hook first (its rows "
-                               f"are still in the receive region, which this {what} would overwrite)")
+                               f"are still in the receive region, which this {what} would overwrite or realign)")
 
     def _wait(self, works: list[tuple[object, str]]) -> None:
         """Block until `works` are done (CPU), or make the current stream wait for them (CUDA)."""
@@ -170,8 +168,8 @@ class Backend:
                 self._comm_stream_busy = False
             outputs, works, finalizers = body()
 
-            def receive() -> None:
-                self._wait(works)
+            def receive(backend: "Backend") -> None:  # not `self`: the hook holds the backend weakly
+                backend._wait(works)
                 with torch.no_grad():  # outputs may already be autograd outputs
                     for finalize in finalizers:
                         finalize()
@@ -180,7 +178,8 @@ class Backend:
                 self.pending_hook = RecvHook(self, receive, None)
             else:
                 index = self.device.index
-                self.pending_hook = RecvHook(self, receive, torch._C._cuda_getCurrentRawStream(index), index)
+                self.pending_hook = RecvHook(self, receive, torch._C._cuda_getCurrentRawStream(index), index,
+                                             _flatten_tensors(outputs))
             return outputs, DONE, self.pending_hook
         if self.comm_stream is None:
             outputs, works, finalizers = body()
@@ -286,6 +285,48 @@ class Backend:
         if problem:
             raise ValueError(problem)
 
+    # ------------------------------------------------------------------------------------------------
+    # Transport (the reference backend's, and the primitives of `torch_primitives`)
+    # ------------------------------------------------------------------------------------------------
+    def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str,
+                  peers: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, list[tuple[object, str]]]:
+        """All-to-all-v of row blocks: `send`'s block p (rows from `exclusive_cumsum(send_splits)[p]`) goes to
+        rank `peers[p]`; that rank's block lands at `exclusive_cumsum(recv_splits)[p]` of the returned `recv`.
+
+        `peers` are ranks of the group, this rank among them (default: every rank, in order). `send` may have
+        trailing rows past its blocks.
+        Returns `(recv, works)`: the works in flight, described by rank, phase and peer for timeout errors.
+        Zero-row blocks are skipped on both sides (both know the size).
+        """
+        peers = range(self.num_ranks) if peers is None else peers
+        recv = send.new_empty(sum(recv_splits), *send.shape[1:])
+        send_offsets, recv_offsets = exclusive_cumsum(send_splits), exclusive_cumsum(recv_splits)
+        me = self.rank
+        ops, descriptions = [], []
+        for p, peer in enumerate(peers):
+            if peer == me:
+                recv[recv_offsets[p]:recv_offsets[p] + recv_splits[p]] = \
+                    send[send_offsets[p]:send_offsets[p] + send_splits[p]]
+                continue
+            global_peer = dist.get_global_rank(self.group, peer)
+            if recv_splits[p]:
+                block = recv[recv_offsets[p]:recv_offsets[p] + recv_splits[p]]
+                ops.append(dist.P2POp(dist.irecv, block, global_peer, self.group))
+                descriptions.append(f"rank {me} {phase}: receive from peer {peer}")
+            if send_splits[p]:
+                block = send[send_offsets[p]:send_offsets[p] + send_splits[p]]
+                ops.append(dist.P2POp(dist.isend, block, global_peer, self.group))
+                descriptions.append(f"rank {me} {phase}: send to peer {peer}")
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as exc:  # gloo: a peer's connection closed before the exchange was posted
+            others = [p for p in peers if p != me]
+            who = f"peer {others[0]}" if len(others) == 1 else f"one of peers {others}"
+            error = wait_error(f"rank {me} {phase}: posting the exchange", self.timeout_secs, 0.0, exc, who)
+            self.mark_broken(str(error))
+            raise error from exc
+        return recv, list(zip(works, descriptions))
+
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
         """Every rank's `mine` (1-D int64, same length everywhere) as `[R, n]`, stream-ordered; a peer that does
         not arrive ends in a TimeoutError naming rank, phase and peer where the backend can."""
@@ -310,6 +351,14 @@ class Backend:
         """The per-token data as it travels, by field: x, or FP8 bytes and scales."""
         rows, scales = self._wire(c)
         return {"x": rows} if scales is None else {"q": rows.view(torch.uint8), "scales": scales}
+
+
+def exclusive_cumsum(values: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for v in values:
+        out.append(acc)
+        acc += v
+    return out
 
 
 def padded_signature(values: list[int]) -> list[int]:

@@ -489,8 +489,10 @@ class CudaBackend(Backend):
         else:
             launch, args = self.launcher.receive_dispatch, plan.addresses[:1] + plan.addresses[-2:]
 
+        num_sms, device_index = c.num_sms, self._device_index  # not `self`: the hook holds the backend weakly
+
         def receive(_keep=(plan, tensors)) -> None:
-            launch(*args, c.num_sms, current_stream(self._device_index))
+            launch(*args, num_sms, current_stream(device_index))
 
         return [receive]
 

@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 
 from ..handle import EPHandle
+from .common import exclusive_cumsum
 from .torch_ref import (ReceivedCounts, TorchRefBackend, _block_of_rows, _block_starts, _compact_rows,
-                        _exclusive_cumsum, _meta_fields, _pack_blocks, _rows_in_blocks, _RowCodec, _select_weights,
-                        _sum_terms)
+                        _meta_fields, _pack_blocks, _rows_in_blocks, _RowCodec, _select_weights, _sum_terms)
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ class HybridRefBackend(TorchRefBackend):
         # Metadata, scale-out leg: once per (token, host), expert ids relative to the host.
         meta = self._meta_codec(c)
         src_N = torch.arange(N, **i64)
-        send = _pack_blocks(meta, host_pos_NS, _exclusive_cumsum(rail_send), sum(rail_send), lambda h: _meta_fields(
+        send = _pack_blocks(meta, host_pos_NS, exclusive_cumsum(rail_send), sum(rail_send), lambda h: _meta_fields(
             src_N, route.topk_idx, c.topk_weights, dest_host_NK, h, h * U * L))
         arrived, works = self._rail(send, rail_send, rail_recv, "dispatch metadata exchange")
         self._wait(works)
@@ -288,7 +288,7 @@ class HybridRefBackend(TorchRefBackend):
         lay: HybridLayout = handle.layout
         codec = _RowCodec(self._data_fields(c, c.hidden))
         wire = self._wire_tensors(c)
-        send = _pack_blocks(codec, lay.host_pos_NS, _exclusive_cumsum(lay.rail_send_splits),
+        send = _pack_blocks(codec, lay.host_pos_NS, exclusive_cumsum(lay.rail_send_splits),
                             sum(lay.rail_send_splits), lambda h: wire)
         arrived, works = self._rail(send, lay.rail_send_splits, lay.rail_recv_splits, "dispatch data exchange")
         self._wait(works)

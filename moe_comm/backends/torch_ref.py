@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .. import quant
-from ..event import wait_error
 from ..handle import EPHandle
-from .common import Backend
+from .common import Backend, exclusive_cumsum
 
 @dataclass(frozen=True)
 class RefLayout:
@@ -170,7 +169,7 @@ def _block_starts(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     """First row of each block as a device tensor; equal blocks (no CPU sync) need no host-to-device copy."""
     if len(set(splits)) <= 1:
         return torch.arange(len(splits), dtype=torch.int64, device=device) * (splits[0] if splits else 0)
-    return torch.tensor(_exclusive_cumsum(splits), dtype=torch.int64, device=device)
+    return torch.tensor(exclusive_cumsum(splits), dtype=torch.int64, device=device)
 
 
 def _rows_in_blocks(block_NT: torch.Tensor, num_blocks: int, splits: Sequence[int]) -> torch.Tensor:
@@ -253,14 +252,6 @@ def _select_weights(w: torch.Tensor, rows_NT: torch.Tensor, owner_NK: Optional[t
     return w[owner_rows_NK, torch.arange(owner_NK.shape[1], device=w.device)[None, :]]
 
 
-def _exclusive_cumsum(values: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for v in values:
-        out.append(acc)
-        acc += v
-    return out
-
-
 def _ceil_div(a, b):
     return (a + b - 1) // b
 
@@ -269,48 +260,6 @@ class TorchRefBackend(Backend):
     """The reference implementation behind `Buffer(backend="torch")`."""
 
     name = "torch"
-
-    # ------------------------------------------------------------------------------------------------
-    # Transport
-    # ------------------------------------------------------------------------------------------------
-    def _exchange(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], phase: str,
-                  peers: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, list[tuple[object, str]]]:
-        """All-to-all-v of row blocks: `send`'s block p (rows from `exclusive_cumsum(send_splits)[p]`) goes to
-        rank `peers[p]`; that rank's block lands at `exclusive_cumsum(recv_splits)[p]` of the returned `recv`.
-
-        `peers` are ranks of the group, this rank among them (default: every rank, in order). `send` may have
-        trailing rows past its blocks.
-        Returns `(recv, works)`: the works in flight, described by rank, phase and peer for timeout errors.
-        Zero-row blocks are skipped on both sides (both know the size).
-        """
-        peers = range(self.num_ranks) if peers is None else peers
-        recv = send.new_empty(sum(recv_splits), *send.shape[1:])
-        send_offsets, recv_offsets = _exclusive_cumsum(send_splits), _exclusive_cumsum(recv_splits)
-        me = self.rank
-        ops, descriptions = [], []
-        for p, peer in enumerate(peers):
-            if peer == me:
-                recv[recv_offsets[p]:recv_offsets[p] + recv_splits[p]] = \
-                    send[send_offsets[p]:send_offsets[p] + send_splits[p]]
-                continue
-            global_peer = dist.get_global_rank(self.group, peer)
-            if recv_splits[p]:
-                block = recv[recv_offsets[p]:recv_offsets[p] + recv_splits[p]]
-                ops.append(dist.P2POp(dist.irecv, block, global_peer, self.group))
-                descriptions.append(f"rank {me} {phase}: receive from peer {peer}")
-            if send_splits[p]:
-                block = send[send_offsets[p]:send_offsets[p] + send_splits[p]]
-                ops.append(dist.P2POp(dist.isend, block, global_peer, self.group))
-                descriptions.append(f"rank {me} {phase}: send to peer {peer}")
-        try:
-            works = dist.batch_isend_irecv(ops) if ops else []
-        except RuntimeError as exc:  # gloo: a peer's connection closed before the exchange was posted
-            others = [p for p in peers if p != me]
-            who = f"peer {others[0]}" if len(others) == 1 else f"one of peers {others}"
-            error = wait_error(f"rank {me} {phase}: posting the exchange", self.timeout_secs, 0.0, exc, who)
-            self.mark_broken(str(error))
-            raise error from exc
-        return recv, list(zip(works, descriptions))
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
         R = self.num_ranks
@@ -409,7 +358,7 @@ class TorchRefBackend(Backend):
             send_splits = recv_splits = [cap] * R
             return_send_splits = return_recv_splits = [cap * min(K, L)] * R
             aligned_list = None
-        send_offsets = _exclusive_cumsum(send_splits)
+        send_offsets = exclusive_cumsum(send_splits)
 
         # Metadata exchange: source token index, local expert ids and weights of every row.
         meta = self._meta_codec(c)
@@ -511,7 +460,7 @@ class TorchRefBackend(Backend):
         lay: RefLayout = handle.layout
         codec = _RowCodec(self._data_fields(c, c.hidden))
         wire = self._wire_tensors(c)
-        send = _pack_blocks(codec, lay.send_pos_NR, _exclusive_cumsum(lay.send_splits), sum(lay.send_splits),
+        send = _pack_blocks(codec, lay.send_pos_NR, exclusive_cumsum(lay.send_splits), sum(lay.send_splits),
                             lambda d: wire)
         recv, works = self._exchange(send, lay.send_splits, lay.recv_splits, "dispatch data exchange")
         recv_x, finalize = self._dispatch_outputs(c, handle, codec, recv, lay.out_row_B, lay.expand_row_MK)

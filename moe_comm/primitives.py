@@ -1,0 +1,206 @@
+"""`Buffer`'s primitives beside dispatch and combine (DESIGN 8.4): pipeline send/recv between ring neighbours, an
+all-gather and a reduce-scatter, Engram fetches. This mixin checks the arguments (TypeError/ValueError naming them,
+before anything moves) and runs each call through the buffer's backend (its stream control: the current stream,
+or the comm stream with `async_with_compute_stream=True` and an `EventOverlap` to wait on). The transfers are
+`moe_comm.backends.torch_primitives` (their semantics are documented there).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from . import env
+from .args import check_bool, check_int
+from .event import EventOverlap
+
+_REDUCE_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
+class PrimitivesMixin:
+    """The primitives' methods of `moe_comm.Buffer` (which provides `_impl`, `_prims`, the checks it uses here)."""
+
+    # ------------------------------------------------------------------------------------------------
+    # Pipeline send/recv
+    # ------------------------------------------------------------------------------------------------
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        """Configure pipeline send/recv (collective: every rank calls it with the same values; ValueError on every
+        rank when they differ). Sends already posted keep their slots.
+
+        Arguments:
+            num_max_tensor_bytes: the largest tensor `pp_send` takes, in bytes.
+            num_max_inflight_tensors: sends to one peer that may wait for their receive before a further send
+                waits for the oldest to be received (the slots per peer).
+        """
+        self._check_alive()
+        check_int(1, num_max_tensor_bytes=num_max_tensor_bytes, num_max_inflight_tensors=num_max_inflight_tensors)
+        slots = 2 * num_max_tensor_bytes * num_max_inflight_tensors  # a slot per (neighbour, tensor in flight)
+        if slots > self._memory_bytes:
+            raise self._too_large(f"pipeline slots (2 neighbours x {num_max_inflight_tensors} x "
+                                  f"{num_max_tensor_bytes} bytes)", slots)
+        self._prims.pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors)
+
+    def pp_send(self, t: torch.Tensor, dst: int, previous_event: Optional[EventOverlap] = None,
+                async_with_compute_stream: bool = False) -> EventOverlap:
+        """Send `t` to ring neighbour `dst` (`(rank + 1) % R` or `(rank - 1) % R`); the call copies `t` into a slot,
+        so `t` may be reused when it returns (async: once its event completed). With all of `dst`'s slots taken it
+        first waits until `dst` received the oldest. `dst` receives with `pp_recv` in the same order.
+
+        Arguments:
+            t: a contiguous tensor on the buffer's device, at most `num_max_tensor_bytes` bytes.
+            dst: the receiving rank of the buffer's group.
+            previous_event, async_with_compute_stream: as in `dispatch`.
+
+        Returns:
+            `EventOverlap` (complete unless `async_with_compute_stream`).
+        """
+        self._check_pp(t, dst, "dst")
+        return self._run_primitive(lambda: self._prims.pp_send(t, dst), previous_event, async_with_compute_stream,
+                                   [t])[1]
+
+    def pp_recv(self, t: torch.Tensor, src: int, previous_event: Optional[EventOverlap] = None,
+                async_with_compute_stream: bool = False) -> EventOverlap:
+        """Receive into `t` the oldest tensor ring neighbour `src` sent that this rank has not received yet.
+
+        Arguments:
+            t: a contiguous tensor on the buffer's device of the sent tensor's size and dtype.
+            src: the sending rank of the buffer's group.
+            previous_event, async_with_compute_stream: as in `dispatch`.
+
+        Returns:
+            `EventOverlap`: `t` holds the tensor once it is complete.
+        """
+        self._check_pp(t, src, "src")
+        return self._run_primitive(lambda: self._prims.pp_recv(t, src), previous_event, async_with_compute_stream,
+                                   [t])[1]
+
+    def _check_pp(self, t, peer, name: str) -> None:
+        self._check_alive()
+        if self._prims.pp_config is None:
+            raise RuntimeError("moe_comm: call pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors) on "
+                               "every rank before pp_send/pp_recv")
+        self._check_primitive_tensor("t", t)
+        limit = self._prims.pp_config[0]
+        if t.nbytes > limit:
+            raise ValueError(f"t has {t.nbytes} bytes, more than num_max_tensor_bytes={limit} (pp_set_config)")
+        check_int(0, **{name: peer})
+        R = self.num_ranks
+        neighbours = sorted({(self.rank + 1) % R, (self.rank - 1) % R} - {self.rank})
+        if peer not in neighbours:
+            raise ValueError(f"{name}={peer} is not a ring neighbour of rank {self.rank} of {R} "
+                             f"(neighbours: {neighbours})")
+
+    # ------------------------------------------------------------------------------------------------
+    # All-gather, reduce-scatter
+    # ------------------------------------------------------------------------------------------------
+    def all_gather(self, t: torch.Tensor, previous_event: Optional[EventOverlap] = None,
+                   async_with_compute_stream: bool = False) -> tuple[torch.Tensor, EventOverlap]:
+        """Every rank's `t`, stacked (collective).
+
+        Arguments:
+            t: a contiguous tensor on the buffer's device, the same shape and dtype on every rank.
+            previous_event, async_with_compute_stream: as in `dispatch`.
+
+        Returns:
+            `(out, event)`: `out` is `[R, *t.shape]`, row r rank r's `t`.
+        """
+        self._check_collective("all_gather", t)
+        outputs, event = self._run_primitive(lambda: self._prims.all_gather(t), previous_event,
+                                             async_with_compute_stream, [t])
+        return outputs[0], event
+
+    def reduce_scatter(self, t: torch.Tensor, previous_event: Optional[EventOverlap] = None,
+                       async_with_compute_stream: bool = False) -> tuple[torch.Tensor, EventOverlap]:
+        """Block `rank` of the sum of every rank's `t` (collective): `t` is R blocks of `t.shape[0] // R` rows; the
+        sum is taken in rank order in FP32 (FP64 for float64) and cast back to `t`'s dtype.
+
+        Arguments:
+            t: `[R * n, ...]`, `torch.bfloat16`, `torch.float32` or `torch.float64`, contiguous, on the buffer's
+                device, the same shape and dtype on every rank.
+            previous_event, async_with_compute_stream: as in `dispatch`.
+
+        Returns:
+            `(out, event)`: `out` is `[n, ...]` in `t`'s dtype.
+        """
+        self._check_collective("reduce_scatter", t)
+        if t.dtype not in _REDUCE_DTYPES:
+            raise TypeError(f"t must be one of {_REDUCE_DTYPES} for reduce_scatter, got {t.dtype}")
+        if t.dim() == 0 or t.shape[0] % self.num_ranks:
+            raise ValueError(f"t's first dimension must be a multiple of the {self.num_ranks} ranks, got shape "
+                             f"{tuple(t.shape)}")
+        outputs, event = self._run_primitive(lambda: self._prims.reduce_scatter(t), previous_event,
+                                             async_with_compute_stream, [t])
+        return outputs[0], event
+
+    def _check_collective(self, what: str, t) -> None:
+        """Arguments of a collective, then (reference on CPU, or MOE_COMM_CHECK_INPUTS=1) that every rank gives the
+        same shape and dtype: the exchange is sized by them."""
+        self._check_alive()
+        self._check_primitive_tensor("t", t)
+        if self._impl.checks_every_call or env.get_bool("MOE_COMM_CHECK_INPUTS"):
+            from .backends.torch_primitives import MAX_ROW_DIMS, TABLE_DTYPES
+
+            if t.dim() > MAX_ROW_DIMS + 1:
+                raise ValueError(f"t must have at most {MAX_ROW_DIMS + 1} dimensions, got shape {tuple(t.shape)}")
+            names = ("dtype", "dims", *(f"shape[{i}]" for i in range(MAX_ROW_DIMS + 1)))
+            code = TABLE_DTYPES.index(t.dtype) if t.dtype in TABLE_DTYPES else -1
+            self._prims.agree([code, t.dim(), *t.shape, *[0] * (MAX_ROW_DIMS + 1 - t.dim())], names, what)
+
+    # ------------------------------------------------------------------------------------------------
+    # Engram
+    # ------------------------------------------------------------------------------------------------
+    def engram_write(self, storage: torch.Tensor) -> None:
+        """Keep this rank's part of a table (collective): global row g is row `g - offset_r` of the rank r whose
+        rows hold it, ranks in order (`offset_r` = rows of the ranks before r). Replaces the previous table.
+
+        Arguments:
+            storage: `[n_r, *row]` on the buffer's device (1 to 4 row dimensions, non-empty rows), the same row
+                shape and dtype on every rank; `n_r` may differ (0 too). The buffer keeps a copy.
+        """
+        self._check_alive()
+        self._check_primitive_tensor("storage", storage, contiguous=False)
+        self._prims.engram_write(storage)
+
+    def engram_fetch(self, indices: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Fetch rows of the table by global index (collective: every rank calls it, with its own indices, possibly
+        none). Bad indices on any rank raise the same ValueError on every rank before any row moves.
+
+        Arguments:
+            indices: `[n]`, `torch.int64`, on the buffer's device, each in `[0, total rows)`.
+
+        Returns:
+            A callable that waits for the rows and returns them, `[n, *row]` in `indices`' order.
+        """
+        self._check_alive()
+        if self._prims.table is None:
+            raise RuntimeError("moe_comm: call engram_write(storage) on every rank before engram_fetch")
+        self._check_primitive_tensor("indices", indices)
+        if indices.dtype != torch.int64 or indices.dim() != 1:
+            raise TypeError(f"indices must be a 1-D torch.int64 tensor, got {indices.dtype} of shape "
+                            f"{tuple(indices.shape)}")
+        self._impl.after_host_sync()
+        return self._prims.engram_fetch(indices)
+
+    # ------------------------------------------------------------------------------------------------
+    # Shared
+    # ------------------------------------------------------------------------------------------------
+    def _check_primitive_tensor(self, name: str, t, contiguous: bool = True) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
+        if contiguous and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+
+    def _run_primitive(self, steps, previous_event, async_with_compute_stream, inputs) -> tuple:
+        """`(outputs, event)` of a primitive's steps run by the backend (`Backend.run`)."""
+        check_bool(async_with_compute_stream=async_with_compute_stream)
+        self._check_event(previous_event)
+        self._impl.after_host_sync()
+        outputs, event, _ = self._impl.run(steps, previous_event, async_with_compute_stream,
+                                           inputs if async_with_compute_stream else ())
+        return outputs, event
+
+
+__all__ = ["PrimitivesMixin"]
