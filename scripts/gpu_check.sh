@@ -32,7 +32,8 @@ mkdir -p "$out"
 case "${1:-}" in
     tests)
         python3 -m pytest -q -p no:cacheprovider --timeout 300 --durations=10 tests/test_gpu.py \
-            tests/test_hybrid_gpu.py tests/test_kernels_compile.py tests/test_quant.py 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
+            tests/test_hybrid_gpu.py tests/test_shared_gpu.py tests/test_kernels_compile.py tests/test_quant.py 2>&1 \
+            | tee "$out/gpu_tests.log" | tail -30 ;;
     bench)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --json "$out/bench.json" --md "$out/bench.md" \

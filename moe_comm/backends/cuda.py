@@ -47,6 +47,7 @@ from .. import layout as lay
 from .. import quant
 from ..handle import EPHandle
 from .common import DTYPE_CODES, SIGNATURE_FIELDS, Backend, disagreement
+from .cuda_ipc import IpcMemory
 from .cuda_kernels import current_stream, load_kernels
 
 MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
@@ -70,14 +71,20 @@ class CudaTuning:
             region holds; the GPU tests force rounds with it on one rank, which needs no region). It lays out the
             combine's region, so it is in the combine's signature: ranks with different values get the ValueError
             of ranks that disagree (the other fields may differ between ranks).
+        peer_memory: how peers map each other's buffer: None, torch's symmetric memory; "ipc", cudaMalloc and CUDA
+            IPC handles exchanged over the group (`cuda_ipc`; every rank on one machine; lets two ranks share one
+            GPU, which the GPU tier uses on a one-GPU machine).
     """
 
     kernel_flags: tuple[str, ...] = ()
     dispatch_send_fraction: Optional[float] = None
     combine_send_fraction: Optional[float] = None
     max_round_slots: Optional[int] = None
+    peer_memory: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.peer_memory not in (None, "ipc"):
+            raise ValueError(f"peer_memory={self.peer_memory!r} must be None (torch's symmetric memory) or 'ipc'")
         if self.max_round_slots is not None and not (type(self.max_round_slots) is int
                                                      and 1 <= self.max_round_slots <= lay.MAX_ROUND_SLOTS):
             raise ValueError(f"max_round_slots={self.max_round_slots!r} must be None or an int in "
@@ -183,13 +190,16 @@ def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None
     return "; ".join(problems) or None
 
 
-def _release(kernels, device: torch.device, rank: int, mapped_host: int) -> None:
-    """Free a CudaBackend's host-mapped memory once no kernel of ours can still use it: its `close()`, or its
-    finalizer. Raises like `close()`; from the garbage collector, Python reports the error as unraisable, goes on."""
+def _release(kernels, device: torch.device, rank: int, mapped_host: int, ipc: Optional[IpcMemory]) -> None:
+    """Free a CudaBackend's host-mapped memory (and its IPC buffer) once no kernel of ours can still use it: its
+    `close()`, or its finalizer. Raises like `close()`; from the garbage collector, Python reports the error as
+    unraisable, goes on."""
     # False in a forked child, where CUDA cannot be used and the memory belongs to the parent.
     if torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
         kernels.check(kernels.free_mapped(mapped_host), "free host-mapped memory", rank)
+        if ipc is not None:
+            ipc.free()
 
 
 class CudaBackend(Backend):
@@ -226,18 +236,26 @@ class CudaBackend(Backend):
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
         # This rank's memory only: the peers' is mapped by `connect()`, once every rank has allocated its own.
-        try:
-            self.buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
-        except torch.OutOfMemoryError as exc:
-            raise torch.OutOfMemoryError(f"the symmetric buffer ({num_bytes} bytes on {device}): {exc}") from exc
-        self.buffer.zero_()
+        self._ipc = None
+        if self.tuning.peer_memory == "ipc":
+            self._ipc = IpcMemory(self.kernels, num_bytes, device, self.rank)
+            self.buffer = self._ipc.tensor
+        else:
+            try:
+                self.buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+            except torch.OutOfMemoryError as exc:
+                raise torch.OutOfMemoryError(f"the symmetric buffer ({num_bytes} bytes on {device}): {exc}") from exc
+            self.buffer.zero_()
         self.symm = None
+        self._peer_bases = 0  # device address of every rank's buffer base (`connect()`)
         # Host-mapped memory: the ErrorRecord at 0, the signatures of ranks that disagreed at MAPPED_SIGNATURES_OFFSET,
         # the dispatch notify's summary at SUMMARY_OFFSET.
         host, dev = ctypes.c_void_p(), ctypes.c_void_p()
         mapped_bytes = lay.SUMMARY_OFFSET + 8 * lay.summary_len(lay.MAX_RANKS, lay.SLOT_STRIDE)
         if self.kernels.alloc_mapped(mapped_bytes, ctypes.byref(host), ctypes.byref(dev)):
             self.buffer = None  # the traceback keeps this frame (and self) alive: let the symmetric buffer go now
+            if self._ipc is not None:
+                self._ipc.free()
             raise RuntimeError(f"host-mapped memory: {self.kernels.last_error().decode()}")  # names the bytes
         self._mapped_host, self._mapped_dev = host.value, dev.value
         self._error = lay.ErrorRecord.from_address(self._mapped_host)
@@ -245,15 +263,20 @@ class CudaBackend(Backend):
         # reference to self, which would keep it alive). CPython runs the finalizer before it clears the backend's
         # attributes, so the device is synchronized before the symmetric buffer goes with them. Not run at interpreter
         # exit: the driver reclaims a process's memory, and CUDA may be shutting down by then.
-        self._finalizer = weakref.finalize(self, _release, self.kernels, device, self.rank, self._mapped_host)
+        self._finalizer = weakref.finalize(self, _release, self.kernels, device, self.rank, self._mapped_host,
+                                           self._ipc)
         self._finalizer.atexit = False
 
     def connect(self) -> None:
-        """Collective: map every peer's symmetric buffer, then wait until every rank's is zeroed (nobody signals into
-        a buffer its owner has not cleared). `moe_comm.Buffer` calls it once every rank has allocated its memory."""
+        """Collective: map every peer's buffer, then wait until every rank's is zeroed (nobody signals into a buffer
+        its owner has not cleared). `moe_comm.Buffer` calls it once every rank has allocated its memory."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.symm = symm_mem.rendezvous(self.buffer, self.group.group_name)
+        if self._ipc is not None:
+            self._peer_bases = self._ipc.connect(self.group)
+        else:
+            self.symm = symm_mem.rendezvous(self.buffer, self.group.group_name)
+            self._peer_bases = self.symm.buffer_ptrs_dev
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
@@ -261,7 +284,7 @@ class CudaBackend(Backend):
         """Wait for the device to finish with our memory, then free it (idempotent; the finalizer's release)."""
         self._finalizer()
         self._mapped_host = self._error = None
-        self.buffer = self.symm = None
+        self.buffer = self.symm = self._ipc = None
         self._shapes.clear()
         self._plans.clear()
 
@@ -306,7 +329,7 @@ class CudaBackend(Backend):
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
         everyone = mine.new_empty(self.num_ranks, mine.numel())
-        work = dist.all_gather_into_tensor(everyone, mine, group=self.group, async_op=True)
+        work = dist.all_gather_into_tensor(everyone, mine.view(1, -1), group=self.group, async_op=True)
         self._wait([(work, f"rank {self.rank} {phase} (all-gather)")])
         return everyone
 
@@ -345,7 +368,7 @@ class CudaBackend(Backend):
                              f"in the receive kernel (limit {lay.RECV_TABLE_LIMIT}); use backend='torch'")
         barrier = "barrier before combine" if phase == "combine" else "barrier before dispatch"
         return lay.EpParams(
-            peer_bases=self.symm.buffer_ptrs_dev, local_base=self.buffer.data_ptr(), error=self._mapped_dev,
+            peer_bases=self._peer_bases, local_base=self.buffer.data_ptr(), error=self._mapped_dev,
             num_tokens=num_tokens, cap=cap, row_stride=row.stride, data_bytes=data_bytes, scale_bytes=scale_bytes,
             meta_offset=row.meta_offset, ids_offset=row.ids_offset, ranks_offset=row.ranks_offset,
             weights_offset=row.weights_offset, tag_offset=row.tag_offset, recv_table_bytes=table_bytes,

@@ -44,6 +44,42 @@ int moe_comm_free_mapped(void* host) {
     return 0;
 }
 
+// Zeroed device memory that other processes of this machine can map (`*handle`: a cudaIpcMemHandle_t, 64 bytes):
+// the CUDA backend's buffer when its peers are mapped with CUDA IPC instead of torch's symmetric memory
+// (CudaTuning.peer_memory="ipc", which also lets two ranks share one GPU).
+int moe_comm_ipc_alloc(int64_t bytes, void** ptr, void* handle) {
+    cudaError_t err = cudaMalloc(ptr, bytes);
+    MOE_COMM_REQUIRE(err == cudaSuccess, "cudaMalloc(%lld bytes): %s", static_cast<long long>(bytes),
+                     cudaGetErrorString(err));
+    err = cudaMemset(*ptr, 0, bytes);
+    if (err == cudaSuccess) err = cudaIpcGetMemHandle(static_cast<cudaIpcMemHandle_t*>(handle), *ptr);
+    if (err != cudaSuccess) cudaFree(*ptr);
+    MOE_COMM_REQUIRE(err == cudaSuccess, "zeroing or exporting %lld bytes: %s", static_cast<long long>(bytes),
+                     cudaGetErrorString(err));
+    return 0;
+}
+
+// A peer's memory from its handle (moe_comm_ipc_alloc in that process).
+int moe_comm_ipc_open(const void* handle, void** ptr) {
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof(h));
+    const cudaError_t err = cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    MOE_COMM_REQUIRE(err == cudaSuccess, "cudaIpcOpenMemHandle: %s", cudaGetErrorString(err));
+    return 0;
+}
+
+int moe_comm_ipc_close(void* ptr) {
+    const cudaError_t err = cudaIpcCloseMemHandle(ptr);
+    MOE_COMM_REQUIRE(err == cudaSuccess, "cudaIpcCloseMemHandle: %s", cudaGetErrorString(err));
+    return 0;
+}
+
+int moe_comm_ipc_free(void* ptr) {
+    const cudaError_t err = cudaFree(ptr);
+    MOE_COMM_REQUIRE(err == cudaSuccess, "cudaFree: %s", cudaGetErrorString(err));
+    return 0;
+}
+
 // Copies up to `capacity` values of kAbiTable into `out`; returns how many the table has.
 int moe_comm_abi(int64_t* out, int capacity) {
     const int n = static_cast<int>(sizeof(kAbiTable) / sizeof(kAbiTable[0]));
