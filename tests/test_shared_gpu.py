@@ -8,6 +8,8 @@ CUDA; tests/test_gpu.py runs the same paths with a GPU per rank."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import time
 
 import pytest
@@ -27,7 +29,17 @@ IPC = CudaTuning(peer_memory="ipc")
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(2, backend="gloo", timeout_s=600) as workers:
+    # The workers import tests/test_gpu.py for its rank functions: there every GPU is a rank, here both share one.
+    old = os.environ.get("MOE_COMM_GPU_RANKS")
+    os.environ["MOE_COMM_GPU_RANKS"] = "2"
+    try:
+        workers = WorkerPool(2, backend="gloo", timeout_s=600)
+    finally:
+        if old is None:
+            os.environ.pop("MOE_COMM_GPU_RANKS")
+        else:
+            os.environ["MOE_COMM_GPU_RANKS"] = old
+    with workers:
         yield workers
 
 
@@ -41,6 +53,33 @@ def on_gpu0():
         yield
     finally:
         moe_comm.Buffer.group_device = original
+
+
+@contextlib.contextmanager
+def every_buffer_over_ipc():
+    """`on_gpu0`, and every CUDA buffer made in the block maps its peers with CUDA IPC (for tests/test_gpu.py's rank
+    functions, which make their own buffers)."""
+    original = moe_comm.Buffer.__init__
+
+    def init(self, *args, cuda_tuning=None, **kwargs):
+        original(self, *args, cuda_tuning=dataclasses.replace(cuda_tuning or CudaTuning(), peer_memory="ipc"),
+                 **kwargs)
+
+    with on_gpu0():
+        moe_comm.Buffer.__init__ = init
+        try:
+            yield
+        finally:
+            moe_comm.Buffer.__init__ = original
+
+
+def gpu_tier_rank(rank: int, world_size: int, name: str, *args):
+    """tests/test_gpu.py's rank function `name`, its buffers over IPC on the shared GPU."""
+    import test_gpu
+
+    assert test_gpu.WORLD_SIZE == 2
+    with every_buffer_over_ipc():
+        return getattr(test_gpu, name)(rank, world_size, *args)
 
 
 def make(case: Case, **kwargs) -> moe_comm.Buffer:
@@ -111,3 +150,34 @@ def test_missing_peer_times_out():
         message, skipped = workers.run(missing_peer_rank)
     assert skipped == "skipped"
     assert "rank 0 timed out in barrier before dispatch waiting for peer 1" in message, message
+
+
+# tests/test_gpu.py's checks of the CUDA backend that need a peer, run here with both ranks on one GPU (their own
+# test functions skip or run one rank there). `(rank function, arguments)`; the cases are built for 2 ranks.
+_EXPAND_ROUNDS = [Case(seed=105, num_ranks=2, num_experts=16, num_topk=8, hidden=7168, dtype="bfloat16",
+                       num_tokens=(96, 64), num_max_tokens_per_rank=96, do_expand=True)]
+_EXPAND_ROUNDS += [Case(**{**c.__dict__, "do_expand": True, "num_topk": min(c.num_experts, max(4, c.num_topk))})
+                   for c in draw_cases(1044, 4, 2, max_tokens=512, dtypes=("bfloat16",))]
+GPU_TIER = {
+    "no host sync": ("no_host_sync_rank", (Case(seed=71, num_ranks=2, num_experts=16, num_topk=4, hidden=256,
+                                                 num_tokens=(300, 200), num_max_tokens_per_rank=512, do_expand=True,
+                                                 expert_alignment=16), "cuda")),
+    "graph replay": ("graph_rank", (False, False)),
+    "graph replay expand": ("graph_rank", (True, False)),
+    "graph replay with hooks": ("graph_rank", (False, True)),
+    "graph replay expand with hooks": ("graph_rank", (True, True)),
+    "receive hook": ("recv_hook_cuda_rank", ()),
+    "expand combine in rounds": ("rounds_rank", (_EXPAND_ROUNDS,)),
+    "large shapes": ("large_shapes_rank", ()),
+    "sizes disagree": ("disagreement_rank", ()),
+    "bad routing": ("bad_routing_rank", ()),
+    "round slots disagree": ("round_slots_rank", ()),
+}
+
+
+@pytest.mark.parametrize("check", sorted(GPU_TIER))
+def test_gpu_tier_checks_with_a_peer(pool, check):
+    name, args = GPU_TIER[check]
+    first, second = pool.run(gpu_tier_rank, name, *args)
+    if name in ("disagreement_rank", "round_slots_rank"):
+        assert first == second, (first, second)
