@@ -30,17 +30,17 @@ IPC = CudaTuning(peer_memory="ipc")
 @pytest.fixture(scope="module")
 def pool():
     # The workers import tests/test_gpu.py for its rank functions: there every GPU is a rank, here both share one.
+    # (Set while the pool lives: it spawns its workers at its first run.)
     old = os.environ.get("MOE_COMM_GPU_RANKS")
     os.environ["MOE_COMM_GPU_RANKS"] = "2"
     try:
-        workers = WorkerPool(2, backend="gloo", timeout_s=600)
+        with WorkerPool(2, backend="gloo", timeout_s=600) as workers:
+            yield workers
     finally:
         if old is None:
             os.environ.pop("MOE_COMM_GPU_RANKS")
         else:
             os.environ["MOE_COMM_GPU_RANKS"] = old
-    with workers:
-        yield workers
 
 
 @contextlib.contextmanager
