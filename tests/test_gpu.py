@@ -498,6 +498,10 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
         for case in cases:
             ref_buf, cuda_buf = buffers.get(case, "torch"), buffers.get(case, "cuda")
             x, idx, w = rank_inputs(case, rank, cuda_buf.device)
+
+            def ref(v):  # the reference's device (the CPU when two ranks share one GPU: tests/test_shared_gpu.py)
+                return tuple(map(ref, v)) if isinstance(v, tuple) else v.to(ref_buf.device) if v is not None else v
+
             kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand,
                           expert_alignment=case.expert_alignment)
             special = x.clone()  # what the senders' cast (`quantize=`) must treat as quant.py does
@@ -520,23 +524,24 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
                                    ("tuple dequantize", dict(x=quant.quantize(x, fmt), dequantize=True)),
                                    ("quantize special values", dict(x=special, quantize=fmt)),
                                    ("dequantize special values", dict(x=special, quantize=fmt, dequantize=True))):
-                    ref = ref_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
+                    expected = ref_buf.dispatch(topk_idx=ref(idx), topk_weights=ref(w),
+                                                **{k: ref(v) if k == "x" else v for k, v in args.items()}, **kwargs)
                     got = cuda_buf.dispatch(topk_idx=idx, topk_weights=w, **args, **kwargs)
                     where = f"{fmt} {mode} {case}"
                     dequantized = "dequantize" in mode
-                    ref_x, got_x = (ref[0], got[0]) if dequantized else (ref[0][0], got[0][0])
+                    ref_x, got_x = (expected[0], got[0]) if dequantized else (expected[0][0], got[0][0])
                     assert_same(f"recv data, {where}", got_x, ref_x.cpu())
                     if not dequantized:
-                        assert_same(f"recv scales, {where}", got[0][1], ref[0][1].cpu())
+                        assert_same(f"recv scales, {where}", got[0][1], expected[0][1].cpu())
                     for i, name in ((1, "recv_topk_idx"), (2, "recv_topk_weights")):
-                        assert_same(f"{name}, {where}", got[i], None if ref[i] is None else ref[i].cpu())
-                    assert_same(f"recv_src_idx, {where}", got[3].recv_src_idx, ref[3].recv_src_idx.cpu())
+                        assert_same(f"{name}, {where}", got[i], None if expected[i] is None else expected[i].cpu())
+                    assert_same(f"recv_src_idx, {where}", got[3].recv_src_idx, expected[3].recv_src_idx.cpu())
                     # A cached dispatch of other rows along the handle, with the same casts.
                     x2 = args["x"] * 2 if isinstance(args["x"], torch.Tensor) else \
                         args["x"] if "extreme" in mode else quant.quantize(x * 2, fmt)
                     casts = {k: v for k, v in args.items() if k != "x"}
                     got2 = cuda_buf.dispatch(x2, handle=got[3], **casts, **kwargs)[0]
-                    ref2 = ref_buf.dispatch(x2, handle=ref[3], **casts, **kwargs)[0]
+                    ref2 = ref_buf.dispatch(ref(x2), handle=expected[3], **casts, **kwargs)[0]
                     pairs = zip(got2, ref2) if isinstance(got2, tuple) else [(got2, ref2)]
                     for i, (g, r) in enumerate(pairs):
                         assert_same(f"cached recv {i}, {where}", g, r.cpu())

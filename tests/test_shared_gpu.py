@@ -58,14 +58,23 @@ def on_gpu0():
 @contextlib.contextmanager
 def every_buffer_over_ipc():
     """`on_gpu0`, and every CUDA buffer made in the block maps its peers with CUDA IPC (for tests/test_gpu.py's rank
-    functions, which make their own buffers)."""
+    functions, which make their own buffers); reference buffers stay on the CPU."""
     original = moe_comm.Buffer.__init__
 
-    def init(self, *args, cuda_tuning=None, **kwargs):
-        original(self, *args, cuda_tuning=dataclasses.replace(cuda_tuning or CudaTuning(), peer_memory="ipc"),
-                 **kwargs)
+    def init(self, *args, cuda_tuning=None, backend="auto", **kwargs):
+        if backend == "torch":  # the reference stays on the CPU: gloo's point-to-point takes no CUDA tensors
+            moe_comm.Buffer.group_device = original_device
+            try:
+                original(self, *args, backend=backend, **kwargs)
+            finally:
+                moe_comm.Buffer.group_device = on_gpu
+            return
+        original(self, *args, backend=backend,
+                 cuda_tuning=dataclasses.replace(cuda_tuning or CudaTuning(), peer_memory="ipc"), **kwargs)
 
+    original_device = moe_comm.Buffer.__dict__["group_device"]
     with on_gpu0():
+        on_gpu = moe_comm.Buffer.__dict__["group_device"]
         moe_comm.Buffer.__init__ = init
         try:
             yield
@@ -171,6 +180,13 @@ GPU_TIER = {
     "large shapes": ("large_shapes_rank", ()),
     "sizes disagree": ("disagreement_rank", ()),
     "bad routing": ("bad_routing_rank", ()),
+    "fp8 against the reference": ("fp8_rank", ([
+        Case(seed=211, num_ranks=2, num_experts=16, num_topk=4, hidden=512, num_tokens=(300, 77),
+             num_max_tokens_per_rank=300),
+        Case(seed=212, num_ranks=2, num_experts=8, num_topk=3, hidden=7168, num_tokens=(64, 0),
+             num_max_tokens_per_rank=64, do_expand=True, expert_alignment=32, drop_prob=0.3),
+        Case(seed=213, num_ranks=2, num_experts=8, num_topk=2, hidden=16384, num_tokens=(40, 9),
+             num_max_tokens_per_rank=40, do_expand=True, expert_alignment=4)],)),
     "round slots disagree": ("round_slots_rank", ()),
 }
 
