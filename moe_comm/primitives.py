@@ -13,7 +13,10 @@ import torch
 
 from . import env
 from .args import check_bool, check_int
+from .backends.torch_primitives import DTYPES, MAX_ROW_DIMS
 from .event import EventOverlap
+
+MAX_DIMS = MAX_ROW_DIMS + 1  # of an all_gather / reduce_scatter tensor (its shape travels in the agreement)
 
 _REDUCE_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
@@ -34,12 +37,17 @@ class PrimitivesMixin:
                 waits for the oldest to be received (the slots per peer).
         """
         self._check_alive()
-        check_int(1, num_max_tensor_bytes=num_max_tensor_bytes, num_max_inflight_tensors=num_max_inflight_tensors)
-        slots = 2 * num_max_tensor_bytes * num_max_inflight_tensors  # a slot per (neighbour, tensor in flight)
-        if slots > self._memory_bytes:
-            raise self._too_large(f"pipeline slots (2 neighbours x {num_max_inflight_tensors} x "
-                                  f"{num_max_tensor_bytes} bytes)", slots)
-        self._prims.pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors)
+        error = None
+        try:
+            check_int(1, num_max_tensor_bytes=num_max_tensor_bytes,
+                      num_max_inflight_tensors=num_max_inflight_tensors)
+            slots = 2 * num_max_tensor_bytes * num_max_inflight_tensors  # a slot per (neighbour, tensor in flight)
+            if slots > self._memory_bytes:
+                raise self._too_large(f"pipeline slots (2 neighbours x {num_max_inflight_tensors} x "
+                                      f"{num_max_tensor_bytes} bytes)", slots)
+        except (TypeError, ValueError) as exc:  # raised on every rank by the agreement (the others wait in it)
+            error = exc
+        self._prims.pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors, error)
 
     def pp_send(self, t: torch.Tensor, dst: int, previous_event: Optional[EventOverlap] = None,
                 async_with_compute_stream: bool = False) -> EventOverlap:
@@ -123,29 +131,41 @@ class PrimitivesMixin:
         Returns:
             `(out, event)`: `out` is `[n, ...]` in `t`'s dtype.
         """
-        self._check_collective("reduce_scatter", t)
-        if t.dtype not in _REDUCE_DTYPES:
-            raise TypeError(f"t must be one of {_REDUCE_DTYPES} for reduce_scatter, got {t.dtype}")
-        if t.dim() == 0 or t.shape[0] % self.num_ranks:
-            raise ValueError(f"t's first dimension must be a multiple of the {self.num_ranks} ranks, got shape "
-                             f"{tuple(t.shape)}")
+        def check(t):
+            if t.dtype not in _REDUCE_DTYPES:
+                raise TypeError(f"t must be one of {_REDUCE_DTYPES} for reduce_scatter, got {t.dtype}")
+            if t.dim() == 0 or t.shape[0] % self.num_ranks:
+                raise ValueError(f"t's first dimension must be a multiple of the {self.num_ranks} ranks, got shape "
+                                 f"{tuple(t.shape)}")
+
+        self._check_collective("reduce_scatter", t, check)
         outputs, event = self._run_primitive(lambda: self._prims.reduce_scatter(t), previous_event,
                                              async_with_compute_stream, [t])
         return outputs[0], event
 
-    def _check_collective(self, what: str, t) -> None:
-        """Arguments of a collective, then (reference on CPU, or MOE_COMM_CHECK_INPUTS=1) that every rank gives the
-        same shape and dtype: the exchange is sized by them."""
+    def _check_collective(self, what: str, t, check=None) -> None:
+        """Arguments of a collective (`check(t)`: the caller's own, run after the common ones), then (reference on
+        CPU, or MOE_COMM_CHECK_INPUTS=1) that every rank gives the same shape and dtype, the exchange being sized by
+        them: a rank whose arguments were refused raises there and every other rank with it. Without the agreement a
+        refused rank raises alone (as with torch.distributed's collectives)."""
         self._check_alive()
-        self._check_primitive_tensor("t", t)
-        if self._impl.checks_every_call or env.get_bool("MOE_COMM_CHECK_INPUTS"):
-            from .backends.torch_primitives import MAX_ROW_DIMS, TABLE_DTYPES
-
-            if t.dim() > MAX_ROW_DIMS + 1:
-                raise ValueError(f"t must have at most {MAX_ROW_DIMS + 1} dimensions, got shape {tuple(t.shape)}")
-            names = ("dtype", "dims", *(f"shape[{i}]" for i in range(MAX_ROW_DIMS + 1)))
-            code = TABLE_DTYPES.index(t.dtype) if t.dtype in TABLE_DTYPES else -1
-            self._prims.agree([code, t.dim(), *t.shape, *[0] * (MAX_ROW_DIMS + 1 - t.dim())], names, what)
+        agree = self._impl.checks_every_call or env.get_bool("MOE_COMM_CHECK_INPUTS")
+        error = None
+        try:
+            self._check_primitive_tensor("t", t)
+            if t.dim() > MAX_DIMS:
+                raise ValueError(f"t must have at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}")
+            if check is not None:
+                check(t)
+        except (TypeError, ValueError) as exc:
+            if not agree:
+                raise
+            error = exc
+        if agree:
+            names = ("dtype", "dims", *(f"shape[{i}]" for i in range(MAX_DIMS)))
+            values = [0] * len(names) if error is not None else \
+                [DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim())]
+            self._prims.agree(values, names, what, error)
 
     # ------------------------------------------------------------------------------------------------
     # Engram
@@ -159,8 +179,12 @@ class PrimitivesMixin:
                 shape and dtype on every rank; `n_r` may differ (0 too). The buffer keeps a copy.
         """
         self._check_alive()
-        self._check_primitive_tensor("storage", storage, contiguous=False)
-        self._prims.engram_write(storage)
+        error = None
+        try:
+            self._check_primitive_tensor("storage", storage, contiguous=False)
+        except (TypeError, ValueError) as exc:  # raised on every rank by the agreement (the others wait in it)
+            error = exc
+        self._prims.engram_write(storage, error)
 
     def engram_fetch(self, indices: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Fetch rows of the table by global index (collective: every rank calls it, with its own indices, possibly
@@ -173,14 +197,18 @@ class PrimitivesMixin:
             A callable that waits for the rows and returns them, `[n, *row]` in `indices`' order.
         """
         self._check_alive()
-        if self._prims.table is None:
-            raise RuntimeError("moe_comm: call engram_write(storage) on every rank before engram_fetch")
-        self._check_primitive_tensor("indices", indices)
-        if indices.dtype != torch.int64 or indices.dim() != 1:
-            raise TypeError(f"indices must be a 1-D torch.int64 tensor, got {indices.dtype} of shape "
-                            f"{tuple(indices.shape)}")
+        error = None
+        try:
+            if self._prims.table is None:
+                raise RuntimeError("moe_comm: call engram_write(storage) on every rank before engram_fetch")
+            self._check_primitive_tensor("indices", indices)
+            if indices.dtype != torch.int64 or indices.dim() != 1:
+                raise TypeError(f"indices must be a 1-D torch.int64 tensor, got {indices.dtype} of shape "
+                                f"{tuple(indices.shape)}")
+        except (RuntimeError, TypeError, ValueError) as exc:  # raised on every rank by the fetch's first exchange
+            error = exc
         self._impl.after_host_sync()
-        return self._prims.engram_fetch(indices)
+        return self._prims.engram_fetch(indices, error)
 
     # ------------------------------------------------------------------------------------------------
     # Shared

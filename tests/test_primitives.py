@@ -5,6 +5,9 @@ TimeoutError naming rank, phase and peer."""
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,23 +26,23 @@ def tensor_of(rank: int, step: int, shape=(3, 5), dtype=torch.float32, device="c
     return torch.randn(shape, generator=g).to(dtype).to(device)
 
 
-def pipeline_rank(rank: int, world_size: int, num_steps: int) -> bool:
-    """Every rank sends `num_steps` tensors to the next rank of the ring while receiving as many from the previous
-    one, more than the slots in flight (the sender waits for the receiver), async and not, mixed dtypes; each
+def pipeline_rank(rank: int, world_size: int, num_steps: int, shape=(3, 5)) -> bool:
+    """Every rank sends `num_steps` tensors to the next rank of the ring, each before it receives the previous
+    rank's (every rank sends first: with two ranks they send to each other), async and not, mixed dtypes; each
     received tensor is bitwise what its sender made for that step."""
     buf = make_buffer()
-    buf.pp_set_config(num_max_tensor_bytes=3 * 5 * 8, num_max_inflight_tensors=2)
+    buf.pp_set_config(num_max_tensor_bytes=math.prod(shape) * 8, num_max_inflight_tensors=2)
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
     received = []
     for step in range(num_steps):
         dtype = (torch.float32, torch.bfloat16, torch.float64)[step % 3]
-        sent = tensor_of(rank, step, dtype=dtype, device=buf.device)
+        sent = tensor_of(rank, step, shape, dtype=dtype, device=buf.device)
         buf.pp_send(sent, nxt)
         sent.fill_(-1)  # the slot holds a copy: reusing the tensor at once changes nothing
-        out = torch.empty(3, 5, dtype=dtype, device=buf.device)
+        out = torch.empty(shape, dtype=dtype, device=buf.device)
         event = buf.pp_recv(out, prev, async_with_compute_stream=step % 2 == 1)
         event.current_stream_wait()
-        expected = tensor_of(prev, step, dtype=dtype)
+        expected = tensor_of(prev, step, shape, dtype=dtype)
         received.append(torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8)))
     buf.barrier()
     return all(received)
@@ -48,6 +51,64 @@ def pipeline_rank(rank: int, world_size: int, num_steps: int) -> bool:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_pipeline_ring(pools, world_size):
     assert pools(world_size).run(pipeline_rank, 7) == [True] * world_size
+
+
+def pipeline_slots_rank(rank: int, world_size: int) -> bool:
+    """Rank 0 sends four tensors with two slots before rank 1 receives any (it sleeps first): the third send waits
+    for the first receive. Between rank 0's sends and rank 1's receives both run an all_gather: the pipeline's
+    tensors travel on groups of their own, which no other exchange of the buffer can take them from."""
+    buf = make_buffer()
+    buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
+    if rank == 0:
+        for step in range(2):
+            buf.pp_send(tensor_of(0, step, (4,)), 1)
+    gathered, _ = buf.all_gather(torch.full((4,), float(rank)))
+    same = torch.equal(gathered, torch.arange(world_size).float()[:, None].expand(-1, 4))
+    if rank == 0:
+        for step in range(2, 4):
+            buf.pp_send(tensor_of(0, step, (4,)), 1)
+    else:
+        time.sleep(0.5)
+        for step in range(4):
+            out = torch.empty(4)
+            buf.pp_recv(out, 0)
+            same &= torch.equal(out, tensor_of(0, step, (4,)))
+    buf.barrier()
+    return same
+
+
+def test_pipeline_slots_and_other_exchanges(pools):
+    assert pools(2).run(pipeline_slots_rank) == [True, True]
+
+
+def refused_rank(rank: int, world_size: int) -> list[str]:
+    """Arguments refused on one rank of a collective call: that rank raises its own error, every other rank a
+    ValueError naming it (none waits for the refused rank until a timeout); the buffer works afterwards."""
+    buf = make_buffer()
+    calls = [("pp_set_config", lambda: buf.pp_set_config(0 if rank == 1 else 64, 2)),
+             ("engram_write", lambda: buf.engram_write("not a tensor" if rank == 1 else torch.zeros(2, 3))),
+             ("all_gather", lambda: buf.all_gather(torch.zeros(4, 6).t() if rank == 1 else torch.zeros(6, 4))),
+             ("engram_fetch", lambda: buf.engram_fetch(torch.zeros(2, dtype=torch.int64)))]  # no table yet
+    messages = []
+    for what, call in calls:
+        with pytest.raises((TypeError, ValueError, RuntimeError)) as info:
+            call()
+        messages.append(str(info.value))
+    buf.pp_set_config(64, 2)
+    out, _ = buf.all_gather(torch.full((2,), float(rank)))
+    assert torch.equal(out, torch.arange(world_size).float()[:, None].expand(-1, 2))
+    return messages
+
+
+def test_refused_arguments_raise_on_every_rank(pools):
+    ok, refused = pools(2).run(refused_rank)
+    assert ok[0] == "pp_set_config: rank(s) [1] refused their arguments (their error says why)", ok
+    assert refused[0] == "num_max_tensor_bytes=0 must be >= 1", refused
+    assert ok[1] == "engram_write: rank(s) [1] refused their arguments (their error says why)"
+    assert refused[1] == "storage must be a torch.Tensor, got str"
+    assert ok[2] == "all_gather: rank(s) [1] refused their arguments (their error says why)"
+    assert refused[2].startswith("t must be contiguous")
+    assert ok[3] == refused[3] == "moe_comm: call engram_write(storage) on every rank before engram_fetch"
 
 
 def collectives_rank(rank: int, world_size: int) -> list[str]:

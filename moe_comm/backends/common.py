@@ -6,12 +6,13 @@ travel. The reference backend (`torch_ref`) and the CUDA backend (`cuda`) each i
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .. import quant
+from .. import quant, traffic_class
 from ..event import EventOverlap, RecvHook, wait_error
 from ..handle import EPHandle
 from ..layout import SIGNATURE_LEN
@@ -72,7 +73,8 @@ class Backend:
         self.broken: Optional[str] = None
         # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
         self.pending_flags = torch.zeros(self.num_ranks, dtype=torch.int64, device=device)
-        # The hook of a call with `return_recv_hook=True` until it is called: no operation may run before it.
+        # The hook of a call with `return_recv_hook=True` until it is called: no dispatch, combine or barrier may
+        # run before it (`Buffer._check_ready`; the primitives do not touch the receive region).
         self.pending_hook: Optional[RecvHook] = None
 
     # ------------------------------------------------------------------------------------------------
@@ -359,6 +361,22 @@ def exclusive_cumsum(values: Sequence[int]) -> list[int]:
         out.append(acc)
         acc += v
     return out
+
+
+def subgroup_of(group: dist.ProcessGroup, device: torch.device, partition: Sequence[Sequence[int]],
+                timeout_secs: float) -> dist.ProcessGroup:
+    """This rank's part of `partition` (lists of ranks of `group` covering it) as a new process group, with `group`'s
+    backend, its NCCL traffic class and `timeout_secs`. Collective over `group`. Where the default group's
+    communicators are made eagerly (`init_process_group(device_id=...)`) NCCL splits them, which every rank of the
+    parent must join: `split_group` over `group`; else each rank makes its subgroup with its members only."""
+    timeout = datetime.timedelta(seconds=timeout_secs)
+    options = traffic_class.subgroup_options(group, device)
+    if device.type == "cuda" and dist.group.WORLD.bound_device_id is not None:
+        return dist.split_group(group, [list(part) for part in partition], timeout=timeout, pg_options=options)
+    me = dist.get_rank(group)
+    (members,) = [part for part in partition if me in part]
+    return dist.new_group([dist.get_global_rank(group, r) for r in members], timeout=timeout,
+                          backend=dist.get_backend(group), pg_options=options, use_local_synchronization=True)
 
 
 def padded_signature(values: list[int]) -> list[int]:

@@ -51,16 +51,14 @@ timeout of the leg's subgroup, `num_gpu_timeout_secs` (NCCL's watchdog then ends
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import traffic_class
 from ..handle import EPHandle
-from .common import Backend, disagreement
+from .common import Backend, disagreement, subgroup_of
 
 MAX_SIGNATURES = 64  # signature tensors kept on the device per buffer (one per call shape)
 
@@ -74,27 +72,13 @@ def leg_groups(group: dist.ProcessGroup, device: torch.device, num_hosts: int, r
                timeout_secs: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """`(host_group, rail_group)` of this rank: the ranks of its host, and the ranks of its local index on every host,
     with `group`'s NCCL traffic class (`Buffer(sl_idx=...)`) and `timeout_secs` (NCCL's watchdog). Collective over
-    `group`. Where the default group's communicators are made eagerly (`init_process_group(device_id=...)`) NCCL
-    splits them, which every rank of the parent must join: `split_group` over `group`; else each rank makes its
-    two subgroups with their members only."""
+    `group` (`subgroup_of`)."""
     S, U = num_hosts, ranks_per_host
     key = (group, S, U, timeout_secs)
     if key not in _LEG_GROUPS:
         hosts = [[h * U + u for u in range(U)] for h in range(S)]
         rails = [[h * U + u for h in range(S)] for u in range(U)]
-        h0, u0 = divmod(dist.get_rank(group), U)
-        timeout = datetime.timedelta(seconds=timeout_secs)
-        if device.type == "cuda" and dist.group.WORLD.bound_device_id is not None:
-            host, rail = (dist.split_group(group, split, timeout=timeout,
-                                           pg_options=traffic_class.subgroup_options(group, device))
-                          for split in (hosts, rails))
-        else:
-            ranks = [dist.get_global_rank(group, r) for r in range(S * U)]
-            host, rail = (dist.new_group([ranks[r] for r in members], timeout=timeout, backend=dist.get_backend(group),
-                                         pg_options=traffic_class.subgroup_options(group, device),
-                                         use_local_synchronization=True)
-                          for members in (hosts[h0], rails[u0]))
-        _LEG_GROUPS[key] = (host, rail)
+        _LEG_GROUPS[key] = tuple(subgroup_of(group, device, split, timeout_secs) for split in (hosts, rails))
     return _LEG_GROUPS[key]
 
 

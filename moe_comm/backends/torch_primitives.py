@@ -30,10 +30,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .common import exclusive_cumsum
+from .common import exclusive_cumsum, subgroup_of
 
 # Engram tables: rows of at most this many dimensions (their shape travels in a fixed-size agreement check).
 MAX_ROW_DIMS = 4
+# Every torch dtype by a code the ranks share (agreement checks name them).
+DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int8,
                  torch.uint8, torch.int32, torch.int64)
 
@@ -48,6 +50,11 @@ class TorchPrimitives:
     def __init__(self, backend) -> None:
         self.backend = backend
         self.pp_config: Optional[tuple[int, int]] = None
+        # The pipeline's own groups, the buffer's ranks twice: data toward a higher rank, toward a lower one. A send
+        # and a receive between two ranks then never share a communicator (NCCL: a send may wait for its receive,
+        # so two ranks sending to each other first would wait for ever) nor gloo's channel, which the buffer's
+        # other exchanges use.
+        self._pp_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
         # Per destination: sends posted and not yet known complete, as (work, description, staged copy).
         self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self.table: Optional[torch.Tensor] = None
@@ -56,11 +63,21 @@ class TorchPrimitives:
     # ------------------------------------------------------------------------------------------------
     # Agreement
     # ------------------------------------------------------------------------------------------------
-    def agree(self, values: list[int], names: tuple[str, ...], what: str) -> list[list[int]]:
+    def agree(self, values: list[int], names: tuple[str, ...], what: str,
+              error: Optional[Exception] = None) -> list[list[int]]:
         """Every rank's `values`; ValueError on every rank when one of the `names` differs (values past them may),
-        naming each field with every rank's value (the exchanges below are sized by them)."""
+        naming each field with every rank's value (the exchanges below are sized by them). A rank that refused its
+        arguments (`error`; its `values` any of the right length) still takes part, so that every rank raises: that
+        rank its own error, the others a ValueError naming it."""
         b = self.backend
-        rows = b.gather_values(torch.tensor(values, dtype=torch.int64, device=b.device), f"{what} agreement").tolist()
+        mine = torch.tensor([int(error is not None), *values], dtype=torch.int64, device=b.device)
+        rows = b.gather_values(mine, f"{what} agreement").tolist()
+        if error is not None:
+            raise error
+        refused = [r for r, row in enumerate(rows) if row[0]]
+        if refused:
+            raise ValueError(f"{what}: rank(s) {refused} refused their arguments (their error says why)")
+        rows = [row[1:] for row in rows]
         differing = [f"{name}: {[row[i] for row in rows]}" for i, name in enumerate(names)
                      if len({row[i] for row in rows}) > 1]
         if differing:
@@ -70,10 +87,35 @@ class TorchPrimitives:
     # ------------------------------------------------------------------------------------------------
     # Pipeline send/recv
     # ------------------------------------------------------------------------------------------------
-    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
-        self.agree([num_max_tensor_bytes, num_max_inflight_tensors],
-                    ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config")
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int,
+                      error: Optional[Exception] = None) -> None:
+        values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
+        self.agree(values, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config", error)
+        if self._pp_groups is None:
+            b = self.backend
+            everyone = [list(range(b.num_ranks))]
+            self._pp_groups = tuple(subgroup_of(b.group, b.device, everyone, b.timeout_secs) for _ in range(2))
+            self._connect_neighbours()
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
+
+    def _pp_group(self, src: int, dst: int) -> dist.ProcessGroup:
+        return self._pp_groups[0 if src < dst else 1]
+
+    def _connect_neighbours(self) -> None:
+        """One message each way between every pair of ring neighbours on the pipeline's groups, pairs in one global
+        order (pair (r, r + 1) is number r, pair (0, R - 1) number R - 1): NCCL makes a pair's communicator at its
+        first message, which blocks until both ranks are there, so ranks that first sent along the ring would wait
+        on each other in a circle."""
+        b = self.backend
+        R, me = b.num_ranks, b.rank
+        pairs = {tuple(sorted((me, (me + d) % R))) for d in (1, -1)} - {(me, me)}
+        for lo, hi in sorted(pairs, key=lambda pair: pair[0] if pair[1] == pair[0] + 1 else R - 1):
+            other = hi if me == lo else lo
+            for src, dst in ((lo, hi), (hi, lo)):
+                token = torch.zeros(1, device=b.device)
+                post = dist.isend if me == src else dist.irecv
+                work = post(token, dist.get_global_rank(b.group, other), group=self._pp_group(src, dst))
+                b._wait([(work, f"rank {me} pp_set_config: connecting with peer {other}")])
 
     def pp_send(self, t: torch.Tensor, dst: int):
         """`Backend.run` steps of a send: wait for a free slot, stage `t` there, post the send."""
@@ -81,18 +123,18 @@ class TorchPrimitives:
         sends = self._sends[dst]
         while sends and sends[0][0].is_completed():
             sends.popleft()
-        if len(sends) >= self.pp_config[1]:  # every slot taken: the oldest must have been received
+        while len(sends) >= self.pp_config[1]:  # every slot taken: the oldest must have been received
             work, description, _ = sends.popleft()
             b._wait([(work, description)])
         staged = t.clone()
-        work = dist.isend(staged, dist.get_global_rank(b.group, dst), group=b.group)
+        work = dist.isend(staged, dist.get_global_rank(b.group, dst), group=self._pp_group(b.rank, dst))
         sends.append((work, f"rank {b.rank} pp_send: send to peer {dst}", staged))
         return (), [], []
 
     def pp_recv(self, t: torch.Tensor, src: int):
         """`Backend.run` steps of a receive into `t`."""
         b = self.backend
-        work = dist.irecv(t, dist.get_global_rank(b.group, src), group=b.group)
+        work = dist.irecv(t, dist.get_global_rank(b.group, src), group=self._pp_group(src, b.rank))
         return (), [(work, f"rank {b.rank} pp_recv: receive from peer {src}")], []
 
     # ------------------------------------------------------------------------------------------------
@@ -102,7 +144,7 @@ class TorchPrimitives:
         """`Backend.run` steps: every rank's `t` as the rows of `[R, *t.shape]`."""
         b = self.backend
         R = b.num_ranks
-        flat = t.reshape(1, -1)
+        flat = t.reshape(1, t.numel())
         recv, works = b._exchange(flat.expand(R, -1), [1] * R, [1] * R, "all_gather")
         return (recv.view(R, *t.shape),), works, []
 
@@ -127,34 +169,46 @@ class TorchPrimitives:
     # ------------------------------------------------------------------------------------------------
     # Engram
     # ------------------------------------------------------------------------------------------------
-    def engram_write(self, storage: torch.Tensor) -> None:
-        if storage.dtype not in TABLE_DTYPES:
-            raise TypeError(f"storage dtype must be one of {TABLE_DTYPES}, got {storage.dtype}")
-        if not 1 <= storage.dim() <= MAX_ROW_DIMS + 1 or 0 in storage.shape[1:]:
-            raise ValueError(f"storage must have 1 to {MAX_ROW_DIMS + 1} dimensions (rows first) and non-empty "
-                             f"rows, got shape {tuple(storage.shape)}")
-        row = list(storage.shape[1:])
+    def engram_write(self, storage: torch.Tensor, error: Optional[Exception] = None) -> None:
+        """Keep this rank's table (collective); `error`: the caller refused the arguments (every rank raises)."""
+        if error is None and storage.dtype not in TABLE_DTYPES:
+            error = TypeError(f"storage dtype must be one of {TABLE_DTYPES}, got {storage.dtype}")
+        if error is None and (not 1 <= storage.dim() <= MAX_ROW_DIMS + 1 or 0 in storage.shape[1:]):
+            error = ValueError(f"storage must have 1 to {MAX_ROW_DIMS + 1} dimensions (rows first) and non-empty "
+                               f"rows, got shape {tuple(storage.shape)}")
         names = ("row dtype", "row dims", *(f"row shape[{i}]" for i in range(MAX_ROW_DIMS)))
-        codes = {dtype: i for i, dtype in enumerate(TABLE_DTYPES)}
-        rows = self.agree([codes[storage.dtype], len(row), *row, *[0] * (MAX_ROW_DIMS - len(row)),
-                            storage.shape[0]], names, "engram_write")  # the row count (last) may differ
+        values = [0] * (len(names) + 1)
+        if error is None:
+            row = list(storage.shape[1:])
+            values = [DTYPES.index(storage.dtype), len(row), *row, *[0] * (MAX_ROW_DIMS - len(row)), storage.shape[0]]
+        rows = self.agree(values, names, "engram_write", error)  # the row count (last) may differ
         self.table = storage.detach().contiguous().clone()
         self.table_offsets = exclusive_cumsum([r[-1] for r in rows]) + [sum(r[-1] for r in rows)]
 
-    def engram_fetch(self, indices: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Post the exchanges of a fetch; the callable waits for the rows and returns them."""
+    def engram_fetch(self, indices: torch.Tensor, error: Optional[Exception] = None) -> Callable[[], torch.Tensor]:
+        """Post the exchanges of a fetch; the callable waits for the rows and returns them. `error`: the caller
+        refused the arguments (every rank raises)."""
         b = self.backend
         R, table, offsets = b.num_ranks, self.table, self.table_offsets
-        total = offsets[-1]
         dev = b.device
         i64 = dict(dtype=torch.int64, device=dev)
-        # Bad indices on any rank: the same ValueError everywhere before any row moves (the ranks' exchanges
-        # would not match otherwise).
-        bad = (indices < 0) | (indices >= total)
-        first_bad = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
-        everyone = b.gather_values(torch.tensor([first_bad, int(indices[first_bad]) if first_bad >= 0 else 0],
-                                                **i64), "engram_fetch index check").tolist()
-        problems = [f"rank {r}: indices[{i}]={v}" for r, (i, v) in enumerate(everyone) if i >= 0]
+        # Refused arguments or bad indices on any rank: an error on every rank before any row moves (the ranks'
+        # exchanges would not match otherwise).
+        first_bad, value = -1, 0
+        if error is None:
+            bad = (indices < 0) | (indices >= offsets[-1])
+            if bool(bad.any()):
+                first_bad = int(bad.nonzero()[0, 0])
+                value = int(indices[first_bad])
+        everyone = b.gather_values(torch.tensor([int(error is not None), first_bad, value], **i64),
+                                   "engram_fetch index check").tolist()
+        if error is not None:
+            raise error
+        refused = [r for r, row in enumerate(everyone) if row[0]]
+        if refused:
+            raise ValueError(f"engram_fetch: rank(s) {refused} refused their arguments (their error says why)")
+        total = offsets[-1]
+        problems = [f"rank {r}: indices[{i}]={v}" for r, (_, i, v) in enumerate(everyone) if i >= 0]
         if problems:
             raise ValueError(f"engram_fetch indices must be in [0, {total}) (rows of every rank's table): "
                              + ", ".join(problems))
