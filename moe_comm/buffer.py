@@ -231,12 +231,17 @@ class Buffer(PrimitivesMixin):
         except Exception as exc:  # of any kind: the peers must hear of it either way
             failure = exc
         error = _error_on_every_rank(self.group, failure, f"moe_comm.Buffer(backend={self.backend!r})")
+        if error is None and self.backend == "cuda":
+            try:
+                impl.connect()
+            except Exception as exc:  # mapping a peer failed here: every rank raises (this also is their barrier)
+                failure = exc
+            error = _error_on_every_rank(self.group, failure, f"moe_comm.Buffer(backend={self.backend!r}) mapping "
+                                                              f"the peers' memory")
         if error is not None:
             if impl is not None:
                 impl.close()  # now, not when the caller lets go of the exception (whose frames hold `impl`)
             raise error from failure
-        if self.backend == "cuda":
-            impl.connect()
         return impl
 
     # ------------------------------------------------------------------------------------------------

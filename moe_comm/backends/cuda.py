@@ -197,9 +197,11 @@ def _release(kernels, device: torch.device, rank: int, mapped_host: int, ipc: Op
     # False in a forked child, where CUDA cannot be used and the memory belongs to the parent.
     if torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
-        kernels.check(kernels.free_mapped(mapped_host), "free host-mapped memory", rank)
-        if ipc is not None:
-            ipc.free()
+        try:
+            kernels.check(kernels.free_mapped(mapped_host), "free host-mapped memory", rank)
+        finally:
+            if ipc is not None:
+                ipc.free()
 
 
 class CudaBackend(Backend):
@@ -268,8 +270,9 @@ class CudaBackend(Backend):
         self._finalizer.atexit = False
 
     def connect(self) -> None:
-        """Collective: map every peer's buffer, then wait until every rank's is zeroed (nobody signals into a buffer
-        its owner has not cleared). `moe_comm.Buffer` calls it once every rank has allocated its memory."""
+        """Collective: map every peer's buffer, and wait until this rank's is zeroed. `moe_comm.Buffer` calls it once
+        every rank has allocated its memory, then meets the others (its agreement on failures) before any call, so
+        nobody signals into a buffer its owner has not cleared."""
         import torch.distributed._symmetric_memory as symm_mem
 
         if self._ipc is not None:
@@ -278,7 +281,6 @@ class CudaBackend(Backend):
             self.symm = symm_mem.rendezvous(self.buffer, self.group.group_name)
             self._peer_bases = self.symm.buffer_ptrs_dev
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
 
     def close(self) -> None:
         """Wait for the device to finish with our memory, then free it (idempotent; the finalizer's release)."""

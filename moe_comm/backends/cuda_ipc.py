@@ -38,7 +38,10 @@ class IpcMemory:
         self.kernels, self.device, self.rank = kernels, device, rank
         address, handle = ctypes.c_void_p(), ctypes.create_string_buffer(IPC_HANDLE_BYTES)
         with torch.cuda.device(device):
-            kernels.check(kernels.ipc_alloc(num_bytes, ctypes.byref(address), handle), "IPC buffer", rank)
+            if kernels.ipc_alloc(num_bytes, ctypes.byref(address), handle):
+                why = kernels.last_error().decode()
+                error = torch.OutOfMemoryError if "out of memory" in why else RuntimeError  # as torch's allocator
+                raise error(f"moe_comm: the IPC buffer ({num_bytes} bytes on {device}) failed on rank {rank}: {why}")
         self.address, self.handle = address.value, handle.raw
         self.tensor = torch.as_tensor(_DeviceBytes(self.address, num_bytes), device=device)
         self.peers: list[int] = []  # addresses of the peers' buffers opened here
@@ -63,7 +66,10 @@ class IpcMemory:
         return self.bases.data_ptr()
 
     def free(self) -> None:
-        """Close the peers' mappings, then free this rank's buffer (the device synchronized by the caller)."""
+        """Close the peers' mappings, then free this rank's buffer (the device synchronized by the caller). Legacy IPC
+        does not keep the memory for peers that still map it: a peer writes into this buffer only inside an operation
+        this rank waits through (its rows, flags and counts are awaited here), so none writes any more, unless a
+        wait timed out (then the group is broken anyway)."""
         with torch.cuda.device(self.device):
             while self.peers:
                 self.kernels.check(self.kernels.ipc_close(self.peers.pop()), "closing a peer's IPC buffer", self.rank)

@@ -49,11 +49,15 @@ int moe_comm_free_mapped(void* host) {
 // (CudaTuning.peer_memory="ipc", which also lets two ranks share one GPU).
 int moe_comm_ipc_alloc(int64_t bytes, void** ptr, void* handle) {
     cudaError_t err = cudaMalloc(ptr, bytes);
+    if (err != cudaSuccess) cudaGetLastError();  // not left for the next launch check to report
     MOE_COMM_REQUIRE(err == cudaSuccess, "cudaMalloc(%lld bytes): %s", static_cast<long long>(bytes),
                      cudaGetErrorString(err));
     err = cudaMemset(*ptr, 0, bytes);
     if (err == cudaSuccess) err = cudaIpcGetMemHandle(static_cast<cudaIpcMemHandle_t*>(handle), *ptr);
-    if (err != cudaSuccess) cudaFree(*ptr);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(*ptr);
+    }
     MOE_COMM_REQUIRE(err == cudaSuccess, "zeroing or exporting %lld bytes: %s", static_cast<long long>(bytes),
                      cudaGetErrorString(err));
     return 0;
@@ -64,6 +68,7 @@ int moe_comm_ipc_open(const void* handle, void** ptr) {
     cudaIpcMemHandle_t h;
     memcpy(&h, handle, sizeof(h));
     const cudaError_t err = cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) cudaGetLastError();
     MOE_COMM_REQUIRE(err == cudaSuccess, "cudaIpcOpenMemHandle: %s", cudaGetErrorString(err));
     return 0;
 }
