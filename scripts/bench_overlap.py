@@ -74,6 +74,20 @@ def gemm_us(a: torch.Tensor, b: torch.Tensor, beside, iters: int) -> tuple[float
     return statistics.median(gemms[2:]), statistics.median(steps[2:])
 
 
+def gemm_as_long_as(op_us: float, b: torch.Tensor) -> torch.Tensor:
+    """`a` for an `a @ b` at least as long as `op_us` on every rank: small GEMMs do not scale with their rows, so M
+    doubles from 128 while one rank's is shorter (the ranks take the same steps, as each timing is collective)."""
+    m = 128
+    while True:
+        a = torch.randn(m, b.shape[0], dtype=b.dtype, device=b.device)
+        short = torch.tensor([m < 65536 and median_time_us(lambda: a @ b, b.device, num_iters=5) < op_us],
+                             dtype=torch.int32, device=b.device)
+        dist.all_reduce(short, op=dist.ReduceOp.MAX)
+        if not short.item():
+            return a
+        m *= 2
+
+
 def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
     device = torch.device("cuda", rank)
     E, K, H, N, expand = args["num_experts"], args["num_topk"], args["hidden"], args["tokens"], args["expand"]
@@ -101,17 +115,8 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
     for name, call in calls.items():
         op_us = median_time_us(call, device, num_iters=args["iters"])
         hooked_us = median_time_us(lambda: call(return_recv_hook=True)[-1](), device, num_iters=args["iters"])
-        # A GEMM at least as long as the op on every rank (small GEMMs do not scale with M: M doubles while one
-        # rank's is shorter; the ranks take the same steps, as each timing is collective).
-        m = 128
-        while True:
-            big = torch.randn(m, H, dtype=torch.bfloat16, device=device)
-            short = torch.tensor([m < 65536 and median_time_us(lambda: big @ b, device, num_iters=5) < op_us],
-                                 dtype=torch.int32, device=device)
-            dist.all_reduce(short, op=dist.ReduceOp.MAX)
-            if not short.item():
-                break
-            m *= 2
+        big = gemm_as_long_as(op_us, b)
+        m = big.shape[0]
 
         def nccl():
             side.wait_stream(torch.cuda.current_stream(device))

@@ -7,7 +7,8 @@ has one, shows the SM sweep at the largest token count beside the analytical SM 
 Every cell is the slowest rank's, as in the table.
 
 An overlap record (`scripts/bench_overlap.py --json`): per op, bars of a GEMM's time beside it in flight over the
-GEMM alone.
+GEMM alone. A primitives record (`scripts/bench_primitives.py --json`): GB/s against size, moe_comm and NCCL, and
+the GEMM beside each.
 
 Recipe metrics (`recipes/megatron_moe/train.py --metrics-json`, one file per dispatcher of the same preset and
 seed): loss and tokens/s per step, one line per file.
@@ -177,6 +178,37 @@ def plot_overlap(record: dict, path: str | pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_primitives(record: dict, path: str | pathlib.Path) -> None:
+    """Write a primitives record's plot (`scripts/bench_primitives.py --json`) to `path` (PNG): GB/s against size per
+    primitive, moe_comm and NCCL; and the GEMM's time beside each over the GEMM alone."""
+    from matplotlib.figure import Figure
+
+    table, config, meta = record["table"], record["config"], record["meta"]
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    speed, gemm = fig.subplots(1, 2)
+    for k, op in enumerate(dict.fromkeys(row["op"] for row in table)):
+        rows = [row for row in table if row["op"] == op]
+        sizes = [row["mb"] for row in rows]
+        for who, style in (("moe", "-"), ("nccl", ":")):
+            label = f"{op}, {'moe_comm' if who == 'moe' else 'NCCL'}"
+            speed.plot(sizes, [row[f"{who}_gbs"] for row in rows], style, marker="o", color=f"C{k}", label=label)
+            gemm.plot(sizes, [row[f"gemm_{who}_ratio"] for row in rows], style, marker="o", color=f"C{k}",
+                      label=label)
+    gemm.axhline(1.03, color="k", linestyle="--", linewidth=1, label="+3% (the target)")
+    for ax, ylabel, title in ((speed, "GB/s per rank", "bandwidth against size"),
+                              (gemm, "GEMM time / GEMM alone", "a GEMM beside each call")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("MB per rank")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    commit = "no checkout" if meta["commit"] is None else meta["commit"][:10]
+    fig.suptitle(f"the buffer's primitives against NCCL, {config['num_ranks']} ranks\ncommit {commit}, torch "
+                 f"{meta['torch']}, {meta['date_utc'][:10]}", fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
 def plot_recipe(runs: list[dict], path: str | pathlib.Path) -> None:
     """Write loss and tokens/s per step of recipe runs to `path` (PNG).
 
@@ -220,8 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     if all("table" in record for record in records):
         if len(records) != 1:
             parser.error(f"one bench JSON at a time, got {len(records)}")
-        overlap = records[0]["table"] and "gemm_alone_us" in records[0]["table"][0]
-        (plot_overlap if overlap else plot_bench)(records[0], out)
+        first = records[0]["table"][0] if records[0]["table"] else {}
+        plot = plot_primitives if "moe_gbs" in first else plot_overlap if "gemm_alone_us" in first else plot_bench
+        plot(records[0], out)
     elif all({"summary", "history"} <= record.keys() for record in records):
         plot_recipe(records, out)
     else:

@@ -154,3 +154,34 @@ def test_bench_overlap_report_and_plot(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert png.stat().st_size > 10_000
+
+
+def test_bench_primitives_report_and_plot(tmp_path):
+    """The primitives table: the slowest rank's times, GB/s from the bytes per rank, the GEMM ratios; the plotter
+    draws the record from the JSON alone."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_primitives import report
+        from moe_comm.testing.bench import run_metadata
+    finally:
+        sys.path.pop(0)
+    config = {"num_ranks": 2, "sizes_mb": [1, 4], "iters": 3}
+
+    def rank(scale):
+        return {"device": "H200", "rows": [
+            {"op": op, "mb": mb, "bytes": mb << 20, "moe_us": 100.0 * mb * scale, "nccl_us": 90.0 * mb,
+             "gemm_rows": 512, "gemm_alone_us": 200.0, "gemm_moe_us": 210.0 * scale, "gemm_nccl_us": 230.0}
+            for op in ("all_gather", "pipeline send/recv") for mb in (1, 4)]}
+
+    text, record = report(config, [rank(1.0), rank(1.5)], run_metadata(["bench_primitives.py"]))
+    first = record["table"][0]
+    assert (first["moe_us"], first["nccl_us"], first["gemm_moe_ratio"]) == (150.0, 90.0, 1.575)
+    assert abs(first["moe_gbs"] - (1 << 20) / 150.0 / 1e3) < 1e-9
+    assert "| all_gather | 1 | 150.0 | 90.0 | 7.0 | 11.7 | 512 | 200.0 | 315.0 (1.575) | 230.0 (1.150) |" in text
+    pytest.importorskip("matplotlib")
+    out_json, png = tmp_path / "primitives.json", tmp_path / "primitives.png"
+    out_json.write_text(json.dumps(record))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_results.py"), str(out_json), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.stat().st_size > 10_000
