@@ -74,6 +74,30 @@ def gemm_us(a: torch.Tensor, b: torch.Tensor, beside, iters: int) -> tuple[float
     return statistics.median(gemms[2:]), statistics.median(steps[2:])
 
 
+def on_side_stream(fn, side: torch.cuda.Stream):
+    """Run `fn` on `side` after the current stream's work; returns what makes the current stream wait for it."""
+    current = torch.cuda.current_stream(side.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        fn()
+    done = torch.cuda.Event()
+    done.record(side)
+    return lambda: current.wait_event(done)
+
+
+def run_on_gpus(parser: argparse.ArgumentParser, args, rank_fn, config: dict, report, plot: str) -> None:
+    """Check `--num-ranks` against the machine's GPUs, run `rank_fn(rank, world_size, config)` on every rank over
+    NCCL, print `report(config, per_rank, meta)`'s table and write its files (`bench.write_results`)."""
+    if not 1 <= args.num_ranks <= torch.cuda.device_count():
+        parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs (this machine has "
+                     f"{torch.cuda.device_count()})")
+    meta = run_metadata(sys.argv)
+    per_rank = parallel_launch(args.num_ranks, rank_fn, config, backend="nccl", timeout_s=1800)
+    text, record = report(config, per_rank, meta)
+    print(text)
+    write_results(text, record, args.json, args.md, plot)
+
+
 def gemm_as_long_as(op_us: float, b: torch.Tensor) -> torch.Tensor:
     """`a` for an `a @ b` at least as long as `op_us` on every rank: small GEMMs do not scale with their rows, so M
     doubles from 128 while one rank's is shorter (the ranks take the same steps, as each timing is collective)."""
@@ -119,12 +143,7 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
         m = big.shape[0]
 
         def nccl():
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                dist.all_to_all_single(received, send)
-            done = torch.cuda.Event()
-            done.record(side)
-            return lambda: torch.cuda.current_stream(device).wait_event(done)
+            return on_side_stream(lambda: dist.all_to_all_single(received, send), side)
 
         def after():
             call()
@@ -182,16 +201,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     args = parser.parse_args()
-    if not 1 <= args.num_ranks <= torch.cuda.device_count():
-        parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs (this machine has "
-                     f"{torch.cuda.device_count()})")
     config = {k: getattr(args, k) for k in ("num_ranks", "tokens", "hidden", "num_experts", "num_topk", "num_sms",
                                             "expand", "iters")}
-    meta = run_metadata(sys.argv)
-    per_rank = parallel_launch(args.num_ranks, overlap_rank, config, backend="nccl", timeout_s=1200)
-    text, record = report(config, per_rank, meta)
-    print(text)
-    write_results(text, record, args.json, args.md, "plot_overlap")
+    run_on_gpus(parser, args, overlap_rank, config, report, "plot_overlap")
 
 if __name__ == "__main__":
     main()

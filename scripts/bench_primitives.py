@@ -16,17 +16,15 @@ agree, which this run shows.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm.testing import parallel_launch
-from moe_comm.testing.bench import median_time_us, run_metadata
+from moe_comm.testing.bench import median_time_us
 
-from bench import meta_lines, write_results  # scripts/bench.py: scripts/ is sys.path[0] when this runs as a script
-from bench_overlap import gemm_as_long_as, gemm_us
+from bench import meta_lines  # scripts/bench.py: scripts/ is sys.path[0] when this runs as a script
+from bench_overlap import gemm_as_long_as, gemm_us, on_side_stream, run_on_gpus
 
 
 def primitives_rank(rank: int, world_size: int, args: dict) -> dict:
@@ -76,17 +74,9 @@ def primitives_rank(rank: int, world_size: int, args: dict) -> dict:
             nccl_us = median_time_us(nccl, device, num_iters=args["iters"])
             big = gemm_as_long_as(max(moe_us, nccl_us), b)
 
-            def nccl_beside(nccl=nccl):
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    nccl()
-                done = torch.cuda.Event()
-                done.record(side)
-                return lambda: torch.cuda.current_stream(device).wait_event(done)
-
             alone, _ = gemm_us(big, b, None, args["iters"])
             beside_moe, _ = gemm_us(big, b, lambda moe=moe: moe(async_with_compute_stream=True), args["iters"])
-            beside_nccl, _ = gemm_us(big, b, nccl_beside, args["iters"])
+            beside_nccl, _ = gemm_us(big, b, lambda nccl=nccl: on_side_stream(nccl, side), args["iters"])
             rows.append({"op": name, "mb": mb, "bytes": num_bytes, "moe_us": moe_us, "nccl_us": nccl_us,
                          "gemm_rows": big.shape[0], "gemm_alone_us": alone, "gemm_moe_us": beside_moe,
                          "gemm_nccl_us": beside_nccl})
@@ -126,15 +116,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     args = parser.parse_args()
-    if not 1 <= args.num_ranks <= torch.cuda.device_count():
-        parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs (this machine has "
-                     f"{torch.cuda.device_count()})")
     config = {"num_ranks": args.num_ranks, "sizes_mb": args.sizes_mb, "iters": args.iters}
-    meta = run_metadata(sys.argv)
-    per_rank = parallel_launch(args.num_ranks, primitives_rank, config, backend="nccl", timeout_s=1800)
-    text, record = report(config, per_rank, meta)
-    print(text)
-    write_results(text, record, args.json, args.md, "plot_primitives")
+    run_on_gpus(parser, args, primitives_rank, config, report, "plot_primitives")
 
 
 if __name__ == "__main__":
