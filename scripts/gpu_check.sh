@@ -8,6 +8,9 @@
 #   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, then the same with the
 #                                   expand layout (--expand: the MoE layer's dispatches), then (2+ GPUs) the hybrid
 #                                   path as hosts of one GPU (--ranks-per-host 1: its overhead) (~4 min)
+#   scripts/gpu_check.sh overlap    scripts/bench_overlap.py (a GEMM beside dispatch/combine: async, receive hook, NCCL;
+#                                   both layouts) and scripts/bench_primitives.py (pipeline, all_gather,
+#                                   reduce_scatter against NCCL, 1-512 MB, the GEMM beside each) (~4 min)
 #   scripts/gpu_check.sh soak       scripts/soak.py, 10,000 iterations of every path on the CUDA backend, one rank per
 #                                   GPU (~7 min: 2,000 took 77 s on one H200; issue 13 asks for 10,000 on 2 GPUs)
 #   scripts/gpu_check.sh megatron   Megatron GPU tier: parity on 2 GPUs, grouped experts, the sync-free layer (no host
@@ -44,6 +47,14 @@ case "${1:-}" in
             python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --ranks-per-host 1 --sms 22 \
                 --json "$out/bench-hybrid.json" --md "$out/bench-hybrid.md" 2>&1 | tail -30
         fi ;;
+    overlap)
+        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        for e in "" "--expand"; do
+            python3 scripts/bench_overlap.py --num-ranks "$gpus" $e --json "$out/overlap$e.json" \
+                --md "$out/overlap$e.md" 2>&1 | tail -16
+        done
+        python3 scripts/bench_primitives.py --num-ranks "$gpus" --json "$out/primitives.json" \
+            --md "$out/primitives.md" 2>&1 | tail -24 ;;
     soak)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/soak.py --iters 10000 --num-ranks "$gpus" --backend cuda --json "$out/soak.json" 2>&1 \
