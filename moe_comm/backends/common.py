@@ -164,10 +164,11 @@ class Backend:
         """
         if previous_event is not None:
             previous_event.current_stream_wait()
+        if self._comm_stream_busy and not async_with_compute_stream:
+            # An async call may still be using the buffer on the comm stream.
+            torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+            self._comm_stream_busy = False
         if return_recv_hook:
-            if self._comm_stream_busy:
-                torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
-                self._comm_stream_busy = False
             outputs, works, finalizers = body()
 
             def receive(backend: "Backend") -> None:  # not `self`: the hook holds the backend weakly
@@ -191,10 +192,6 @@ class Backend:
                 event.current_stream_wait()
             return outputs, event, None
         if not async_with_compute_stream:
-            # An async call may still be using the buffer on the comm stream.
-            if self._comm_stream_busy:
-                torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
-                self._comm_stream_busy = False
             outputs, works, finalizers = body()
             self._wait(works)
             for finalize in finalizers:
