@@ -368,7 +368,13 @@ def hybrid_value_errors_rank(rank: int, world_size: int) -> str:
     with ranks_per_node("2"):
         buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
                               num_cpu_timeout_secs=30)
-    x, idx, w = rank_inputs(TIMEOUT_CASE, rank)
+    return raise_for_bad_routing(buf, TIMEOUT_CASE, rank)
+
+
+def raise_for_bad_routing(buf: moe_comm.Buffer, case: Case, rank: int) -> str:
+    """Rank 3 routes a token to expert 99: with a CPU sync every rank raises (returns the message); without one the
+    slot is dropped and the next barrier raises on every rank; then `case` checks out on the buffer."""
+    x, idx, w = rank_inputs(case, rank)
     bad = idx.clone()
     if rank == 3:
         bad[1, 0] = 99
@@ -378,7 +384,7 @@ def hybrid_value_errors_rank(rank: int, world_size: int) -> str:
     with pytest.raises(ValueError, match=r"earlier dispatch without CPU sync \(slots dropped\): out-of-range "
                                          r"entries on rank\(s\) \[3\]"):
         buf.barrier()
-    check_case(buf, TIMEOUT_CASE, rank)
+    check_case(buf, case, rank)
     return str(info.value)
 
 

@@ -24,7 +24,8 @@ from moe_comm.testing import WorkerPool
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
 from test_hybrid import assert_same_outputs, check_fp8_modes, ranks_per_node, true_rows
-from test_hybrid_over_backend import compare
+from test_hybrid_over_backend import compare_and_destroy
+from test_shared_gpu import on_gpu0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
 
@@ -44,13 +45,8 @@ def on_gpu():
     if not ONE_GPU:
         yield
         return
-    torch.cuda.set_device(0)
-    original = moe_comm.Buffer.__dict__["group_device"]  # the staticmethod itself
-    moe_comm.Buffer.group_device = staticmethod(lambda group: torch.device("cuda", 0))
-    try:
+    with on_gpu0():
         yield
-    finally:
-        moe_comm.Buffer.group_device = original
 
 
 def cpu_group() -> dist.ProcessGroup:
@@ -81,12 +77,7 @@ def buffers(case: Case, fp8: bool = False):
 def cases_rank(rank: int, world_size: int, cases: list[Case]) -> int:
     for i, case in enumerate(cases):
         hybrids, partial, direct = buffers(case)
-        try:
-            compare(case, rank, direct, partial, hybrids)
-        except AssertionError as exc:
-            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
-        for b in (*hybrids, partial, direct):
-            b.destroy()
+        compare_and_destroy(i, case, rank, direct, partial, hybrids)
     return len(cases)
 
 

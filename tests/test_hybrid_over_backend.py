@@ -17,11 +17,12 @@ from torch.overrides import TorchFunctionMode
 import moe_comm
 from moe_comm.backends.hybrid import HybridBackend
 from moe_comm.testing import parallel_launch
-from moe_comm.testing.checks import assert_same, check_case, skip_one_call
+from moe_comm.testing.checks import assert_same, skip_one_call
 from moe_comm.testing.disagreement import run_probes
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_bias, rank_inputs
-from test_hybrid import assert_same_outputs, check_fp8_modes, make_buffer, ranks_per_node, rows_of, true_rows
+from test_hybrid import (assert_same_outputs, check_fp8_modes, make_buffer, raise_for_bad_routing, ranks_per_node,
+                         rows_of, true_rows)
 
 
 def over_reference(buf: moe_comm.Buffer) -> moe_comm.Buffer:
@@ -84,13 +85,18 @@ def cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: list[Case
             direct = make_buffer(case, allow_hybrid_mode=False)
         name = f"hybrid {world_size // ranks_per_host}x{ranks_per_host} over torch"
         assert [b._impl.name for b in hybrids] == [f"{name} partial sums", name]
-        try:
-            compare(case, rank, direct, partial, hybrids)
-        except AssertionError as exc:
-            raise AssertionError(f"case {i}: {case}\n{exc}") from exc
-        for b in (*hybrids, partial, direct):
-            b.destroy()
+        compare_and_destroy(i, case, rank, direct, partial, hybrids)
     return len(cases)
+
+
+def compare_and_destroy(i: int, case: Case, rank: int, direct, partial, hybrids) -> None:
+    """`compare` for case number `i` (named in a failure), then every buffer destroyed."""
+    try:
+        compare(case, rank, direct, partial, hybrids)
+    except AssertionError as exc:
+        raise AssertionError(f"case {i}: {case}\n{exc}") from exc
+    for b in (*hybrids, partial, direct):
+        b.destroy()
 
 
 # (world size, ranks per host) -> cases: one rank per host (no reordering), two and four (receivers reorder), and
@@ -186,19 +192,9 @@ def value_errors_rank(rank: int, world_size: int) -> str:
     with ranks_per_node("1"):
         buf = over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
                                              num_cpu_timeout_secs=30))
-    x, idx, w = rank_inputs(SMALL, rank)
-    bad = idx.clone()
-    if rank == 3:
-        bad[1, 0] = 99
-    with pytest.raises(ValueError) as info:
-        buf.dispatch(x, bad, w, num_experts=8)
-    buf.dispatch(x, bad, w, num_experts=8, do_cpu_sync=False)
-    with pytest.raises(ValueError, match=r"earlier dispatch without CPU sync \(slots dropped\): out-of-range "
-                                         r"entries on rank\(s\) \[3\]"):
-        buf.barrier()
-    check_case(buf, SMALL, rank)
+    message = raise_for_bad_routing(buf, SMALL, rank)
     buf.destroy()
-    return str(info.value)
+    return message
 
 
 def test_value_errors_raise_on_every_rank(pools):
