@@ -397,19 +397,21 @@ class Buffer(PrimitivesMixin):
         self._check_alive()
         self._impl.check_no_pending_hook(what)
 
-    def _check_tensor(self, name: str, t, dtypes: Sequence[torch.dtype], ndim: int) -> torch.Tensor:
+    def _check_tensor(self, name: str, t, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None,
+                      contiguous: bool = True) -> torch.Tensor:
+        """A tensor on the buffer's device, dense, contiguous (unless not asked), of `dtypes` and `ndim` (if given)."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in dtypes:
+        if dtypes is not None and t.dtype not in dtypes:
             raise TypeError(f"{name}.dtype={t.dtype} is not one of {list(dtypes)}")
-        if t.dim() != ndim:
+        if ndim is not None and t.dim() != ndim:
             raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
         # get_device() is -1 on the CPU but also on "meta": the device type is checked too (cheaper than t.device).
         if t.get_device() != self._device_index or not (t.is_cuda if self._device_index >= 0 else t.is_cpu):
             raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
         if t.layout != torch.strided:  # a sparse tensor cannot even answer is_contiguous()
             raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-        if not t.is_contiguous():
+        if contiguous and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
         return t
 

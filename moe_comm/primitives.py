@@ -88,7 +88,7 @@ class PrimitivesMixin:
         if self._prims.pp_config is None:
             raise RuntimeError("moe_comm: call pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors) on "
                                "every rank before pp_send/pp_recv")
-        self._check_primitive_tensor("t", t)
+        self._check_tensor("t", t)
         limit = self._prims.pp_config[0]
         if t.nbytes > limit:
             raise ValueError(f"t has {t.nbytes} bytes, more than num_max_tensor_bytes={limit} (pp_set_config)")
@@ -152,7 +152,7 @@ class PrimitivesMixin:
         agree = self._impl.checks_every_call or env.get_bool("MOE_COMM_CHECK_INPUTS")
         error = None
         try:
-            self._check_primitive_tensor("t", t)
+            self._check_tensor("t", t)
             if t.dim() > MAX_DIMS:
                 raise ValueError(f"t must have at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}")
             if check is not None:
@@ -181,7 +181,7 @@ class PrimitivesMixin:
         self._check_alive()
         error = None
         try:
-            self._check_primitive_tensor("storage", storage, contiguous=False)
+            self._check_tensor("storage", storage, contiguous=False)
         except (TypeError, ValueError) as exc:  # raised on every rank by the agreement (the others wait in it)
             error = exc
         self._prims.engram_write(storage, error)
@@ -201,7 +201,7 @@ class PrimitivesMixin:
         try:
             if self._prims.table is None:
                 raise RuntimeError("moe_comm: call engram_write(storage) on every rank before engram_fetch")
-            self._check_primitive_tensor("indices", indices)
+            self._check_tensor("indices", indices)
             if indices.dtype != torch.int64 or indices.dim() != 1:
                 raise TypeError(f"indices must be a 1-D torch.int64 tensor, got {indices.dtype} of shape "
                                 f"{tuple(indices.shape)}")
@@ -213,14 +213,6 @@ class PrimitivesMixin:
     # ------------------------------------------------------------------------------------------------
     # Shared
     # ------------------------------------------------------------------------------------------------
-    def _check_primitive_tensor(self, name: str, t, contiguous: bool = True) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.device:
-            raise ValueError(f"{name} is on {t.device}, the buffer's group works on {self.device}")
-        if contiguous and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
-
     def _run_primitive(self, steps, previous_event, async_with_compute_stream, inputs) -> tuple:
         """`(outputs, event)` of a primitive's steps run by the backend (`Backend.run`)."""
         check_bool(async_with_compute_stream=async_with_compute_stream)
