@@ -13,7 +13,7 @@ import torch
 
 from . import env
 from .args import check_bool, check_int
-from .backends.torch_primitives import DTYPES, MAX_ROW_DIMS
+from .backends.torch_primitives import MAX_ROW_DIMS, shape_words
 from .event import EventOverlap
 
 MAX_DIMS = MAX_ROW_DIMS + 1  # of an all_gather / reduce_scatter tensor (its shape travels in the agreement)
@@ -162,9 +162,7 @@ class PrimitivesMixin:
                 raise
             error = exc
         if agree:
-            names = ("dtype", "dims", *(f"shape[{i}]" for i in range(MAX_DIMS)))
-            values = [0] * len(names) if error is not None else \
-                [DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim())]
+            names, values = shape_words("", MAX_DIMS) if error else shape_words("", MAX_DIMS, t.dtype, t.shape)
             self._prims.agree(values, names, what, error)
 
     # ------------------------------------------------------------------------------------------------

@@ -40,6 +40,17 @@ TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, tor
                  torch.uint8, torch.int32, torch.int64)
 
 
+def shape_words(prefix: str, max_dims: int, dtype: Optional[torch.dtype] = None,
+                shape=()) -> tuple[tuple[str, ...], list[int]]:
+    """`(names, values)` by which ranks agree on a tensor's dtype and shape (`TorchPrimitives.agree`): the dtype's
+    code in DTYPES, the number of dimensions, the sizes zero-padded to `max_dims`; names start with `prefix`. No
+    dtype (this rank refused its arguments): zeros."""
+    names = (f"{prefix}dtype", f"{prefix}dims", *(f"{prefix}shape[{i}]" for i in range(max_dims)))
+    if dtype is None:
+        return names, [0] * len(names)
+    return names, [DTYPES.index(dtype), len(shape), *shape, *[0] * (max_dims - len(shape))]
+
+
 class TorchPrimitives:
     """The primitives of one Buffer over its backend's group (module docstring).
 
@@ -176,12 +187,12 @@ class TorchPrimitives:
         if error is None and (not 1 <= storage.dim() <= MAX_ROW_DIMS + 1 or 0 in storage.shape[1:]):
             error = ValueError(f"storage must have 1 to {MAX_ROW_DIMS + 1} dimensions (rows first) and non-empty "
                                f"rows, got shape {tuple(storage.shape)}")
-        names = ("row dtype", "row dims", *(f"row shape[{i}]" for i in range(MAX_ROW_DIMS)))
-        values = [0] * (len(names) + 1)
         if error is None:
-            row = list(storage.shape[1:])
-            values = [DTYPES.index(storage.dtype), len(row), *row, *[0] * (MAX_ROW_DIMS - len(row)), storage.shape[0]]
-        rows = self.agree(values, names, "engram_write", error)  # the row count (last) may differ
+            names, values = shape_words("row ", MAX_ROW_DIMS, storage.dtype, storage.shape[1:])
+        else:
+            names, values = shape_words("row ", MAX_ROW_DIMS)
+        values.append(storage.shape[0] if error is None else 0)  # the row count: it may differ between ranks
+        rows = self.agree(values, names, "engram_write", error)
         self.table = storage.detach().contiguous().clone()
         self.table_offsets = exclusive_cumsum([r[-1] for r in rows]) + [sum(r[-1] for r in rows)]
 
@@ -240,4 +251,4 @@ class TorchPrimitives:
         return fetch
 
 
-__all__ = ["TorchPrimitives", "MAX_ROW_DIMS", "TABLE_DTYPES"]
+__all__ = ["TorchPrimitives", "MAX_ROW_DIMS", "TABLE_DTYPES", "DTYPES", "shape_words"]
