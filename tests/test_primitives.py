@@ -16,7 +16,8 @@ import moe_comm
 
 
 def make_buffer(**kwargs) -> moe_comm.Buffer:
-    return moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
+    return moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2,
+                           backend=kwargs.pop("backend", "torch"),
                            num_cpu_timeout_secs=kwargs.pop("num_cpu_timeout_secs", 30), **kwargs)
 
 
@@ -26,11 +27,11 @@ def tensor_of(rank: int, step: int, shape=(3, 5), dtype=torch.float32, device="c
     return torch.randn(shape, generator=g).to(dtype).to(device)
 
 
-def pipeline_rank(rank: int, world_size: int, num_steps: int, shape=(3, 5)) -> bool:
+def pipeline_rank(rank: int, world_size: int, num_steps: int, shape=(3, 5), backend: str = "torch") -> bool:
     """Every rank sends `num_steps` tensors to the next rank of the ring, each before it receives the previous
     rank's (every rank sends first: with two ranks they send to each other), async and not, mixed dtypes; each
-    received tensor is bitwise what its sender made for that step."""
-    buf = make_buffer()
+    received tensor is bitwise what its sender made for that step. `backend="cuda"`: the copy-engine path."""
+    buf = make_buffer(backend=backend)
     buf.pp_set_config(num_max_tensor_bytes=math.prod(shape) * 8, num_max_inflight_tensors=2)
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
     received = []

@@ -45,6 +45,7 @@ class IpcMemory:
         self.address, self.handle = address.value, handle.raw
         self.tensor = torch.as_tensor(_DeviceBytes(self.address, num_bytes), device=device)
         self.peers: list[int] = []  # addresses of the peers' buffers opened here
+        self.addresses: list[int] = []  # every rank's buffer as mapped here (`connect()`)
         self.bases: torch.Tensor | None = None
 
     def connect(self, group: dist.ProcessGroup) -> int:
@@ -62,6 +63,7 @@ class IpcMemory:
                                    f"opening rank {r}'s IPC buffer", self.rank)
                 self.peers.append(address.value)
                 bases.append(address.value)
+        self.addresses = bases
         self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         return self.bases.data_ptr()
 

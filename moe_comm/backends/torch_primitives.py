@@ -71,6 +71,11 @@ class TorchPrimitives:
         self.table: Optional[torch.Tensor] = None
         self.table_offsets: list[int] = []
 
+    def close(self) -> None:
+        """Drop what the primitives hold (`Buffer.destroy`)."""
+        self._sends.clear()
+        self.table = None
+
     # ------------------------------------------------------------------------------------------------
     # Agreement
     # ------------------------------------------------------------------------------------------------
