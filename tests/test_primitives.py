@@ -112,10 +112,10 @@ def test_refused_arguments_raise_on_every_rank(pools):
     assert ok[3] == refused[3] == "moe_comm: call engram_write(storage) on every rank before engram_fetch"
 
 
-def collectives_rank(rank: int, world_size: int) -> list[str]:
+def collectives_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
     """all_gather and reduce_scatter against torch.distributed's all_gather and a local rank-ordered FP32 sum of
-    every rank's blocks (bitwise), sync and async; then the errors."""
-    buf = make_buffer()
+    every rank's blocks (bitwise), sync and async; then the errors. `backend="cuda"`: the copy-engine path."""
+    buf = make_buffer(backend=backend)
     dev = buf.device
     problems = []
     for dtype in (torch.float32, torch.bfloat16, torch.float64):

@@ -233,3 +233,16 @@ def test_pipeline_timeout():
         message, skipped = workers.run(pipeline_timeout_rank)
     assert skipped == "skipped"
     assert "rank 0 timed out in pp_recv waiting for peer 1" in message, message
+
+
+def collectives_rank(rank: int, world_size: int) -> list[str]:
+    """tests/test_primitives.py's all_gather and reduce_scatter checks on the CUDA backend: copies into every peer's
+    slot by copy engines, the sum in rank order by one kernel, bitwise."""
+    import test_primitives
+
+    with every_buffer_over_ipc():
+        return test_primitives.collectives_rank(rank, world_size, "cuda")
+
+
+def test_all_gather_and_reduce_scatter_by_copy_engines(pool):
+    assert pool.run(collectives_rank) == [[], []]

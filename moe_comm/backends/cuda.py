@@ -55,7 +55,8 @@ MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
 # on every rank and unlike any used before (row tags keep 48 bits: 65536 disagreements).
 REALIGN_JUMP = 1 << 32
 PHASES = ("barrier before dispatch", "dispatch notify", "dispatch", "barrier before combine", "combine",
-          "pp_send (a free slot)", "pp_recv")
+          "pp_send (a free slot)", "pp_recv", "all_gather / reduce_scatter (a free slot)",
+          "all_gather / reduce_scatter")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 
 

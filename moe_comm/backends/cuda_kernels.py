@@ -51,6 +51,9 @@ SIGNATURES = {
     "moe_comm_wait_flag": (_int, [_EP, _ptr, _i64, _int, _int, _ptr]),
     "moe_comm_signal_flag": (_int, [_ptr, _i64, _ptr]),
     "moe_comm_copy": (_int, [_ptr, _ptr, _i64, _ptr]),
+    "moe_comm_wait_flags": (_int, [_EP, _ptr, _int, _i64, _int, _ptr]),
+    "moe_comm_signal_flags": (_int, [_ptr, _int, _i64, _ptr]),
+    "moe_comm_reduce_slots": (_int, [_ptr, _i64, _int, _i64, _ptr, _int, _int, _ptr]),
 }
 # Only in a build with -DMOE_COMM_BLOCK_TIMES (scripts/profile_ops.py --variants times=1).
 BLOCK_TIME_SIGNATURES = {name: (_int, [ctypes.POINTER(ctypes.c_uint64), _int])

@@ -1,7 +1,14 @@
-"""The CUDA backend's pipeline send/recv by copy engines: the rows move with cudaMemcpyAsync into the receiver's
-slot (peer memory over NVLink), and the only kernels are a one-warp wait for a flag and a one-thread release of a
-flag, so no SM is held while data moves (DESIGN 8.4). The all-gather, reduce-scatter and Engram stay the
-reference's (`torch_primitives`) until their copy-engine paths exist.
+"""The CUDA backend's pipeline send/recv, all-gather and reduce-scatter by copy engines: the data moves with
+cudaMemcpyAsync into the receiver's slots (peer memory over NVLink), and the only kernels are one-warp waits for
+flags and releases of flags, so no SM is held while data moves (DESIGN 8.4); the reduce-scatter's sum is one kernel.
+Engram stays the reference's (`torch_primitives`) until its copy-engine path exists.
+
+All-gather / reduce-scatter: one region per rank, made at the first such call with slots of the largest size any
+rank asks for (a later call needing more raises ValueError), flags arrived[R] and released[R] (call numbers), and
+2 parities x R slots. Call s (the same number on every rank) uses parity s % 2: wait until every peer released its
+slots of call s - 2, copy into every rank's slot `me` (own included: the reduce-scatter sums its own block from
+there), release `arrived[me] = s` on every peer, wait for every peer's arrival, read the slots (all-gather: copy
+out; reduce-scatter: sum in rank order), release `released[me] = s` on every peer.
 
 Memory: `pp_set_config` (collective) allocates each rank's pipeline region with CUDA IPC (`cuda_ipc`: the same code
 maps peers on one GPU or several) and maps every peer's:
@@ -33,11 +40,13 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import layout as lay
+from .common import DTYPE_CODES
 from .cuda import _PHASE, CudaBackend
 from .cuda_ipc import IpcMemory
 from .cuda_kernels import current_stream
@@ -45,6 +54,11 @@ from .torch_primitives import TorchPrimitives
 
 CONTROL_BYTES = 16 * lay.MAX_RANKS  # arrived[MAX_RANKS], credit[MAX_RANKS]
 SLOT_ALIGN = 256
+# The all-gather / reduce-scatter region: arrived[MAX_RANKS] (call number of each source's copy into our slot),
+# released[MAX_RANKS] (call number each peer last read its slots, ours among them), then 2 parities x R slots.
+AGRS_ARRIVED, AGRS_RELEASED = 0, 8 * lay.MAX_RANKS
+AGRS_CONTROL_BYTES = 16 * lay.MAX_RANKS
+REDUCE_BLOCKS = 264  # the reduce-scatter's sum: two blocks of 256 threads per SM of an H200
 
 
 class CudaPrimitives(TorchPrimitives):
@@ -62,6 +76,9 @@ class CudaPrimitives(TorchPrimitives):
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
         self._wait_params: lay.EpParams | None = None
+        self._agrs: IpcMemory | None = None  # the all-gather / reduce-scatter region (`_agrs_region`)
+        self._agrs_slot_bytes = 0
+        self._agrs_seq = 0  # calls so far: the same on every rank (collective order)
 
     # ------------------------------------------------------------------------------------------------
     # Layout of a region
@@ -136,12 +153,112 @@ class CudaPrimitives(TorchPrimitives):
         self._received[src] = seq
         return (), [], []
 
+    # ------------------------------------------------------------------------------------------------
+    # All-gather, reduce-scatter
+    # ------------------------------------------------------------------------------------------------
+    def _agrs_region(self, slot_bytes: int) -> None:
+        """The all-gather / reduce-scatter region, made at the first call with slots of the largest size any rank
+        asks for (collective: one exchange, a host sync); a later call that needs more raises ValueError before
+        anything moves (every rank's slots have the same size, so no copy can overrun a peer's)."""
+        b = self.backend
+        if self._agrs is not None:
+            if slot_bytes > self._agrs_slot_bytes:
+                raise ValueError(f"{slot_bytes} bytes per slot exceed the all-gather / reduce-scatter slots made by "
+                                 f"this buffer's first such call ({self._agrs_slot_bytes} bytes): make the largest "
+                                 f"call first, or use another Buffer")
+            return
+        asked = b.gather_values(torch.tensor([slot_bytes], dtype=torch.int64, device=b.device),
+                                "all_gather / reduce_scatter slot size")
+        slot_bytes = int(asked.max())
+        R = b.num_ranks
+        self._agrs_slot_bytes = max(SLOT_ALIGN, -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN)
+        region = IpcMemory(b.kernels, AGRS_CONTROL_BYTES + 2 * R * self._agrs_slot_bytes, b.device, b.rank)
+        self._agrs_finalizer = weakref.finalize(self, _free, region, b.device)
+        self._agrs_finalizer.atexit = False
+        region.connect(b.group)
+        self._agrs = region
+        # Where this rank signals on every peer: its arrival, its release of a slot.
+        me, bases = b.rank, region.addresses
+        signal = [[bases[p] + offset + 8 * me if p != me else 0 for p in range(R)]
+                  for offset in (AGRS_ARRIVED, AGRS_RELEASED)]
+        self._agrs_signals = torch.tensor(signal, dtype=torch.int64, device=b.device)
+        self._agrs_seq = 0
+        torch.cuda.synchronize(b.device)  # every region zeroed before a peer signals into it
+        dist.barrier(group=b.group)
+        if self._wait_params is None:
+            self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
+                                             timeout_ns=b.timeout_ns, rank=b.rank, num_ranks=R)
+
+    def _agrs_slot(self, rank: int, parity: int, source: int) -> int:
+        return self._agrs.addresses[rank] + AGRS_CONTROL_BYTES + \
+            (parity * self.backend.num_ranks + source) * self._agrs_slot_bytes
+
+    def _agrs_exchange(self, block_of: Callable[[int], tuple[int, int]], what: str) -> tuple[int, int]:
+        """One all-gather / reduce-scatter exchange: every peer's slot `me` (of this call's parity) gets
+        `block_of(peer)` = (address, bytes) by a copy engine once the peer released that slot (two calls ago), then
+        every peer's arrival is awaited. Returns `(parity, stream)`; the caller reads its slots, then
+        `_agrs_release`."""
+        b, k = self.backend, self.backend.kernels
+        self._check_not_capturing(what)
+        R, me = b.num_ranks, b.rank
+        self._agrs_seq += 1
+        seq, parity = self._agrs_seq, self._agrs_seq % 2
+        stream = current_stream(b.device.index)
+        base = self._agrs.addresses[me]
+        params = ctypes.byref(self._wait_params)
+        if seq > 2:  # the slots of this parity were last read two calls ago
+            k.check(k.wait_flags(params, base + AGRS_RELEASED, R, seq - 2, _PHASE["all_gather / reduce_scatter (a "
+                                                                                  "free slot)"], stream), what, me)
+        for p in range(R):
+            address, num_bytes = block_of(p)
+            k.check(k.copy(self._agrs_slot(p, parity, me), address, num_bytes, stream), f"{what} copy", me)
+        k.check(k.signal_flags(self._agrs_signals[0].data_ptr(), R, seq, stream), f"{what} signal", me)
+        k.check(k.wait_flags(params, base + AGRS_ARRIVED, R, seq, _PHASE["all_gather / reduce_scatter"], stream),
+                what, me)
+        return parity, stream
+
+    def _agrs_release(self, stream: int, what: str) -> None:
+        k = self.backend.kernels
+        k.check(k.signal_flags(self._agrs_signals[1].data_ptr(), self.backend.num_ranks, self._agrs_seq, stream),
+                f"{what} release", self.backend.rank)
+
+    def all_gather(self, t: torch.Tensor):
+        """Copy engines: `t` into every rank's slot, then the slots (own: `t`) into `[R, *t.shape]`."""
+        b, k = self.backend, self.backend.kernels
+        R, me, nbytes = b.num_ranks, b.rank, t.nbytes
+        out = t.new_empty(R, *t.shape)
+        self._agrs_region(nbytes)
+        parity, stream = self._agrs_exchange(lambda p: (t.data_ptr(), nbytes), "all_gather")
+        for q in range(R):
+            source = t.data_ptr() if q == me else self._agrs_slot(me, parity, q)
+            k.check(k.copy(out[q].data_ptr(), source, nbytes, stream), "all_gather copy out", me)
+        self._agrs_release(stream, "all_gather")
+        return (out,), [], []
+
+    def reduce_scatter(self, t: torch.Tensor):
+        """Copy engines: block p of `t` into rank p's slot, then one kernel sums this rank's slots in rank order."""
+        b, k = self.backend, self.backend.kernels
+        R, me = b.num_ranks, b.rank
+        n = t.shape[0] // R
+        out = t.new_empty(n, *t.shape[1:])
+        block_bytes = out.nbytes
+        self._agrs_region(block_bytes)
+        parity, stream = self._agrs_exchange(lambda p: (t[p * n:(p + 1) * n].data_ptr(), block_bytes),
+                                             "reduce_scatter")
+        k.check(k.reduce_slots(self._agrs_slot(me, parity, 0), self._agrs_slot_bytes, R, out.numel(),
+                               out.data_ptr(), DTYPE_CODES[t.dtype], REDUCE_BLOCKS, stream), "reduce_scatter sum", me)
+        self._agrs_release(stream, "reduce_scatter")
+        return (out,), [], []
+
     def close(self) -> None:
-        """Free the pipeline region (the device synchronized first)."""
+        """Free the regions (the device synchronized first)."""
         super().close()
         if self._region is not None:
             self._finalizer()
             self._region = None
+        if self._agrs is not None:
+            self._agrs_finalizer()
+            self._agrs = None
 
 
 def _free(region: IpcMemory, device: torch.device) -> None:
