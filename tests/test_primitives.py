@@ -164,10 +164,10 @@ def test_all_gather_and_reduce_scatter(pools, world_size):
     assert pools(world_size).run(collectives_rank) == [[]] * world_size
 
 
-def engram_rank(rank: int, world_size: int) -> list[str]:
+def engram_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
     """Tables of different row counts per rank (rank 1 none); every rank fetches indices of every owner, repeated,
-    unordered, and none; rows bitwise the concatenated table's."""
-    buf = make_buffer()
+    unordered, and none; rows bitwise the concatenated table's. `backend="cuda"`: the one-sided path."""
+    buf = make_buffer(backend=backend)
     problems = []
     for dtype, row in ((torch.float32, (4,)), (torch.bfloat16, (2, 3)), (torch.int64, ())):
         counts = [5, 0, 3, 2][:world_size]

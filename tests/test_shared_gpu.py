@@ -246,3 +246,15 @@ def collectives_rank(rank: int, world_size: int) -> list[str]:
 
 def test_all_gather_and_reduce_scatter_by_copy_engines(pool):
     assert pool.run(collectives_rank) == [[], []]
+
+
+def engram_rank(rank: int, world_size: int) -> list[str]:
+    """tests/test_primitives.py's Engram checks on the CUDA backend: the table in IPC regions, rows read one-sided."""
+    import test_primitives
+
+    with every_buffer_over_ipc():
+        return test_primitives.engram_rank(rank, world_size, "cuda")
+
+
+def test_engram_one_sided(pool):
+    assert pool.run(engram_rank) == [[], []]

@@ -1,7 +1,9 @@
 """The CUDA backend's pipeline send/recv, all-gather and reduce-scatter by copy engines: the data moves with
 cudaMemcpyAsync into the receiver's slots (peer memory over NVLink), and the only kernels are one-warp waits for
 flags and releases of flags, so no SM is held while data moves (DESIGN 8.4); the reduce-scatter's sum is one kernel.
-Engram stays the reference's (`torch_primitives`) until its copy-engine path exists.
+Engram: `engram_write` puts each rank's rows in an IPC region that every rank maps; `engram_fetch` reads the
+requested rows one-sided with one small kernel (peer loads; the owners take no part), after the index check that
+raises the same error on every rank (one exchange).
 
 All-gather / reduce-scatter: one region per rank, made at the first such call with slots of the largest size any
 rank asks for (a later call needing more raises ValueError), flags arrived[R] and released[R] (call numbers), and
@@ -39,6 +41,7 @@ makes new slots.
 from __future__ import annotations
 
 import ctypes
+import math
 import weakref
 from typing import Callable
 
@@ -59,6 +62,7 @@ SLOT_ALIGN = 256
 AGRS_ARRIVED, AGRS_RELEASED = 0, 8 * lay.MAX_RANKS
 AGRS_CONTROL_BYTES = 16 * lay.MAX_RANKS
 REDUCE_BLOCKS = 264  # the reduce-scatter's sum: two blocks of 256 threads per SM of an H200
+ENGRAM_BLOCKS = 16  # the fetch's one-sided reads: 128 warps, a row each at a time
 
 
 class CudaPrimitives(TorchPrimitives):
@@ -79,6 +83,7 @@ class CudaPrimitives(TorchPrimitives):
         self._agrs: IpcMemory | None = None  # the all-gather / reduce-scatter region (`_agrs_region`)
         self._agrs_slot_bytes = 0
         self._agrs_seq = 0  # calls so far: the same on every rank (collective order)
+        self._engram: IpcMemory | None = None  # the Engram table's region (`engram_write`)
 
     # ------------------------------------------------------------------------------------------------
     # Layout of a region
@@ -250,6 +255,44 @@ class CudaPrimitives(TorchPrimitives):
         self._agrs_release(stream, "reduce_scatter")
         return (out,), [], []
 
+    # ------------------------------------------------------------------------------------------------
+    # Engram
+    # ------------------------------------------------------------------------------------------------
+    def engram_write(self, storage: torch.Tensor, error=None) -> None:
+        """The table's rows in an IPC region of this rank, every rank's mapped here (collective); the ranks agree
+        on the row shape and dtype first (`TorchPrimitives.engram_write`)."""
+        b = self.backend
+        super().engram_write(storage, error)  # agreement, offsets; keeps a copy we replace by the region's
+        rows = self.table
+        if self._engram is not None:  # every rank's fetches done before any table goes
+            torch.cuda.synchronize(b.device)
+            dist.barrier(group=b.group)
+            self._engram_finalizer()
+        region = IpcMemory(b.kernels, max(SLOT_ALIGN, rows.nbytes), b.device, b.rank)
+        self._engram_finalizer = weakref.finalize(self, _free, region, b.device)
+        self._engram_finalizer.atexit = False
+        table = region.tensor[:rows.nbytes].view(rows.dtype).view(rows.shape)
+        table.copy_(rows)
+        region.connect(b.group)
+        self._engram, self.table = region, table
+        self._engram_bases = torch.tensor(region.addresses, dtype=torch.int64, device=b.device)
+        self._engram_offsets = torch.tensor(self.table_offsets, dtype=torch.int64, device=b.device)
+        torch.cuda.synchronize(b.device)  # every table in place before a peer reads it
+        dist.barrier(group=b.group)
+
+    def engram_fetch(self, indices: torch.Tensor, error=None) -> Callable[[], torch.Tensor]:
+        """One-sided: one kernel reads every requested row from its owner's region (peer loads over NVLink; the
+        owners take no part); the callable returns the rows (stream-ordered, nothing to wait for)."""
+        b, k = self.backend, self.backend.kernels
+        self.check_fetch(indices, error)  # the same errors on every rank, one exchange
+        table = self.table
+        out = table.new_empty(indices.shape[0], *table.shape[1:])
+        row_bytes = table.element_size() * math.prod(table.shape[1:])
+        k.check(k.engram_gather(indices.data_ptr(), indices.shape[0], self._engram_offsets.data_ptr(), b.num_ranks,
+                                self._engram_bases.data_ptr(), row_bytes, out.data_ptr(), ENGRAM_BLOCKS,
+                                current_stream(b.device.index)), "engram_fetch", b.rank)
+        return lambda: out
+
     def close(self) -> None:
         """Free the regions (the device synchronized first)."""
         super().close()
@@ -259,6 +302,9 @@ class CudaPrimitives(TorchPrimitives):
         if self._agrs is not None:
             self._agrs_finalizer()
             self._agrs = None
+        if self._engram is not None:
+            self._engram_finalizer()
+            self._engram = self.table = None
 
 
 def _free(region: IpcMemory, device: torch.device) -> None:
