@@ -212,6 +212,12 @@ def test_pipeline_by_copy_engines(pool):
     assert pool.run(pipeline_rank) == [True, True]
 
 
+def test_pipeline_ring_of_three():
+    """Three ranks on the GPU: both directions of the ring (sources before and after each rank)."""
+    with WorkerPool(3, backend="gloo", timeout_s=300) as workers:
+        assert workers.run(pipeline_rank) == [True] * 3
+
+
 def pipeline_timeout_rank(rank: int, world_size: int) -> str:
     """A receive whose sender never sends: its one-warp wait ends after num_gpu_timeout_secs, and the next call
     raises the TimeoutError naming rank, phase and peer."""

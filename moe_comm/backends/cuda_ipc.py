@@ -67,14 +67,19 @@ class IpcMemory:
         self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         return self.bases.data_ptr()
 
+    def close_peers(self) -> None:
+        """Close the peers' mappings (this rank writes into them no more once its device is synchronized)."""
+        with torch.cuda.device(self.device):
+            while self.peers:
+                self.kernels.check(self.kernels.ipc_close(self.peers.pop()), "closing a peer's IPC buffer", self.rank)
+
     def free(self) -> None:
         """Close the peers' mappings, then free this rank's buffer (the device synchronized by the caller). Legacy IPC
         does not keep the memory for peers that still map it: a peer writes into this buffer only inside an operation
         this rank waits through (its rows, flags and counts are awaited here), so none writes any more, unless a
         wait timed out (then the group is broken anyway)."""
+        self.close_peers()
         with torch.cuda.device(self.device):
-            while self.peers:
-                self.kernels.check(self.kernels.ipc_close(self.peers.pop()), "closing a peer's IPC buffer", self.rank)
             if self.address:
                 address, self.address = self.address, 0
                 self.kernels.check(self.kernels.ipc_free(address), "freeing the IPC buffer", self.rank)

@@ -76,6 +76,7 @@ class CudaPrimitives(TorchPrimitives):
     def __init__(self, backend: CudaBackend) -> None:
         super().__init__(backend)
         self._region: IpcMemory | None = None
+        self._finalizers: dict[int, weakref.finalize] = {}  # per region (`_new_region`)
         self._slot_bytes = 0
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
@@ -84,6 +85,50 @@ class CudaPrimitives(TorchPrimitives):
         self._agrs_slot_bytes = 0
         self._agrs_seq = 0  # calls so far: the same on every rank (collective order)
         self._engram: IpcMemory | None = None  # the Engram table's region (`engram_write`)
+
+    # ------------------------------------------------------------------------------------------------
+    # Regions, launches, checks
+    # ------------------------------------------------------------------------------------------------
+    def _new_region(self, num_bytes: int) -> IpcMemory:
+        """A zeroed IPC region of this rank with every rank's mapped here (collective). Dropped with these
+        primitives without `close()`: its mappings are closed and its memory kept (a peer may still write into it:
+        the last release of a slot is a write its owner never waits for)."""
+        b = self.backend
+        region = IpcMemory(b.kernels, num_bytes, b.device, b.rank)
+        self._finalizers[id(region)] = weakref.finalize(self, _drop, region, b.device)
+        self._finalizers[id(region)].atexit = False
+        region.connect(b.group)
+        torch.cuda.synchronize(b.device)  # every region zeroed before a peer signals into it
+        dist.barrier(group=b.group)
+        return region
+
+    def _free_region(self, region: IpcMemory) -> None:
+        """Collective: every rank's work on the regions done and the ranks met, then this rank's region freed (no
+        peer writes into it any more)."""
+        b = self.backend
+        torch.cuda.synchronize(b.device)
+        dist.barrier(group=b.group)
+        self._finalizers.pop(id(region)).detach()
+        region.free()
+
+    def _check(self, result: int, what: str) -> None:
+        """A launch or copy that failed leaves the ranks' flags out of step: the group is broken from here."""
+        if result:
+            b = self.backend
+            why = f"rank {b.rank} {what} failed: {b.kernels.last_error().decode()}"
+            b.mark_broken(why)
+            raise RuntimeError(f"moe_comm: {why}")
+
+    def before_call(self, what: str) -> None:
+        """Refuse what the copy-engine paths cannot do: run inside a CUDA graph capture (their sequence numbers live
+        on the host), or run while the kernels have recorded ranks that disagreed (their copies would move data
+        that nobody checks: the synchronizing call that raises it comes first)."""
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{what} cannot be captured in a CUDA graph on the CUDA backend (its sequence numbers "
+                             f"live on the host)")
+        if self.backend._error.code:
+            raise RuntimeError(f"moe_comm: {what}: the kernels recorded an error that no synchronizing call has "
+                               f"raised yet (ranks that disagreed): call Buffer.barrier() first")
 
     # ------------------------------------------------------------------------------------------------
     # Layout of a region
@@ -110,51 +155,36 @@ class CudaPrimitives(TorchPrimitives):
         b = self.backend
         values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
         self.agree(values, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config", error)
-        self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
-        if self._region is not None:  # every rank's copies done before any region goes
-            torch.cuda.synchronize(b.device)
-            dist.barrier(group=b.group)
-            self._finalizer()
+        if self._region is not None:
+            self._free_region(self._region)
+            self._region, self.pp_config = None, None
         self._slot_bytes = -(-num_max_tensor_bytes // SLOT_ALIGN) * SLOT_ALIGN
-        num_bytes = CONTROL_BYTES + 2 * num_max_inflight_tensors * self._slot_bytes
-        self._region = IpcMemory(b.kernels, num_bytes, b.device, b.rank)
-        # A buffer dropped without destroy(): the region goes with these primitives (the device synchronized first).
-        self._finalizer = weakref.finalize(self, _free, self._region, b.device)
-        self._finalizer.atexit = False
-        self._region.connect(b.group)
-        torch.cuda.synchronize(b.device)  # every region zeroed before a peer signals into it
-        dist.barrier(group=b.group)
+        self._region = self._new_region(CONTROL_BYTES + 2 * num_max_inflight_tensors * self._slot_bytes)
+        self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
         self._sent, self._received = {}, {}
         self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
                                          timeout_ns=b.timeout_ns, rank=b.rank, num_ranks=b.num_ranks)
 
-    def _check_not_capturing(self, what: str) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"{what} cannot be captured in a CUDA graph on the CUDA backend (its sequence numbers "
-                             f"live on the host)")
-
     def pp_send(self, t: torch.Tensor, dst: int):
         b, k = self.backend, self.backend.kernels
-        self._check_not_capturing("pp_send")
         me, seq = b.rank, self._sent.get(dst, 0) + 1
         stream = current_stream(b.device.index)
         if seq > self.pp_config[1]:
-            k.check(k.wait_flag(ctypes.byref(self._wait_params), self._credit(me, dst), seq - self.pp_config[1], dst,
-                                _PHASE["pp_send (a free slot)"], stream), "pp_send wait", me)
-        k.check(k.copy(self._slot(dst, me, seq), t.data_ptr(), t.nbytes, stream), "pp_send copy", me)
-        k.check(k.signal_flag(self._arrived(dst, me), seq, stream), "pp_send signal", me)
+            self._check(k.wait_flag(ctypes.byref(self._wait_params), self._credit(me, dst), seq - self.pp_config[1],
+                                    dst, _PHASE["pp_send (a free slot)"], stream), "pp_send wait")
+        self._check(k.copy(self._slot(dst, me, seq), t.data_ptr(), t.nbytes, stream), "pp_send copy")
+        self._check(k.signal_flag(self._arrived(dst, me), seq, stream), "pp_send signal")
         self._sent[dst] = seq
         return (), [], []
 
     def pp_recv(self, t: torch.Tensor, src: int):
         b, k = self.backend, self.backend.kernels
-        self._check_not_capturing("pp_recv")
         me, seq = b.rank, self._received.get(src, 0) + 1
         stream = current_stream(b.device.index)
-        k.check(k.wait_flag(ctypes.byref(self._wait_params), self._arrived(me, src), seq, src, _PHASE["pp_recv"],
-                            stream), "pp_recv wait", me)
-        k.check(k.copy(t.data_ptr(), self._slot(me, src, seq), t.nbytes, stream), "pp_recv copy", me)
-        k.check(k.signal_flag(self._credit(src, me), seq, stream), "pp_recv signal", me)
+        self._check(k.wait_flag(ctypes.byref(self._wait_params), self._arrived(me, src), seq, src, _PHASE["pp_recv"],
+                            stream), "pp_recv wait")
+        self._check(k.copy(t.data_ptr(), self._slot(me, src, seq), t.nbytes, stream), "pp_recv copy")
+        self._check(k.signal_flag(self._credit(src, me), seq, stream), "pp_recv signal")
         self._received[src] = seq
         return (), [], []
 
@@ -162,34 +192,26 @@ class CudaPrimitives(TorchPrimitives):
     # All-gather, reduce-scatter
     # ------------------------------------------------------------------------------------------------
     def _agrs_region(self, slot_bytes: int) -> None:
-        """The all-gather / reduce-scatter region, made at the first call with slots of the largest size any rank
-        asks for (collective: one exchange, a host sync); a later call that needs more raises ValueError before
-        anything moves (every rank's slots have the same size, so no copy can overrun a peer's)."""
+        """The all-gather / reduce-scatter region with slots of at least `slot_bytes`: made at the first call, made
+        again when a call needs more (collective either way: every rank's call has the same size; the slots take
+        the largest any rank asks for, one exchange and a host sync, so no copy can overrun a peer's)."""
         b = self.backend
-        if self._agrs is not None:
-            if slot_bytes > self._agrs_slot_bytes:
-                raise ValueError(f"{slot_bytes} bytes per slot exceed the all-gather / reduce-scatter slots made by "
-                                 f"this buffer's first such call ({self._agrs_slot_bytes} bytes): make the largest "
-                                 f"call first, or use another Buffer")
+        if self._agrs is not None and slot_bytes <= self._agrs_slot_bytes:
             return
         asked = b.gather_values(torch.tensor([slot_bytes], dtype=torch.int64, device=b.device),
                                 "all_gather / reduce_scatter slot size")
-        slot_bytes = int(asked.max())
+        if self._agrs is not None:
+            self._free_region(self._agrs)
+            self._agrs = None
         R = b.num_ranks
-        self._agrs_slot_bytes = max(SLOT_ALIGN, -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN)
-        region = IpcMemory(b.kernels, AGRS_CONTROL_BYTES + 2 * R * self._agrs_slot_bytes, b.device, b.rank)
-        self._agrs_finalizer = weakref.finalize(self, _free, region, b.device)
-        self._agrs_finalizer.atexit = False
-        region.connect(b.group)
-        self._agrs = region
+        self._agrs_slot_bytes = max(SLOT_ALIGN, -(-int(asked.max()) // SLOT_ALIGN) * SLOT_ALIGN)
+        region = self._new_region(AGRS_CONTROL_BYTES + 2 * R * self._agrs_slot_bytes)
         # Where this rank signals on every peer: its arrival, its release of a slot.
         me, bases = b.rank, region.addresses
         signal = [[bases[p] + offset + 8 * me if p != me else 0 for p in range(R)]
                   for offset in (AGRS_ARRIVED, AGRS_RELEASED)]
         self._agrs_signals = torch.tensor(signal, dtype=torch.int64, device=b.device)
-        self._agrs_seq = 0
-        torch.cuda.synchronize(b.device)  # every region zeroed before a peer signals into it
-        dist.barrier(group=b.group)
+        self._agrs, self._agrs_seq = region, 0
         if self._wait_params is None:
             self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
                                              timeout_ns=b.timeout_ns, rank=b.rank, num_ranks=R)
@@ -198,13 +220,12 @@ class CudaPrimitives(TorchPrimitives):
         return self._agrs.addresses[rank] + AGRS_CONTROL_BYTES + \
             (parity * self.backend.num_ranks + source) * self._agrs_slot_bytes
 
-    def _agrs_exchange(self, block_of: Callable[[int], tuple[int, int]], what: str) -> tuple[int, int]:
+    def _agrs_exchange(self, block_of: Callable[[int], tuple[int, int] | None], what: str) -> tuple[int, int]:
         """One all-gather / reduce-scatter exchange: every peer's slot `me` (of this call's parity) gets
         `block_of(peer)` = (address, bytes) by a copy engine once the peer released that slot (two calls ago), then
         every peer's arrival is awaited. Returns `(parity, stream)`; the caller reads its slots, then
         `_agrs_release`."""
         b, k = self.backend, self.backend.kernels
-        self._check_not_capturing(what)
         R, me = b.num_ranks, b.rank
         self._agrs_seq += 1
         seq, parity = self._agrs_seq, self._agrs_seq % 2
@@ -212,20 +233,23 @@ class CudaPrimitives(TorchPrimitives):
         base = self._agrs.addresses[me]
         params = ctypes.byref(self._wait_params)
         if seq > 2:  # the slots of this parity were last read two calls ago
-            k.check(k.wait_flags(params, base + AGRS_RELEASED, R, seq - 2, _PHASE["all_gather / reduce_scatter (a "
-                                                                                  "free slot)"], stream), what, me)
+            phase = _PHASE["all_gather / reduce_scatter (a free slot)"]
+            self._check(k.wait_flags(params, base + AGRS_RELEASED, R, seq - 2, phase, stream), f"{what} wait")
         for p in range(R):
-            address, num_bytes = block_of(p)
-            k.check(k.copy(self._agrs_slot(p, parity, me), address, num_bytes, stream), f"{what} copy", me)
-        k.check(k.signal_flags(self._agrs_signals[0].data_ptr(), R, seq, stream), f"{what} signal", me)
-        k.check(k.wait_flags(params, base + AGRS_ARRIVED, R, seq, _PHASE["all_gather / reduce_scatter"], stream),
-                what, me)
+            block = block_of(p)
+            if block is None:  # nothing for this rank's slot (the all-gather reads its own tensor)
+                continue
+            address, num_bytes = block
+            self._check(k.copy(self._agrs_slot(p, parity, me), address, num_bytes, stream), f"{what} copy")
+        self._check(k.signal_flags(self._agrs_signals[0].data_ptr(), R, seq, stream), f"{what} signal")
+        phase = _PHASE["all_gather / reduce_scatter"]
+        self._check(k.wait_flags(params, base + AGRS_ARRIVED, R, seq, phase, stream), f"{what} wait")
         return parity, stream
 
     def _agrs_release(self, stream: int, what: str) -> None:
         k = self.backend.kernels
-        k.check(k.signal_flags(self._agrs_signals[1].data_ptr(), self.backend.num_ranks, self._agrs_seq, stream),
-                f"{what} release", self.backend.rank)
+        self._check(k.signal_flags(self._agrs_signals[1].data_ptr(), self.backend.num_ranks, self._agrs_seq, stream),
+                    f"{what} release")
 
     def all_gather(self, t: torch.Tensor):
         """Copy engines: `t` into every rank's slot, then the slots (own: `t`) into `[R, *t.shape]`."""
@@ -233,10 +257,10 @@ class CudaPrimitives(TorchPrimitives):
         R, me, nbytes = b.num_ranks, b.rank, t.nbytes
         out = t.new_empty(R, *t.shape)
         self._agrs_region(nbytes)
-        parity, stream = self._agrs_exchange(lambda p: (t.data_ptr(), nbytes), "all_gather")
+        parity, stream = self._agrs_exchange(lambda p: None if p == me else (t.data_ptr(), nbytes), "all_gather")
         for q in range(R):
             source = t.data_ptr() if q == me else self._agrs_slot(me, parity, q)
-            k.check(k.copy(out[q].data_ptr(), source, nbytes, stream), "all_gather copy out", me)
+            self._check(k.copy(out[q].data_ptr(), source, nbytes, stream), "all_gather copy out")
         self._agrs_release(stream, "all_gather")
         return (out,), [], []
 
@@ -250,8 +274,8 @@ class CudaPrimitives(TorchPrimitives):
         self._agrs_region(block_bytes)
         parity, stream = self._agrs_exchange(lambda p: (t[p * n:(p + 1) * n].data_ptr(), block_bytes),
                                              "reduce_scatter")
-        k.check(k.reduce_slots(self._agrs_slot(me, parity, 0), self._agrs_slot_bytes, R, out.numel(),
-                               out.data_ptr(), DTYPE_CODES[t.dtype], REDUCE_BLOCKS, stream), "reduce_scatter sum", me)
+        self._check(k.reduce_slots(self._agrs_slot(me, parity, 0), self._agrs_slot_bytes, R, out.numel(),
+                                   out.data_ptr(), DTYPE_CODES[t.dtype], REDUCE_BLOCKS, stream), "reduce_scatter sum")
         self._agrs_release(stream, "reduce_scatter")
         return (out,), [], []
 
@@ -264,16 +288,12 @@ class CudaPrimitives(TorchPrimitives):
         b = self.backend
         super().engram_write(storage, error)  # agreement, offsets; keeps a copy we replace by the region's
         rows = self.table
-        if self._engram is not None:  # every rank's fetches done before any table goes
-            torch.cuda.synchronize(b.device)
-            dist.barrier(group=b.group)
-            self._engram_finalizer()
-        region = IpcMemory(b.kernels, max(SLOT_ALIGN, rows.nbytes), b.device, b.rank)
-        self._engram_finalizer = weakref.finalize(self, _free, region, b.device)
-        self._engram_finalizer.atexit = False
+        if self._engram is not None:
+            self._free_region(self._engram)
+            self._engram = None
+        region = self._new_region(max(SLOT_ALIGN, rows.nbytes))
         table = region.tensor[:rows.nbytes].view(rows.dtype).view(rows.shape)
         table.copy_(rows)
-        region.connect(b.group)
         self._engram, self.table = region, table
         self._engram_bases = torch.tensor(region.addresses, dtype=torch.int64, device=b.device)
         self._engram_offsets = torch.tensor(self.table_offsets, dtype=torch.int64, device=b.device)
@@ -288,29 +308,27 @@ class CudaPrimitives(TorchPrimitives):
         table = self.table
         out = table.new_empty(indices.shape[0], *table.shape[1:])
         row_bytes = table.element_size() * math.prod(table.shape[1:])
-        k.check(k.engram_gather(indices.data_ptr(), indices.shape[0], self._engram_offsets.data_ptr(), b.num_ranks,
-                                self._engram_bases.data_ptr(), row_bytes, out.data_ptr(), ENGRAM_BLOCKS,
-                                current_stream(b.device.index)), "engram_fetch", b.rank)
+        self._check(k.engram_gather(indices.data_ptr(), indices.shape[0], self._engram_offsets.data_ptr(),
+                                    b.num_ranks, self._engram_bases.data_ptr(), row_bytes, out.data_ptr(),
+                                    ENGRAM_BLOCKS, current_stream(b.device.index)), "engram_fetch")
         return lambda: out
 
     def close(self) -> None:
-        """Free the regions (the device synchronized first)."""
+        """Free the regions: collective (`Buffer.destroy()` on every rank), since a peer may still write into this
+        rank's regions until every rank's work is done and the ranks have met."""
         super().close()
-        if self._region is not None:
-            self._finalizer()
-            self._region = None
-        if self._agrs is not None:
-            self._agrs_finalizer()
-            self._agrs = None
-        if self._engram is not None:
-            self._engram_finalizer()
-            self._engram = self.table = None
+        for name in ("_region", "_agrs", "_engram"):
+            region = getattr(self, name)
+            if region is not None:
+                self._free_region(region)
+                setattr(self, name, None)
+        self.table = None
 
-
-def _free(region: IpcMemory, device: torch.device) -> None:
+def _drop(region: IpcMemory, device: torch.device) -> None:
+    """A region whose primitives were dropped without `close()`: this rank stops writing into its peers' (the device
+    synchronized, their mappings closed); its own memory stays, as a peer may still write into it."""
     if torch.cuda.is_initialized():  # False in a forked child: the memory is the parent's
         torch.cuda.synchronize(device)
-        region.free()
-
+        region.close_peers()
 
 __all__ = ["CudaPrimitives"]

@@ -71,6 +71,9 @@ class TorchPrimitives:
         self.table: Optional[torch.Tensor] = None
         self.table_offsets: list[int] = []
 
+    def before_call(self, what: str) -> None:
+        """Refuse a call this path cannot take before anything moves (the reference takes every one)."""
+
     def close(self) -> None:
         """Drop what the primitives hold (`Buffer.destroy`)."""
         self._sends.clear()

@@ -67,6 +67,7 @@ int moe_comm_reduce_slots(const void* slots, int64_t slot_stride, int num_slots,
 // `bytes` from `src` to `dst` by a copy engine (either may be a peer's memory mapped here).
 int moe_comm_copy(void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
     const cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) cudaGetLastError();  // not left for the next launch check to report
     MOE_COMM_REQUIRE(err == cudaSuccess, "cudaMemcpyAsync(%p <- %p, %lld bytes): %s", dst, src,
                      static_cast<long long>(bytes), cudaGetErrorString(err));
     return 0;
