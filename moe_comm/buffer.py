@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import domains, env, quant, sizing, traffic_class
 from .args import check_bool, check_int
 from .backends import cuda as cuda_backend
+from .backends.cuda_primitives import CudaPrimitives
 from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
 from .backends.hybrid import HybridBackend, leg_groups
 from .backends.torch_hybrid import HybridRefBackend
@@ -201,7 +202,9 @@ class Buffer(PrimitivesMixin):
         self._num_sms_cache: dict[tuple[int, int], int] = {}
         self._fitting: set[tuple] = set()  # call shapes that fit the buffer
         self._impl = self._make_backend(cuda_tuning)
-        self._prims = TorchPrimitives(self._impl)  # pipeline, all-gather / reduce-scatter, Engram (`primitives`)
+        # Pipeline, all-gather / reduce-scatter, Engram (`primitives`): the CUDA backend's pipeline by copy engines.
+        self._prims = CudaPrimitives(self._impl) if isinstance(self._impl, cuda_backend.CudaBackend) \
+            else TorchPrimitives(self._impl)
         self._destroyed = False
 
     def _make_backend(self, cuda_tuning):
@@ -746,6 +749,7 @@ class Buffer(PrimitivesMixin):
         finalizer frees its memory); `destroy()` frees the memory now, whatever still refers to the buffer.
         """
         if self._impl is not None:
+            self._prims.close()
             self._impl.close()
         self._impl = None
         self._destroyed = True

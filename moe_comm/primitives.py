@@ -29,7 +29,8 @@ class PrimitivesMixin:
     # ------------------------------------------------------------------------------------------------
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
         """Configure pipeline send/recv (collective: every rank calls it with the same values; ValueError on every
-        rank when they differ). Sends already posted keep their slots.
+        rank when they differ). Call it when no send waits for its receive: the CUDA backend makes new slots (what
+        was sent and not received is dropped).
 
         Arguments:
             num_max_tensor_bytes: the largest tensor `pp_send` takes, in bytes.
@@ -64,8 +65,8 @@ class PrimitivesMixin:
             `EventOverlap` (complete unless `async_with_compute_stream`).
         """
         self._check_pp(t, dst, "dst")
-        return self._run_primitive(lambda: self._prims.pp_send(t, dst), previous_event, async_with_compute_stream,
-                                   [t])[1]
+        return self._run_primitive("pp_send", lambda: self._prims.pp_send(t, dst), previous_event,
+                                   async_with_compute_stream, [t])[1]
 
     def pp_recv(self, t: torch.Tensor, src: int, previous_event: Optional[EventOverlap] = None,
                 async_with_compute_stream: bool = False) -> EventOverlap:
@@ -80,8 +81,8 @@ class PrimitivesMixin:
             `EventOverlap`: `t` holds the tensor once it is complete.
         """
         self._check_pp(t, src, "src")
-        return self._run_primitive(lambda: self._prims.pp_recv(t, src), previous_event, async_with_compute_stream,
-                                   [t])[1]
+        return self._run_primitive("pp_recv", lambda: self._prims.pp_recv(t, src), previous_event,
+                                   async_with_compute_stream, [t])[1]
 
     def _check_pp(self, t, peer, name: str) -> None:
         self._check_alive()
@@ -114,7 +115,7 @@ class PrimitivesMixin:
             `(out, event)`: `out` is `[R, *t.shape]`, row r rank r's `t`.
         """
         self._check_collective("all_gather", t)
-        outputs, event = self._run_primitive(lambda: self._prims.all_gather(t), previous_event,
+        outputs, event = self._run_primitive("all_gather", lambda: self._prims.all_gather(t), previous_event,
                                              async_with_compute_stream, [t])
         return outputs[0], event
 
@@ -139,7 +140,7 @@ class PrimitivesMixin:
                                  f"{tuple(t.shape)}")
 
         self._check_collective("reduce_scatter", t, check)
-        outputs, event = self._run_primitive(lambda: self._prims.reduce_scatter(t), previous_event,
+        outputs, event = self._run_primitive("reduce_scatter", lambda: self._prims.reduce_scatter(t), previous_event,
                                              async_with_compute_stream, [t])
         return outputs[0], event
 
@@ -206,16 +207,19 @@ class PrimitivesMixin:
         except (RuntimeError, TypeError, ValueError) as exc:  # raised on every rank by the fetch's first exchange
             error = exc
         self._impl.after_host_sync()
+        if error is None:
+            self._prims.before_call("engram_fetch")
         return self._prims.engram_fetch(indices, error)
 
     # ------------------------------------------------------------------------------------------------
     # Shared
     # ------------------------------------------------------------------------------------------------
-    def _run_primitive(self, steps, previous_event, async_with_compute_stream, inputs) -> tuple:
+    def _run_primitive(self, what: str, steps, previous_event, async_with_compute_stream, inputs) -> tuple:
         """`(outputs, event)` of a primitive's steps run by the backend (`Backend.run`)."""
         check_bool(async_with_compute_stream=async_with_compute_stream)
         self._check_event(previous_event)
         self._impl.after_host_sync()
+        self._prims.before_call(what)
         outputs, event, _ = self._impl.run(steps, previous_event, async_with_compute_stream,
                                            inputs if async_with_compute_stream else ())
         return outputs, event

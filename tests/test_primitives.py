@@ -16,7 +16,8 @@ import moe_comm
 
 
 def make_buffer(**kwargs) -> moe_comm.Buffer:
-    return moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
+    return moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2,
+                           backend=kwargs.pop("backend", "torch"),
                            num_cpu_timeout_secs=kwargs.pop("num_cpu_timeout_secs", 30), **kwargs)
 
 
@@ -26,11 +27,11 @@ def tensor_of(rank: int, step: int, shape=(3, 5), dtype=torch.float32, device="c
     return torch.randn(shape, generator=g).to(dtype).to(device)
 
 
-def pipeline_rank(rank: int, world_size: int, num_steps: int, shape=(3, 5)) -> bool:
+def pipeline_rank(rank: int, world_size: int, num_steps: int, shape=(3, 5), backend: str = "torch") -> bool:
     """Every rank sends `num_steps` tensors to the next rank of the ring, each before it receives the previous
     rank's (every rank sends first: with two ranks they send to each other), async and not, mixed dtypes; each
-    received tensor is bitwise what its sender made for that step."""
-    buf = make_buffer()
+    received tensor is bitwise what its sender made for that step. `backend="cuda"`: the copy-engine path."""
+    buf = make_buffer(backend=backend)
     buf.pp_set_config(num_max_tensor_bytes=math.prod(shape) * 8, num_max_inflight_tensors=2)
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
     received = []
@@ -111,10 +112,10 @@ def test_refused_arguments_raise_on_every_rank(pools):
     assert ok[3] == refused[3] == "moe_comm: call engram_write(storage) on every rank before engram_fetch"
 
 
-def collectives_rank(rank: int, world_size: int) -> list[str]:
+def collectives_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
     """all_gather and reduce_scatter against torch.distributed's all_gather and a local rank-ordered FP32 sum of
-    every rank's blocks (bitwise), sync and async; then the errors."""
-    buf = make_buffer()
+    every rank's blocks (bitwise), sync and async; then the errors. `backend="cuda"`: the copy-engine path."""
+    buf = make_buffer(backend=backend)
     dev = buf.device
     problems = []
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
@@ -163,10 +164,10 @@ def test_all_gather_and_reduce_scatter(pools, world_size):
     assert pools(world_size).run(collectives_rank) == [[]] * world_size
 
 
-def engram_rank(rank: int, world_size: int) -> list[str]:
+def engram_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
     """Tables of different row counts per rank (rank 1 none); every rank fetches indices of every owner, repeated,
-    unordered, and none; rows bitwise the concatenated table's."""
-    buf = make_buffer()
+    unordered, and none; rows bitwise the concatenated table's. `backend="cuda"`: the one-sided path."""
+    buf = make_buffer(backend=backend)
     problems = []
     for dtype, row in ((torch.float32, (4,)), (torch.bfloat16, (2, 3)), (torch.int64, ())):
         counts = [5, 0, 3, 2][:world_size]

@@ -197,3 +197,70 @@ def test_gpu_tier_checks_with_a_peer(pool, check):
     first, second = pool.run(gpu_tier_rank, name, *args)
     if name in ("disagreement_rank", "round_slots_rank"):
         assert first == second, (first, second)
+
+
+def pipeline_rank(rank: int, world_size: int) -> bool:
+    """tests/test_primitives.py's ring on the CUDA backend: pipeline send/recv by copy engines between the two
+    processes' IPC regions, more sends than slots in flight, async and not, mixed dtypes, bitwise."""
+    import test_primitives
+
+    with every_buffer_over_ipc():
+        return test_primitives.pipeline_rank(rank, world_size, 9, (1024, 768), "cuda")
+
+
+def test_pipeline_by_copy_engines(pool):
+    assert pool.run(pipeline_rank) == [True, True]
+
+
+def test_pipeline_ring_of_three():
+    """Three ranks on the GPU: both directions of the ring (sources before and after each rank)."""
+    with WorkerPool(3, backend="gloo", timeout_s=300) as workers:
+        assert workers.run(pipeline_rank) == [True] * 3
+
+
+def pipeline_timeout_rank(rank: int, world_size: int) -> str:
+    """A receive whose sender never sends: its one-warp wait ends after num_gpu_timeout_secs, and the next call
+    raises the TimeoutError naming rank, phase and peer."""
+    case = Case(seed=5, num_ranks=2, num_experts=4, num_topk=2, hidden=16, num_tokens=(4, 4), num_max_tokens_per_rank=8)
+    buf = make(case, num_gpu_timeout_secs=2)
+    buf.pp_set_config(64, 2)
+    if rank == 1:
+        time.sleep(4)
+        return "skipped"
+    buf.pp_recv(torch.empty(4, device=buf.device), 1)  # returns: the wait is on the stream
+    torch.cuda.synchronize()
+    with pytest.raises(TimeoutError) as info:
+        buf.pp_recv(torch.empty(4, device=buf.device), 1)
+    return str(info.value)
+
+
+def test_pipeline_timeout():
+    with WorkerPool(2, backend="gloo", timeout_s=120) as workers:
+        message, skipped = workers.run(pipeline_timeout_rank)
+    assert skipped == "skipped"
+    assert "rank 0 timed out in pp_recv waiting for peer 1" in message, message
+
+
+def collectives_rank(rank: int, world_size: int) -> list[str]:
+    """tests/test_primitives.py's all_gather and reduce_scatter checks on the CUDA backend: copies into every peer's
+    slot by copy engines, the sum in rank order by one kernel, bitwise."""
+    import test_primitives
+
+    with every_buffer_over_ipc():
+        return test_primitives.collectives_rank(rank, world_size, "cuda")
+
+
+def test_all_gather_and_reduce_scatter_by_copy_engines(pool):
+    assert pool.run(collectives_rank) == [[], []]
+
+
+def engram_rank(rank: int, world_size: int) -> list[str]:
+    """tests/test_primitives.py's Engram checks on the CUDA backend: the table in IPC regions, rows read one-sided."""
+    import test_primitives
+
+    with every_buffer_over_ipc():
+        return test_primitives.engram_rank(rank, world_size, "cuda")
+
+
+def test_engram_one_sided(pool):
+    assert pool.run(engram_rank) == [[], []]

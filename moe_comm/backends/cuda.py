@@ -54,7 +54,9 @@ MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
 # Added to the recorded sequence number after ranks disagreed: the restarted counters and handle epochs are the same
 # on every rank and unlike any used before (row tags keep 48 bits: 65536 disagreements).
 REALIGN_JUMP = 1 << 32
-PHASES = ("barrier before dispatch", "dispatch notify", "dispatch", "barrier before combine", "combine")
+PHASES = ("barrier before dispatch", "dispatch notify", "dispatch", "barrier before combine", "combine",
+          "pp_send (a free slot)", "pp_recv", "all_gather / reduce_scatter (a free slot)",
+          "all_gather / reduce_scatter")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 
 

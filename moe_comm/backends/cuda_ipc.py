@@ -45,6 +45,7 @@ class IpcMemory:
         self.address, self.handle = address.value, handle.raw
         self.tensor = torch.as_tensor(_DeviceBytes(self.address, num_bytes), device=device)
         self.peers: list[int] = []  # addresses of the peers' buffers opened here
+        self.addresses: list[int] = []  # every rank's buffer as mapped here (`connect()`)
         self.bases: torch.Tensor | None = None
 
     def connect(self, group: dist.ProcessGroup) -> int:
@@ -62,17 +63,23 @@ class IpcMemory:
                                    f"opening rank {r}'s IPC buffer", self.rank)
                 self.peers.append(address.value)
                 bases.append(address.value)
+        self.addresses = bases
         self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         return self.bases.data_ptr()
+
+    def close_peers(self) -> None:
+        """Close the peers' mappings (this rank writes into them no more once its device is synchronized)."""
+        with torch.cuda.device(self.device):
+            while self.peers:
+                self.kernels.check(self.kernels.ipc_close(self.peers.pop()), "closing a peer's IPC buffer", self.rank)
 
     def free(self) -> None:
         """Close the peers' mappings, then free this rank's buffer (the device synchronized by the caller). Legacy IPC
         does not keep the memory for peers that still map it: a peer writes into this buffer only inside an operation
         this rank waits through (its rows, flags and counts are awaited here), so none writes any more, unless a
         wait timed out (then the group is broken anyway)."""
+        self.close_peers()
         with torch.cuda.device(self.device):
-            while self.peers:
-                self.kernels.check(self.kernels.ipc_close(self.peers.pop()), "closing a peer's IPC buffer", self.rank)
             if self.address:
                 address, self.address = self.address, 0
                 self.kernels.check(self.kernels.ipc_free(address), "freeing the IPC buffer", self.rank)

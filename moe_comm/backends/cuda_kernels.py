@@ -27,8 +27,9 @@ LIBRARY = "moe_comm_kernels"
 EXTENSION = "moe_comm_host"
 EXTENSION_SOURCES = ("ops.cpp",)
 # Launchers over header-only device code: csrc/kernels/<op>.cu includes csrc/include/moe_comm/impls/<op>.cuh
-# (layout.cu launches the layout and the notify, runtime.cu holds host-mapped memory, errors and the ABI table).
-KERNEL_SOURCES = ("runtime.cu", "layout.cu", "dispatch.cu", "combine.cu")
+# (layout.cu launches the layout and the notify, runtime.cu holds host-mapped memory, errors and the ABI table,
+# signal.cu the flags and copies of the buffer's pipeline, all-gather and reduce-scatter, engram.cu its fetch).
+KERNEL_SOURCES = ("runtime.cu", "layout.cu", "dispatch.cu", "combine.cu", "signal.cu", "engram.cu")
 INCLUDE_DIR = jit.CSRC_DIR / "include"
 
 _int, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -47,6 +48,13 @@ SIGNATURES = {
     "moe_comm_dispatch": (_int, [_EP, ctypes.POINTER(layout.DispatchInputs), ctypes.POINTER(layout.RecvOutputs),
                                  _int, _int, _int, _ptr]),
     "moe_comm_combine": (_int, [_EP, ctypes.POINTER(layout.CombineArgs), _int, _int, _int, _ptr]),
+    "moe_comm_wait_flag": (_int, [_EP, _ptr, _i64, _int, _int, _ptr]),
+    "moe_comm_signal_flag": (_int, [_ptr, _i64, _ptr]),
+    "moe_comm_copy": (_int, [_ptr, _ptr, _i64, _ptr]),
+    "moe_comm_wait_flags": (_int, [_EP, _ptr, _int, _i64, _int, _ptr]),
+    "moe_comm_signal_flags": (_int, [_ptr, _int, _i64, _ptr]),
+    "moe_comm_reduce_slots": (_int, [_ptr, _i64, _int, _i64, _ptr, _int, _int, _ptr]),
+    "moe_comm_engram_gather": (_int, [_ptr, _i64, _ptr, _int, _ptr, _i64, _ptr, _int, _ptr]),
 }
 # Only in a build with -DMOE_COMM_BLOCK_TIMES (scripts/profile_ops.py --variants times=1).
 BLOCK_TIME_SIGNATURES = {name: (_int, [ctypes.POINTER(ctypes.c_uint64), _int])

@@ -71,6 +71,14 @@ class TorchPrimitives:
         self.table: Optional[torch.Tensor] = None
         self.table_offsets: list[int] = []
 
+    def before_call(self, what: str) -> None:
+        """Refuse a call this path cannot take before anything moves (the reference takes every one)."""
+
+    def close(self) -> None:
+        """Drop what the primitives hold (`Buffer.destroy`)."""
+        self._sends.clear()
+        self.table = None
+
     # ------------------------------------------------------------------------------------------------
     # Agreement
     # ------------------------------------------------------------------------------------------------
@@ -196,15 +204,12 @@ class TorchPrimitives:
         self.table = storage.detach().contiguous().clone()
         self.table_offsets = exclusive_cumsum([r[-1] for r in rows]) + [sum(r[-1] for r in rows)]
 
-    def engram_fetch(self, indices: torch.Tensor, error: Optional[Exception] = None) -> Callable[[], torch.Tensor]:
-        """Post the exchanges of a fetch; the callable waits for the rows and returns them. `error`: the caller
-        refused the arguments (every rank raises)."""
+    def check_fetch(self, indices: torch.Tensor, error: Optional[Exception]) -> None:
+        """Refused arguments or bad indices on any rank: an error on every rank before any row moves (one exchange;
+        the ranks' exchanges would not match otherwise)."""
         b = self.backend
-        R, table, offsets = b.num_ranks, self.table, self.table_offsets
-        dev = b.device
-        i64 = dict(dtype=torch.int64, device=dev)
-        # Refused arguments or bad indices on any rank: an error on every rank before any row moves (the ranks'
-        # exchanges would not match otherwise).
+        offsets = self.table_offsets
+        i64 = dict(dtype=torch.int64, device=b.device)
         first_bad, value = -1, 0
         if error is None:
             bad = (indices < 0) | (indices >= offsets[-1])
@@ -223,6 +228,14 @@ class TorchPrimitives:
         if problems:
             raise ValueError(f"engram_fetch indices must be in [0, {total}) (rows of every rank's table): "
                              + ", ".join(problems))
+
+    def engram_fetch(self, indices: torch.Tensor, error: Optional[Exception] = None) -> Callable[[], torch.Tensor]:
+        """Post the exchanges of a fetch; the callable waits for the rows and returns them. `error`: the caller
+        refused the arguments (every rank raises)."""
+        b = self.backend
+        R, table, offsets = b.num_ranks, self.table, self.table_offsets
+        i64 = dict(dtype=torch.int64, device=b.device)
+        self.check_fetch(indices, error)
         # Requests per owner, in owner order (stable: each owner answers in request order).
         bounds = torch.tensor(offsets[1:-1], **i64)
         owner = torch.bucketize(indices, bounds, right=True)

@@ -1,0 +1,334 @@
+"""The CUDA backend's pipeline send/recv, all-gather and reduce-scatter by copy engines: the data moves with
+cudaMemcpyAsync into the receiver's slots (peer memory over NVLink), and the only kernels are one-warp waits for
+flags and releases of flags, so no SM is held while data moves (DESIGN 8.4); the reduce-scatter's sum is one kernel.
+Engram: `engram_write` puts each rank's rows in an IPC region that every rank maps; `engram_fetch` reads the
+requested rows one-sided with one small kernel (peer loads; the owners take no part), after the index check that
+raises the same error on every rank (one exchange).
+
+All-gather / reduce-scatter: one region per rank, made at the first such call with slots of the largest size any
+rank asks for (a later call needing more raises ValueError), flags arrived[R] and released[R] (call numbers), and
+2 parities x R slots. Call s (the same number on every rank) uses parity s % 2: wait until every peer released its
+slots of call s - 2, copy into every rank's slot `me` (own included: the reduce-scatter sums its own block from
+there), release `arrived[me] = s` on every peer, wait for every peer's arrival, read the slots (all-gather: copy
+out; reduce-scatter: sum in rank order), release `released[me] = s` on every peer.
+
+Memory: `pp_set_config` (collective) allocates each rank's pipeline region with CUDA IPC (`cuda_ipc`: the same code
+maps peers on one GPU or several) and maps every peer's:
+
+    [arrived: int64 per source rank][credit: int64 per destination rank] (CONTROL_BYTES)
+    [slots: 2 neighbour directions x num_max_inflight_tensors x slot_bytes]
+
+A source's tensors land in the receiver's slots of that source's direction (0: the previous rank, 1: the next;
+with two ranks both are direction 0). Sequence numbers count per (source, destination) pair on the host, from 1:
+tensor s of a pair goes to slot s % inflight.
+
+    pp_send(t, dst), s = sends to dst so far + 1:
+        wait until credit[dst] >= s - inflight   (dst has received the tensor that used this slot; own region)
+        copy t into dst's slot                   (copy engine)
+        arrived[me] = s on dst                   (release, after the copy)
+    pp_recv(t, src), r = receives from src so far + 1:
+        wait until arrived[src] >= r             (own region)
+        copy the slot into t                     (copy engine)
+        credit[me] = r on src                    (release: the slot is free again)
+
+A wait that a peer never satisfies ends after `num_gpu_timeout_secs` in the backend's ErrorRecord (phase "pp_send
+(a free slot)" or "pp_recv", and the peer), and the next call raises the TimeoutError. The sequence numbers live on
+the host, so these calls cannot be captured in a CUDA graph (refused). Sizes of a send and its receive must match,
+as with torch.distributed; `pp_set_config` again waits for the device, drops what was sent and not received, and
+makes new slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import layout as lay
+from .common import DTYPE_CODES
+from .cuda import _PHASE, CudaBackend
+from .cuda_ipc import IpcMemory
+from .cuda_kernels import current_stream
+from .torch_primitives import TorchPrimitives
+
+CONTROL_BYTES = 16 * lay.MAX_RANKS  # arrived[MAX_RANKS], credit[MAX_RANKS]
+SLOT_ALIGN = 256
+# The all-gather / reduce-scatter region: arrived[MAX_RANKS] (call number of each source's copy into our slot),
+# released[MAX_RANKS] (call number each peer last read its slots, ours among them), then 2 parities x R slots.
+AGRS_ARRIVED, AGRS_RELEASED = 0, 8 * lay.MAX_RANKS
+AGRS_CONTROL_BYTES = 16 * lay.MAX_RANKS
+REDUCE_BLOCKS = 264  # the reduce-scatter's sum: two blocks of 256 threads per SM of an H200
+ENGRAM_BLOCKS = 16  # the fetch's one-sided reads: 128 warps, a row each at a time
+
+
+class CudaPrimitives(TorchPrimitives):
+    """The primitives of a CUDA-backend Buffer: pipeline send/recv by copy engines (module docstring), the others
+    the reference's.
+
+    Arguments:
+        backend: the Buffer's `CudaBackend` (its kernels, ErrorRecord, abort word and timeout serve the waits).
+    """
+
+    def __init__(self, backend: CudaBackend) -> None:
+        super().__init__(backend)
+        self._region: IpcMemory | None = None
+        self._finalizers: dict[int, weakref.finalize] = {}  # per region (`_new_region`)
+        self._slot_bytes = 0
+        self._sent: dict[int, int] = {}
+        self._received: dict[int, int] = {}
+        self._wait_params: lay.EpParams | None = None
+        self._agrs: IpcMemory | None = None  # the all-gather / reduce-scatter region (`_agrs_region`)
+        self._agrs_slot_bytes = 0
+        self._agrs_seq = 0  # calls so far: the same on every rank (collective order)
+        self._engram: IpcMemory | None = None  # the Engram table's region (`engram_write`)
+
+    # ------------------------------------------------------------------------------------------------
+    # Regions, launches, checks
+    # ------------------------------------------------------------------------------------------------
+    def _new_region(self, num_bytes: int) -> IpcMemory:
+        """A zeroed IPC region of this rank with every rank's mapped here (collective). Dropped with these
+        primitives without `close()`: its mappings are closed and its memory kept (a peer may still write into it:
+        the last release of a slot is a write its owner never waits for)."""
+        b = self.backend
+        region = IpcMemory(b.kernels, num_bytes, b.device, b.rank)
+        self._finalizers[id(region)] = weakref.finalize(self, _drop, region, b.device)
+        self._finalizers[id(region)].atexit = False
+        region.connect(b.group)
+        torch.cuda.synchronize(b.device)  # every region zeroed before a peer signals into it
+        dist.barrier(group=b.group)
+        return region
+
+    def _free_region(self, region: IpcMemory) -> None:
+        """Collective: every rank's work on the regions done and the ranks met, then this rank's region freed (no
+        peer writes into it any more)."""
+        b = self.backend
+        torch.cuda.synchronize(b.device)
+        dist.barrier(group=b.group)
+        self._finalizers.pop(id(region)).detach()
+        region.free()
+
+    def _check(self, result: int, what: str) -> None:
+        """A launch or copy that failed leaves the ranks' flags out of step: the group is broken from here."""
+        if result:
+            b = self.backend
+            why = f"rank {b.rank} {what} failed: {b.kernels.last_error().decode()}"
+            b.mark_broken(why)
+            raise RuntimeError(f"moe_comm: {why}")
+
+    def before_call(self, what: str) -> None:
+        """Refuse what the copy-engine paths cannot do: run inside a CUDA graph capture (their sequence numbers live
+        on the host), or run while the kernels have recorded ranks that disagreed (their copies would move data
+        that nobody checks: the synchronizing call that raises it comes first)."""
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{what} cannot be captured in a CUDA graph on the CUDA backend (its sequence numbers "
+                             f"live on the host)")
+        if self.backend._error.code:
+            raise RuntimeError(f"moe_comm: {what}: the kernels recorded an error that no synchronizing call has "
+                               f"raised yet (ranks that disagreed): call Buffer.barrier() first")
+
+    # ------------------------------------------------------------------------------------------------
+    # Layout of a region
+    # ------------------------------------------------------------------------------------------------
+    def _direction(self, receiver: int, source: int) -> int:
+        return 0 if source == (receiver - 1) % self.backend.num_ranks else 1
+
+    def _slot(self, receiver: int, source: int, seq: int) -> int:
+        """Address, as mapped here, of the slot of `source`'s tensor `seq` in `receiver`'s region."""
+        inflight = self.pp_config[1]
+        index = self._direction(receiver, source) * inflight + seq % inflight
+        return self._region.addresses[receiver] + CONTROL_BYTES + index * self._slot_bytes
+
+    def _arrived(self, receiver: int, source: int) -> int:
+        return self._region.addresses[receiver] + 8 * source
+
+    def _credit(self, sender: int, receiver: int) -> int:
+        return self._region.addresses[sender] + 8 * (lay.MAX_RANKS + receiver)
+
+    # ------------------------------------------------------------------------------------------------
+    # Pipeline send/recv
+    # ------------------------------------------------------------------------------------------------
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int, error=None) -> None:
+        b = self.backend
+        values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
+        self.agree(values, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config", error)
+        if self._region is not None:
+            self._free_region(self._region)
+            self._region, self.pp_config = None, None
+        self._slot_bytes = -(-num_max_tensor_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        self._region = self._new_region(CONTROL_BYTES + 2 * num_max_inflight_tensors * self._slot_bytes)
+        self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
+        self._sent, self._received = {}, {}
+        self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
+                                         timeout_ns=b.timeout_ns, rank=b.rank, num_ranks=b.num_ranks)
+
+    def pp_send(self, t: torch.Tensor, dst: int):
+        b, k = self.backend, self.backend.kernels
+        me, seq = b.rank, self._sent.get(dst, 0) + 1
+        stream = current_stream(b.device.index)
+        if seq > self.pp_config[1]:
+            self._check(k.wait_flag(ctypes.byref(self._wait_params), self._credit(me, dst), seq - self.pp_config[1],
+                                    dst, _PHASE["pp_send (a free slot)"], stream), "pp_send wait")
+        self._check(k.copy(self._slot(dst, me, seq), t.data_ptr(), t.nbytes, stream), "pp_send copy")
+        self._check(k.signal_flag(self._arrived(dst, me), seq, stream), "pp_send signal")
+        self._sent[dst] = seq
+        return (), [], []
+
+    def pp_recv(self, t: torch.Tensor, src: int):
+        b, k = self.backend, self.backend.kernels
+        me, seq = b.rank, self._received.get(src, 0) + 1
+        stream = current_stream(b.device.index)
+        self._check(k.wait_flag(ctypes.byref(self._wait_params), self._arrived(me, src), seq, src, _PHASE["pp_recv"],
+                            stream), "pp_recv wait")
+        self._check(k.copy(t.data_ptr(), self._slot(me, src, seq), t.nbytes, stream), "pp_recv copy")
+        self._check(k.signal_flag(self._credit(src, me), seq, stream), "pp_recv signal")
+        self._received[src] = seq
+        return (), [], []
+
+    # ------------------------------------------------------------------------------------------------
+    # All-gather, reduce-scatter
+    # ------------------------------------------------------------------------------------------------
+    def _agrs_region(self, slot_bytes: int) -> None:
+        """The all-gather / reduce-scatter region with slots of at least `slot_bytes`: made at the first call, made
+        again when a call needs more (collective either way: every rank's call has the same size; the slots take
+        the largest any rank asks for, one exchange and a host sync, so no copy can overrun a peer's)."""
+        b = self.backend
+        if self._agrs is not None and slot_bytes <= self._agrs_slot_bytes:
+            return
+        asked = b.gather_values(torch.tensor([slot_bytes], dtype=torch.int64, device=b.device),
+                                "all_gather / reduce_scatter slot size")
+        if self._agrs is not None:
+            self._free_region(self._agrs)
+            self._agrs = None
+        R = b.num_ranks
+        self._agrs_slot_bytes = max(SLOT_ALIGN, -(-int(asked.max()) // SLOT_ALIGN) * SLOT_ALIGN)
+        region = self._new_region(AGRS_CONTROL_BYTES + 2 * R * self._agrs_slot_bytes)
+        # Where this rank signals on every peer: its arrival, its release of a slot.
+        me, bases = b.rank, region.addresses
+        signal = [[bases[p] + offset + 8 * me if p != me else 0 for p in range(R)]
+                  for offset in (AGRS_ARRIVED, AGRS_RELEASED)]
+        self._agrs_signals = torch.tensor(signal, dtype=torch.int64, device=b.device)
+        self._agrs, self._agrs_seq = region, 0
+        if self._wait_params is None:
+            self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
+                                             timeout_ns=b.timeout_ns, rank=b.rank, num_ranks=R)
+
+    def _agrs_slot(self, rank: int, parity: int, source: int) -> int:
+        return self._agrs.addresses[rank] + AGRS_CONTROL_BYTES + \
+            (parity * self.backend.num_ranks + source) * self._agrs_slot_bytes
+
+    def _agrs_exchange(self, block_of: Callable[[int], tuple[int, int] | None], what: str) -> tuple[int, int]:
+        """One all-gather / reduce-scatter exchange: every peer's slot `me` (of this call's parity) gets
+        `block_of(peer)` = (address, bytes) by a copy engine once the peer released that slot (two calls ago), then
+        every peer's arrival is awaited. Returns `(parity, stream)`; the caller reads its slots, then
+        `_agrs_release`."""
+        b, k = self.backend, self.backend.kernels
+        R, me = b.num_ranks, b.rank
+        self._agrs_seq += 1
+        seq, parity = self._agrs_seq, self._agrs_seq % 2
+        stream = current_stream(b.device.index)
+        base = self._agrs.addresses[me]
+        params = ctypes.byref(self._wait_params)
+        if seq > 2:  # the slots of this parity were last read two calls ago
+            phase = _PHASE["all_gather / reduce_scatter (a free slot)"]
+            self._check(k.wait_flags(params, base + AGRS_RELEASED, R, seq - 2, phase, stream), f"{what} wait")
+        for p in range(R):
+            block = block_of(p)
+            if block is None:  # nothing for this rank's slot (the all-gather reads its own tensor)
+                continue
+            address, num_bytes = block
+            self._check(k.copy(self._agrs_slot(p, parity, me), address, num_bytes, stream), f"{what} copy")
+        self._check(k.signal_flags(self._agrs_signals[0].data_ptr(), R, seq, stream), f"{what} signal")
+        phase = _PHASE["all_gather / reduce_scatter"]
+        self._check(k.wait_flags(params, base + AGRS_ARRIVED, R, seq, phase, stream), f"{what} wait")
+        return parity, stream
+
+    def _agrs_release(self, stream: int, what: str) -> None:
+        k = self.backend.kernels
+        self._check(k.signal_flags(self._agrs_signals[1].data_ptr(), self.backend.num_ranks, self._agrs_seq, stream),
+                    f"{what} release")
+
+    def all_gather(self, t: torch.Tensor):
+        """Copy engines: `t` into every rank's slot, then the slots (own: `t`) into `[R, *t.shape]`."""
+        b, k = self.backend, self.backend.kernels
+        R, me, nbytes = b.num_ranks, b.rank, t.nbytes
+        out = t.new_empty(R, *t.shape)
+        self._agrs_region(nbytes)
+        parity, stream = self._agrs_exchange(lambda p: None if p == me else (t.data_ptr(), nbytes), "all_gather")
+        for q in range(R):
+            source = t.data_ptr() if q == me else self._agrs_slot(me, parity, q)
+            self._check(k.copy(out[q].data_ptr(), source, nbytes, stream), "all_gather copy out")
+        self._agrs_release(stream, "all_gather")
+        return (out,), [], []
+
+    def reduce_scatter(self, t: torch.Tensor):
+        """Copy engines: block p of `t` into rank p's slot, then one kernel sums this rank's slots in rank order."""
+        b, k = self.backend, self.backend.kernels
+        R, me = b.num_ranks, b.rank
+        n = t.shape[0] // R
+        out = t.new_empty(n, *t.shape[1:])
+        block_bytes = out.nbytes
+        self._agrs_region(block_bytes)
+        parity, stream = self._agrs_exchange(lambda p: (t[p * n:(p + 1) * n].data_ptr(), block_bytes),
+                                             "reduce_scatter")
+        self._check(k.reduce_slots(self._agrs_slot(me, parity, 0), self._agrs_slot_bytes, R, out.numel(),
+                                   out.data_ptr(), DTYPE_CODES[t.dtype], REDUCE_BLOCKS, stream), "reduce_scatter sum")
+        self._agrs_release(stream, "reduce_scatter")
+        return (out,), [], []
+
+    # ------------------------------------------------------------------------------------------------
+    # Engram
+    # ------------------------------------------------------------------------------------------------
+    def engram_write(self, storage: torch.Tensor, error=None) -> None:
+        """The table's rows in an IPC region of this rank, every rank's mapped here (collective); the ranks agree
+        on the row shape and dtype first (`TorchPrimitives.engram_write`)."""
+        b = self.backend
+        super().engram_write(storage, error)  # agreement, offsets; keeps a copy we replace by the region's
+        rows = self.table
+        if self._engram is not None:
+            self._free_region(self._engram)
+            self._engram = None
+        region = self._new_region(max(SLOT_ALIGN, rows.nbytes))
+        table = region.tensor[:rows.nbytes].view(rows.dtype).view(rows.shape)
+        table.copy_(rows)
+        self._engram, self.table = region, table
+        self._engram_bases = torch.tensor(region.addresses, dtype=torch.int64, device=b.device)
+        self._engram_offsets = torch.tensor(self.table_offsets, dtype=torch.int64, device=b.device)
+        torch.cuda.synchronize(b.device)  # every table in place before a peer reads it
+        dist.barrier(group=b.group)
+
+    def engram_fetch(self, indices: torch.Tensor, error=None) -> Callable[[], torch.Tensor]:
+        """One-sided: one kernel reads every requested row from its owner's region (peer loads over NVLink; the
+        owners take no part); the callable returns the rows (stream-ordered, nothing to wait for)."""
+        b, k = self.backend, self.backend.kernels
+        self.check_fetch(indices, error)  # the same errors on every rank, one exchange
+        table = self.table
+        out = table.new_empty(indices.shape[0], *table.shape[1:])
+        row_bytes = table.element_size() * math.prod(table.shape[1:])
+        self._check(k.engram_gather(indices.data_ptr(), indices.shape[0], self._engram_offsets.data_ptr(),
+                                    b.num_ranks, self._engram_bases.data_ptr(), row_bytes, out.data_ptr(),
+                                    ENGRAM_BLOCKS, current_stream(b.device.index)), "engram_fetch")
+        return lambda: out
+
+    def close(self) -> None:
+        """Free the regions: collective (`Buffer.destroy()` on every rank), since a peer may still write into this
+        rank's regions until every rank's work is done and the ranks have met."""
+        super().close()
+        for name in ("_region", "_agrs", "_engram"):
+            region = getattr(self, name)
+            if region is not None:
+                self._free_region(region)
+                setattr(self, name, None)
+        self.table = None
+
+def _drop(region: IpcMemory, device: torch.device) -> None:
+    """A region whose primitives were dropped without `close()`: this rank stops writing into its peers' (the device
+    synchronized, their mappings closed); its own memory stays, as a peer may still write into it."""
+    if torch.cuda.is_initialized():  # False in a forked child: the memory is the parent's
+        torch.cuda.synchronize(device)
+        region.close_peers()
+
+__all__ = ["CudaPrimitives"]
