@@ -201,6 +201,7 @@ class Buffer(PrimitivesMixin):
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
         self._fitting: set[tuple] = set()  # call shapes that fit the buffer
+        self._check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")  # read once: ~3 us per call on the host path
         self._impl = self._make_backend(cuda_tuning)
         # Pipeline, all-gather / reduce-scatter, Engram (`primitives`): the CUDA backend's pipeline by copy engines.
         self._prims = CudaPrimitives(self._impl) if isinstance(self._impl, cuda_backend.CudaBackend) \
@@ -522,11 +523,10 @@ class Buffer(PrimitivesMixin):
                                        expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize,
                                        dequantize, previous_event, async_with_compute_stream,
                                        allocate_on_comm_stream, return_recv_hook)
-        check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")
-        if call.handle is None and check_inputs:
+        if call.handle is None and self._check_inputs:
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
         # MOE_COMM_CHECK_INPUTS=1: the ranks' agreement is also checked on the host before any data moves.
-        return self._impl.dispatch(call, verify_agreement=check_inputs)
+        return self._impl.dispatch(call, verify_agreement=self._check_inputs)
 
     def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                            expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize, dequantize,
@@ -677,7 +677,7 @@ class Buffer(PrimitivesMixin):
         self._check_ready("combine")
         call = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
                                       async_with_compute_stream, allocate_on_comm_stream, return_recv_hook)
-        return self._impl.combine(call, verify_agreement=env.get_bool("MOE_COMM_CHECK_INPUTS"))
+        return self._impl.combine(call, verify_agreement=self._check_inputs)
 
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
                           allocate_on_comm_stream, return_recv_hook) -> CombineCall:

@@ -27,7 +27,8 @@ VARIABLES = {
     for v in (
         Variable("MOE_COMM_CHECK_INPUTS", "bool", False,
                  "Check topk_idx values (range, duplicates) and the ranks' agreement on the host before any "
-                 "communication, on every call, including calls without a CPU sync (costs a host sync)."),
+                 "communication, on every call, including calls without a CPU sync (costs a host sync). Read when "
+                 "a `Buffer` is made: set it the same on every rank before then."),
         Variable("MOE_COMM_TEST_SEED", "int", 0,
                  "Seed of the randomized property tests (the cases are drawn in the parent process)."),
         Variable("MOE_COMM_GPU_RANKS", "int", 0,

@@ -11,7 +11,6 @@ from typing import Callable, Optional
 
 import torch
 
-from . import env
 from .args import check_bool, check_int
 from .backends.torch_primitives import MAX_ROW_DIMS, shape_words
 from .event import EventOverlap
@@ -150,7 +149,7 @@ class PrimitivesMixin:
         them: a rank whose arguments were refused raises there and every other rank with it. Without the agreement a
         refused rank raises alone (as with torch.distributed's collectives)."""
         self._check_alive()
-        agree = self._impl.checks_every_call or env.get_bool("MOE_COMM_CHECK_INPUTS")
+        agree = self._impl.checks_every_call or self._check_inputs
         error = None
         try:
             self._check_tensor("t", t)

@@ -197,7 +197,8 @@ def host_pieces(impl, fn, iters: int) -> dict[str, float]:
 
     launcher, empty = impl.launcher, torch.empty
     impl.launcher = types.SimpleNamespace(**{name: timed(f"{name} (host extension)", getattr(launcher, name))
-                                             for name in ("layout", "dispatch", "cached_dispatch", "combine")})
+                                             for name in ("layout", "dispatch", "layout_dispatch", "cached_dispatch",
+                                                          "combine")})
     torch.empty = timed("torch.empty", empty)
     try:
         torch.cuda.synchronize()

@@ -135,37 +135,45 @@ def _params(**fields) -> layout.EpParams:
 
 def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(kernels):
     """The layout launch gets the workspace pieces at `workspace_offsets`; the dispatch launch gets outputs of the
-    right shapes and dtypes (FP8 rows stay FP8, routing outputs are views of one int64 allocation)."""
+    right shapes and dtypes (FP8 rows stay FP8, routing outputs are views of one int64 allocation). Without a CPU
+    sync both launches run in one crossing, the routing outputs at the end of the workspace."""
     fake = FakeLaunchers()
     launcher = fake.launcher()
     N, K, R, E, L, H, cap = 5, 3, 2, 8, 4, 256, 6
     params = _params()
     offsets = layout.workspace_offsets(N, K, R, E, cap, True, 3)
+    words = (ctypes.c_int64 * len(offsets))(*offsets)
     args, notify = layout.LayoutArgs(), layout.NotifyArgs(pending_flags=64, summary=128, exchange_phase=1)
     topk_idx = torch.zeros(N, K, dtype=torch.int64)
-    workspace, clean_idx = launcher.layout(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify),
-                                           topk_idx, list(offsets), 1234)
-    assert workspace.dtype == torch.int64 and workspace.numel() == offsets[-1]
-    assert clean_idx.shape == (N, K) and clean_idx.data_ptr() == workspace.data_ptr()
-    base = workspace.data_ptr()
+    clean_idx = launcher.layout(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify), topk_idx,
+                                ctypes.addressof(words), 1234)
+    assert clean_idx.shape == (N, K) and clean_idx.dtype == torch.int64
+    assert clean_idx.untyped_storage().nbytes() == 8 * offsets[-1] and clean_idx.storage_offset() == 0
+    base = clean_idx.data_ptr()
     at = lambda i: base + 8 * offsets[i]  # noqa: E731
-    name, p, a, n, stream = fake.calls[-1]
-    assert (name, stream, p.rank) == ("layout", 1234, 1)
-    assert (a.topk_idx, a.clean_idx, a.send_pos, a.expert_rank) == (topk_idx.data_ptr(), base, at(0), at(3))
-    assert (a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags) == (at(1), at(1) + 8 * R, at(1) + 8 * (R + E))
-    assert a.scratch == at(5) and offsets[6] - offsets[5] == -(-3 * (R + E + 1) // 2)
-    assert (n.num_tokens_per_rank, n.num_tokens_per_expert, n.flags, n.recv_slots) == (
-        a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags, at(2))
-    assert (n.pending_flags, n.summary, n.exchange_phase) == (64, 128, 1)  # the plan's, untouched
+
+    def check_layout_launch(name, p, a, n, stream):
+        assert (name, stream, p.rank) == ("layout", 1234, 1)
+        assert (a.topk_idx, a.clean_idx, a.send_pos, a.expert_rank) == (topk_idx.data_ptr(), base, at(0), at(3))
+        assert (a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags) == (at(1), at(1) + 8 * R,
+                                                                             at(1) + 8 * (R + E))
+        assert a.scratch == at(5) and offsets[6] - offsets[5] == -(-3 * (R + E + 1) // 2)
+        assert (n.num_tokens_per_rank, n.num_tokens_per_expert, n.flags, n.recv_slots) == (
+            a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags, at(2))
+        assert (n.pending_flags, n.summary, n.exchange_phase) == (64, 128, 1)  # the plan's, untouched
+
+    check_layout_launch(*fake.calls[-1])
 
     q = torch.zeros(N, H, dtype=torch.float8_e4m3fn)
     scales = torch.ones(N, H // 128)
     weights = torch.rand(N, K)
     inputs, outputs = layout.DispatchInputs(), layout.RecvOutputs()
-    for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
-        x, out_scales, idx, src, psum_rank, psum_expert, w = launcher.dispatch(
-            ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), q, scales, weights,
-            workspace, list(offsets), M, P, do_expand, 0, 0, 20, 0, 99)
+    dispatch = lambda data, scales, weights, M, P, do_expand, codes: launcher.dispatch(  # noqa: E731
+        ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data, scales, weights,
+        clean_idx, ctypes.addressof(words), M, P, do_expand, *codes, 20, 0, 99)
+
+    def check_dispatch(results, M, P, do_expand, with_data=q):
+        x, out_scales, idx, src, psum_rank, psum_expert, w = results
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((P, H), q.dtype, (P, 2), torch.float32)
         assert (idx.shape, src.shape, psum_rank.shape, psum_expert.shape) == ((M, K), (M,), (R,), (L,))
         assert w.shape == ((P,) if do_expand else (M, K)) and w.dtype == weights.dtype
@@ -175,47 +183,61 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         name, p, i, o, blocks, with_barrier, part, stream = fake.calls[-1]
         assert (name, blocks, with_barrier, part, stream) == ("dispatch", 20, 0, 0, 99)
         assert (i.x, i.scales, i.clean_idx, i.weights, i.send_pos, i.expert_rank) == (
-            q.data_ptr(), scales.data_ptr(), base, weights.data_ptr(), at(0), at(3))
+            with_data.data_ptr(), scales.data_ptr(), base, weights.data_ptr(), at(0), at(3))
         assert (o.counts, o.x, o.scales, o.topk_idx, o.weights, o.src_idx) == (
             at(2), x.data_ptr(), out_scales.data_ptr(), routing, w.data_ptr(), src.data_ptr())
         assert (o.expand_row or 0) == (at(4) if do_expand else 0)
         assert (o.psum_rank, o.psum_expert, o.num_rows, o.num_expand_rows, o.do_expand) == (
             psum_rank.data_ptr(), psum_expert.data_ptr(), M, P, int(do_expand))
+        return routing
+
+    for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
+        routing = check_dispatch(dispatch(q, scales, weights, M, P, do_expand, (0, 0)), M, P, do_expand)
+        assert routing != base + 8 * offsets[-1]  # its own allocation: M was read on the host after the layout
+
+    # Without a CPU sync: one crossing, both launches, sizes from the plan's RecvOutputs, routing after the workspace.
+    for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
+        fake.calls.clear()
+        outputs = layout.RecvOutputs(num_rows=M, num_expand_rows=P, do_expand=int(do_expand))
+        *results, clean = launcher.layout_dispatch(
+            ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify), ctypes.addressof(inputs),
+            ctypes.addressof(outputs), topk_idx, q, scales, weights, ctypes.addressof(words), 0, 0, 20, 0, 99)
+        assert [c[0] for c in fake.calls] == ["layout", "dispatch"]
+        base = clean.data_ptr()
+        assert clean.shape == (N, K) and clean.untyped_storage().nbytes() == 8 * (offsets[-1] + M * K + M + R + L)
+        check_layout_launch(*fake.calls[0][:4], 1234)
+        assert fake.calls[0][4] == 99
+        assert check_dispatch(results, M, P, do_expand) == base + 8 * offsets[-1]
+    outputs = layout.RecvOutputs()
+
     # Without weights and FP8: no weight or scale outputs, null pointers.
-    x, out_scales, *_, w = launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs),
-                                             ctypes.addressof(outputs), torch.zeros(N, H, dtype=torch.bfloat16), None,
-                                             None, workspace, list(offsets), 7, 7, False, 0, 0, 20, 0, 99)
+    x, out_scales, *_, w = dispatch(torch.zeros(N, H, dtype=torch.bfloat16), None, None, 7, 7, False, (0, 0))
     assert x.dtype == torch.bfloat16 and out_scales is None and w is None
     assert not (fake.calls[-1][3].scales or fake.calls[-1][3].weights or fake.calls[-1][2].weights)
     # `quantize=`: bf16 rows in, FP8 rows and the format's scales out (the senders cast), no input scales.
     bf16 = torch.zeros(N, H, dtype=torch.bfloat16)
     for code, scale_dtype in ((1, torch.float32), (2, torch.int32)):
-        x, out_scales, *_ = launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs),
-                                              ctypes.addressof(outputs), bf16, None, None, workspace, list(offsets),
-                                              7, 9, True, code, 0, 20, 0, 99)
+        x, out_scales, *_ = dispatch(bf16, None, None, 7, 9, True, (code, 0))
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((9, H), torch.float8_e4m3fn, (9, H // 128),
                                                                           scale_dtype)
         _, _, i, o, *_ = fake.calls[-1]
         assert (i.quantize, i.x, i.scales, o.scales) == (code, bf16.data_ptr(), None, out_scales.data_ptr())
         # `dequantize`: bf16 outputs and no scales, whether the senders cast (quantize) or the rows came as FP8.
-        for data, scales in ((bf16, None), (q, torch.ones(N, H // 128) if code == 1 else torch.ones(N, H // 128,
-                                                                                                      dtype=torch.int32))):
-            x, out_scales, *_ = launcher.dispatch(
-                ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data, scales, None,
-                workspace, list(offsets), 7, 9, True, code if scales is None else 0, code, 20, 0, 99)
+        for data, scales_in in ((bf16, None), (q, torch.ones(N, H // 128) if code == 1 else torch.ones(N, H // 128,
+                                                                                                         dtype=torch.int32))):
+            x, out_scales, *_ = dispatch(data, scales_in, None, 7, 9, True, (code if scales_in is None else 0, code))
             assert (x.shape, x.dtype, out_scales, fake.calls[-1][3].dequantize) == ((9, H), torch.bfloat16, None,
                                                                                     code)
-    for data, scales, codes in ((bf16, None, (0, 1)), (q, torch.ones(N, H // 128), (0, 2)), (bf16, None, (2, 1))):
+    for data, scales_in, codes in ((bf16, None, (0, 1)), (q, torch.ones(N, H // 128), (0, 2)), (bf16, None, (2, 1))):
         with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):
-            launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data,
-                              scales, None, workspace, list(offsets), 7, 7, False, *codes, 20, 0, 99)
+            dispatch(data, scales_in, None, 7, 7, False, codes)
     with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
-        launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), bf16, None,
-                          None, workspace, list(offsets), 7, 7, False, 3, 3, 20, 0, 99)
+        dispatch(bf16, None, None, 7, 7, False, (3, 3))
     with pytest.raises(ValueError, match="quantize casts bf16 rows of a multiple of 128 channels"):
-        launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                          torch.zeros(N, H, dtype=torch.float32), None, None, workspace, list(offsets), 7, 7, False,
-                          1, 0, 20, 0, 99)
+        dispatch(torch.zeros(N, H, dtype=torch.float32), None, None, 7, 7, False, (1, 0))
+    with pytest.raises(ValueError, match="clean_idx must be the view `layout` returned"):
+        launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), bf16, None,
+                          None, topk_idx, ctypes.addressof(words), 7, 7, False, 0, 0, 20, 0, 99)
 
 
 def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
@@ -306,7 +328,7 @@ def test_host_extension_receive_hook_parts(kernels):
 
 def test_host_extension_raises_the_launchers_message(kernels):
     """A launcher's failure is a RuntimeError with the rank and the launcher's own message; through the real
-    library (no GPU here) its checks answer before any launch; bad offsets are a ValueError."""
+    library (no GPU here) its checks answer before any launch."""
     fake = FakeLaunchers(result=1)
     # The extension writes into the structs: they must outlive the call (no temporaries).
     params, inputs, outputs = _params(), layout.DispatchInputs(), layout.RecvOutputs()
@@ -314,12 +336,11 @@ def test_host_extension_raises_the_launchers_message(kernels):
         fake.launcher().cached_dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs),
                                         torch.zeros(2, 16), None, 0, 0, 2, 4, 0, 0)
     bad, args, notify = _params(num_ranks=0), layout.LayoutArgs(), layout.NotifyArgs(pending_flags=8)
+    offsets = (ctypes.c_int64 * 7)(15, 25, 36, 100, 108, 108, 120)
     with pytest.raises(RuntimeError, match=r"dispatch layout and notify failed on rank 1: layout.cu:\d+: .*"
                                            r"num_ranks=0, kMaxRanks=32"):
         kernels.launcher.layout(ctypes.addressof(bad), ctypes.addressof(args), ctypes.addressof(notify),
-                                torch.zeros(5, 3, dtype=torch.int64), [15, 25, 36, 100, 108, 108, 120], 0)
-    with pytest.raises(ValueError, match="workspace offsets: 2 values, expected 7"):
-        kernels.launcher.layout(ctypes.addressof(params), 0, 0, torch.zeros(5, 3, dtype=torch.int64), [1, 2], 0)
+                                torch.zeros(5, 3, dtype=torch.int64), ctypes.addressof(offsets), 0)
     with pytest.raises(ValueError, match="a launcher address is 0"):
         cuda_kernels.host_extension().Launcher(0, 0, 0, 0)
 

@@ -240,14 +240,17 @@ def test_deferred_value_errors(pools):
 
 def check_inputs_env_rank(rank: int, world_size: int) -> str:
     # The pool's ranks outlive this test: the variable gets back its previous value (or absence), not "0".
+    x, idx, w = rank_inputs(GOOD, rank)
+    if rank == 1:
+        idx = idx.clone()
+        idx[0, 0] = 7
     with mock.patch.dict(os.environ, {"MOE_COMM_CHECK_INPUTS": "1"}):
         buf = new_buffer()
-        x, idx, w = rank_inputs(GOOD, rank)
-        if rank == 1:
-            idx = idx.clone()
-            idx[0, 0] = 7
         with pytest.raises(ValueError, match=r"entries outside \[-1, 4\) on rank\(s\) \[1\]"):
             buf.dispatch(x, idx, w, num_experts=4, do_cpu_sync=False)
+    # Read when the buffer was made: it still checks up front once the variable is gone.
+    with pytest.raises(ValueError, match=r"entries outside \[-1, 4\) on rank\(s\) \[1\]"):
+        buf.dispatch(x, idx, w, num_experts=4, do_cpu_sync=False)
     x, idx, w = rank_inputs(GOOD, rank)
     buf.dispatch(x, idx, w, num_experts=4, do_cpu_sync=False)
     buf.barrier()

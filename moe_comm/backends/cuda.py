@@ -29,7 +29,8 @@ the next call). After a timeout the buffer refuses work.
 Host path: the launch structs of a call are built once per shape and kept on the backend (a cached dispatch's and
 a combine's per handle, a fresh dispatch's per call signature); a call hands their addresses with its tensors to
 the host extension (`cuda_kernels`), which allocates the outputs, sets the per-call pointers and launches, one
-crossing per launch. A fresh dispatch's routing state lives in two int64 allocations.
+crossing per call (a fresh dispatch with a CPU sync: two). A fresh dispatch's routing state lives in one or two
+int64 allocations.
 """
 
 from __future__ import annotations
@@ -110,15 +111,16 @@ def num_send_blocks(op: str, num_sms: int, num_ranks: int, do_expand: bool, frac
 class CudaLayout:
     """Routing state of a CUDA dispatch, kept in `EPHandle.layout` (private to the backend).
 
-    workspace: one int64 device allocation holding the handle's `topk_idx` `[N, K]`, then at `offsets`
-        (`moe_comm.layout.workspace_offsets`): send_pos (row of each token inside its destination block, -1 if not
-        sent there), counts (rows per destination rank, rows per expert, error flags), recv_slots (copy of the
-        control slots this dispatch received, for the receivers of cached dispatches), expert_rank (tokens before
-        this one that chose the slot's expert), expand_row (expand only: output row of each (received row, slot)),
-        the layout kernel's scratch (~130 KB at 132 blocks and 256 experts; used by that kernel only).
+    clean_idx: the handle's `topk_idx` `[N, K]`, the view at the start of one int64 device allocation (the
+        workspace) holding, at `offsets` (`moe_comm.layout.workspace_offsets`): send_pos (row of each token inside
+        its destination block, -1 if not sent there), counts (rows per destination rank, rows per expert, error
+        flags), recv_slots (copy of the control slots this dispatch received, for the receivers of cached
+        dispatches), expert_rank (tokens before this one that chose the slot's expert), expand_row (expand only:
+        output row of each (received row, slot)), the layout kernel's scratch (~130 KB at 132 blocks and 256
+        experts; used by that kernel only); without a CPU sync, the dispatch's routing outputs after them.
     """
 
-    workspace: torch.Tensor
+    clean_idx: torch.Tensor
     offsets: tuple[int, ...]
     do_expand: bool
 
@@ -126,7 +128,7 @@ class CudaLayout:
         """Device address of a piece (`moe_comm.layout.WORKSPACE_PIECES`); 0 for expand_row without expand."""
         if piece == "expand_row" and not self.do_expand:
             return 0
-        return self.workspace.data_ptr() + 8 * self.offsets[lay.WORKSPACE_PIECES.index(piece)]
+        return self.clean_idx.data_ptr() + 8 * self.offsets[lay.WORKSPACE_PIECES.index(piece)]
 
 
 @dataclass(eq=False)
@@ -137,7 +139,8 @@ class _Plan:
     structs: EpParams, then the operation's other structs in the launcher's order (fresh dispatch: LayoutArgs,
         NotifyArgs, DispatchInputs, RecvOutputs; cached dispatch: DispatchInputs, RecvOutputs; combine: CombineArgs).
     addresses: their `ctypes.addressof`, in the same order.
-    offsets: a fresh dispatch's workspace offsets (`moe_comm.layout.workspace_offsets`).
+    offsets: a fresh dispatch's workspace offsets (`moe_comm.layout.workspace_offsets`); `offsets_address`: the
+        address of the same values as int64 words, which the host extension reads.
     num_rows, num_expand_rows: a fresh dispatch's worst-case M and P (without CPU sync).
     num_slots, num_rounds: an expand combine's slots per round and rounds (1 and 1 otherwise).
     combine_dtype: a combine's row dtype code (`DTYPE_CODES`), 0 for a dispatch.
@@ -151,9 +154,13 @@ class _Plan:
     num_rounds: int = 1
     combine_dtype: int = 0
     addresses: tuple[int, ...] = field(init=False)
+    offsets_address: int = field(init=False)
+    _offsets_words: ctypes.Array = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.addresses = tuple(ctypes.addressof(s) for s in self.structs)
+        self._offsets_words = (ctypes.c_int64 * len(self.offsets))(*self.offsets)
+        self.offsets_address = ctypes.addressof(self._offsets_words)
 
 
 def _part(c) -> int:
@@ -436,7 +443,9 @@ class CudaBackend(Backend):
         M = R * cap  # the worst case, sizing the outputs of a call without CPU sync
         P = M * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
         blocks = lay.layout_blocks(N, self.num_device_sms)
-        return _Plan((params, lay.LayoutArgs(num_blocks=blocks), notify, lay.DispatchInputs(), lay.RecvOutputs()),
+        # The worst-case sizes stay set for calls without CPU sync; one with sets its own (host extension).
+        outputs = lay.RecvOutputs(num_rows=M, num_expand_rows=P, do_expand=int(c.do_expand))
+        return _Plan((params, lay.LayoutArgs(num_blocks=blocks), notify, lay.DispatchInputs(), outputs),
                      offsets=lay.workspace_offsets(N, K, R, E, cap, c.do_expand, blocks), num_rows=M,
                      num_expand_rows=P)
 
@@ -452,20 +461,23 @@ class CudaBackend(Backend):
             plan = self._shapes[key] = self._fresh_plan(c, signature)
         params, layout_args, notify, inputs, outputs = plan.addresses
         data, scales, quantize, dequantize = self._kernel_rows(c)
-        stream = current_stream(self._device_index)
+        stream, part = current_stream(self._device_index), _part(c)
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
-        # control slot and theirs into ours, read on the host when the call syncs.
-        workspace, clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets, stream)
-        if c.do_cpu_sync:
+        # control slot and theirs into ours; then send and receive (with a hook: send now, the receivers in the hook).
+        if c.do_cpu_sync:  # two crossings: the host reads the counts in between to size the outputs
+            clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets_address, stream)
             M, rows_per_expert = self._read_summary(c, c.num_experts // self.num_ranks)
             aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in rows_per_expert]
             P = sum(aligned_list) if c.do_expand else M
-        else:
+            outs = self.launcher.dispatch(params, inputs, outputs, data, scales, c.topk_weights, clean_idx,
+                                          plan.offsets_address, M, P, c.do_expand, quantize, dequantize, c.num_sms,
+                                          part, stream)
+        else:  # one crossing, outputs of the worst case
             aligned_list, M, P = None, plan.num_rows, plan.num_expand_rows
-        # Send and receive (with a hook: send now, the receivers in the hook).
-        out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = self.launcher.dispatch(
-            params, inputs, outputs, data, scales, c.topk_weights, workspace, plan.offsets, M, P, c.do_expand,
-            quantize, dequantize, c.num_sms, _part(c), stream)
+            *outs, clean_idx = self.launcher.layout_dispatch(
+                params, layout_args, notify, inputs, outputs, c.topk_idx, data, scales, c.topk_weights,
+                plan.offsets_address, quantize, dequantize, c.num_sms, part, stream)
+        out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = outs
         self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
         handle = EPHandle(
             group=self.group, backend=self.name, epoch=self.epoch,
@@ -475,7 +487,7 @@ class CudaBackend(Backend):
             topk_idx=clean_idx, recv_src_idx=out_src, recv_topk_idx=out_idx, recv_topk_weights=out_w,
             psum_num_recv_tokens_per_rank=psum_rank, psum_num_recv_tokens_per_expert=psum_expert,
             num_recv_tokens=P if c.do_cpu_sync else None, num_recv_tokens_per_expert_list=aligned_list,
-            num_recv_rows=P, layout=CudaLayout(workspace, plan.offsets, c.do_expand))
+            num_recv_rows=P, layout=CudaLayout(clean_idx, plan.offsets, c.do_expand))
         results = (self._finish_x(out_x, out_scales), None if c.do_expand else out_idx, out_w, handle)
         return results, [], self._receivers(c, plan, results)
 

@@ -1,7 +1,8 @@
 // The host path of the CUDA backend's calls, as a Python extension built against the installed torch
-// (moe_comm.jit.load_extension): one crossing from Python allocates a call's outputs with torch's caching
-// allocator, sets the per-call pointers in the launch structs that moe_comm.backends.cuda built once per shape,
-// and launches through the kernel library. ctypes crossings and torch.empty from Python cost more host time than
+// (moe_comm.jit.load_extension): one crossing from Python per call (a fresh dispatch with a CPU sync: one per launch,
+// the host reads the counts in between) allocates the outputs with torch's caching allocator, sets the per-call
+// pointers in the launch structs that moe_comm.backends.cuda built once per shape, and launches through the kernel
+// library. ctypes crossings and torch.empty from Python cost more host time than
 // the kernels run at small sizes (benchmarks/host-path_*.md).
 //
 // The kernel library stays free of torch headers (the CPU CI machine compiles it; one build serves every torch):
@@ -16,7 +17,6 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "moe_comm/abi.h"
 
@@ -31,10 +31,6 @@ using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOut
 using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, int, Stream);
 using LastErrorFn = const char* (*)();
 using OptionalTensor = std::optional<at::Tensor>;
-
-// A fresh dispatch's workspace offsets (moe_comm.layout.workspace_offsets): element offsets of its pieces at the
-// indices kWorkspaceSendPos ... kWorkspaceLayoutScratch, the total length at kWorkspaceLength (moe_comm/abi.h).
-constexpr size_t kNumOffsets = kWorkspaceLength + 1;
 
 template <typename T>
 T* at_address(uintptr_t address) {
@@ -55,89 +51,57 @@ public:
           combine_(reinterpret_cast<CombineFn>(combine)),
           last_error_(reinterpret_cast<LastErrorFn>(last_error)) {}
 
-    // A fresh dispatch's first launch: the routing workspace (`offsets`: workspace_offsets), then the layout kernel,
-    // whose last block runs the notify. Returns (workspace, clean topk_idx [N, K], a view at its start).
-    py::tuple layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
-                     const std::vector<int64_t>& offsets, uintptr_t stream) const {
-        check_offsets(offsets);
-        const EpParams* p = at_address<const EpParams>(params);
-        require(topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
-                    topk_idx.numel() == p->num_tokens * p->num_topk,
-                "topk_idx must be contiguous int64 of num_tokens x num_topk = " +
-                    std::to_string(p->num_tokens * p->num_topk) + " values");
-        at::Tensor workspace = at::empty({offsets[kWorkspaceLength]}, topk_idx.options());
-        int64_t* base = workspace.data_ptr<int64_t>();
-        int64_t* counts = base + offsets[kWorkspaceCounts];  // rows per rank [R], rows per expert [E], error flags [1]
-        auto* a = at_address<LayoutArgs>(args);
-        a->topk_idx = topk_idx.data_ptr<int64_t>();
-        a->clean_idx = base;
-        a->send_pos = base + offsets[kWorkspaceSendPos];
-        a->expert_rank = reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpertRank]);
-        a->num_tokens_per_rank = counts;
-        a->num_tokens_per_expert = counts + p->num_ranks;
-        a->flags = counts + p->num_ranks + p->num_experts;
-        a->scratch = reinterpret_cast<int32_t*>(base + offsets[kWorkspaceLayoutScratch]);
-        auto* n = at_address<NotifyArgs>(notify);
-        n->num_tokens_per_rank = a->num_tokens_per_rank;
-        n->num_tokens_per_expert = a->num_tokens_per_expert;
-        n->flags = a->flags;
-        n->recv_slots = base + offsets[kWorkspaceRecvSlots];
-        check(released(layout_, p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
-        return py::make_tuple(workspace, workspace.narrow(0, 0, p->num_tokens * p->num_topk)
-                                             .view({p->num_tokens, p->num_topk}));
+    // A fresh dispatch with a CPU sync, first launch: the routing workspace (`offsets`: the address of its
+    // moe_comm.layout.workspace_offsets), then the layout kernel, whose last block runs the notify. The host reads
+    // the counts before the second launch (`dispatch`). Returns the clean topk_idx [N, K], a view at the workspace's
+    // start (the workspace is its storage).
+    at::Tensor layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
+                      uintptr_t offsets, uintptr_t stream) const {
+        const int64_t* o = at_address<const int64_t>(offsets);
+        return clean_view(launch_layout(params, args, notify, topk_idx, o, 0, stream), params);
     }
 
-    // A fresh dispatch's second launch, along the workspace of `layout`: `num_rows` (M) received rows,
-    // `num_expand_rows` (P, = M without expand) output rows. `quantize`: 0, or the FP8 format (1 fp8_block128, 2
-    // mxfp8) the senders cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire rows, cast back to
-    // bf16 on arrival. `part`: kPartWhole, or kPartSend (the receivers run later, `receive`). Returns (x [P, H]
-    // in data's dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx [M, K], src_idx [M], psum per rank [R],
-    // psum per local expert [L], weights or None), the routing outputs as views of one int64 allocation.
+    // A fresh dispatch with a CPU sync, second launch, along the workspace of `layout` (`clean_idx`): `num_rows`
+    // (M) received rows, `num_expand_rows` (P, = M without expand) output rows. `quantize`: 0, or the FP8 format
+    // (1 fp8_block128, 2 mxfp8) the senders cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire
+    // rows, cast back to bf16 on arrival. `part`: kPartWhole, or kPartSend (the receivers run later, `receive`).
+    // Returns (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx [M, K], src_idx [M],
+    // psum per rank [R], psum per local expert [L], weights or None), the routing outputs as views of one int64
+    // allocation.
     py::tuple dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                       const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& workspace,
-                       const std::vector<int64_t>& offsets, int64_t num_rows, int64_t num_expand_rows,
-                       bool do_expand, int quantize, int dequantize, int num_blocks, int part,
-                       uintptr_t stream) const {
-        check_offsets(offsets);
-        require(workspace.numel() >= offsets[kWorkspaceLength], "workspace shorter than its offsets");
-        const EpParams* p = at_address<const EpParams>(params);
-        const int64_t M = num_rows, P = num_expand_rows, K = p->num_topk, R = p->num_ranks;
-        const int64_t L = p->num_local_experts;
-        auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, P);
-        OptionalTensor out_weights;
-        if (weights) {
-            out_weights = do_expand ? at::empty({P}, weights->options()) : at::empty({M, K}, weights->options());
-        }
-        at::Tensor routing = at::empty({M * K + M + R + L}, workspace.options());
-        int64_t* base = workspace.data_ptr<int64_t>();
-        int64_t* recv = routing.data_ptr<int64_t>();  // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
-
-        auto* in = at_address<DispatchInputs>(inputs);
-        in->x = bytes_of(data);
-        in->scales = bytes_of(scales);
-        in->quantize = quantize;
-        in->clean_idx = base;
-        in->weights = bytes_of(weights);
-        in->send_pos = base + offsets[kWorkspaceSendPos];
-        in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kWorkspaceExpertRank]);
+                       const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& clean_idx,
+                       uintptr_t offsets, int64_t num_rows, int64_t num_expand_rows, bool do_expand, int quantize,
+                       int dequantize, int num_blocks, int part, uintptr_t stream) const {
+        const int64_t* o = at_address<const int64_t>(offsets);
+        require(clean_idx.storage_offset() == 0 && clean_idx.storage().nbytes() >= 8 * o[kWorkspaceLength],
+                "clean_idx must be the view `layout` returned, at the start of the workspace");
         auto* out = at_address<RecvOutputs>(outputs);
-        out->counts = base + offsets[kWorkspaceRecvSlots];
-        out->x = bytes_of(x);
-        out->scales = bytes_of(out_scales);
-        out->dequantize = dequantize;
-        out->topk_idx = recv;
-        out->weights = bytes_of(out_weights);
-        out->src_idx = recv + M * K;
-        out->expand_row = do_expand ? reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpandRow]) : nullptr;
-        out->psum_rank = recv + M * K + M;
-        out->psum_expert = recv + M * K + M + R;
-        out->num_rows = M;
-        out->num_expand_rows = P;
+        out->num_rows = num_rows;
+        out->num_expand_rows = num_expand_rows;
         out->do_expand = do_expand ? 1 : 0;
-        check(released(dispatch_, p, in, out, num_blocks, 0, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
-        return py::make_tuple(x, or_none(out_scales), routing.narrow(0, 0, M * K).view({M, K}),
-                              routing.narrow(0, M * K, M), routing.narrow(0, M * K + M, R),
-                              routing.narrow(0, M * K + M + R, L), or_none(out_weights));
+        const at::Tensor routing = at::empty({routing_words(params, num_rows)}, clean_idx.options());
+        return launch_dispatch(params, inputs, outputs, data, scales, weights, clean_idx, o, routing, quantize,
+                               dequantize, num_blocks, part, stream);
+    }
+
+    // A fresh dispatch without a CPU sync: both launches in one crossing, into outputs sized for the worst case
+    // the plan set in the RecvOutputs struct (num_rows, num_expand_rows, do_expand), the routing outputs at the
+    // end of the workspace allocation. Arguments as `layout` and `dispatch`. Returns `dispatch`'s tuple, then the
+    // clean topk_idx (`layout`'s).
+    py::tuple layout_dispatch(uintptr_t params, uintptr_t args, uintptr_t notify, uintptr_t inputs, uintptr_t outputs,
+                              const at::Tensor& topk_idx, const at::Tensor& data, const OptionalTensor& scales,
+                              const OptionalTensor& weights, uintptr_t offsets, int quantize, int dequantize,
+                              int num_blocks, int part, uintptr_t stream) const {
+        const int64_t* o = at_address<const int64_t>(offsets);
+        const int64_t extra = routing_words(params, at_address<const RecvOutputs>(outputs)->num_rows);
+        const at::Tensor workspace = launch_layout(params, args, notify, topk_idx, o, extra, stream);
+        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, workspace, o,
+                                               workspace.narrow(0, o[kWorkspaceLength], extra), quantize,
+                                               dequantize, num_blocks, part, stream);
+        py::tuple results(outs.size() + 1);
+        for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
+        results[outs.size()] = py::cast(clean_view(workspace, params));
+        return results;
     }
 
     // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows, `quantize` and `dequantize`
@@ -223,6 +187,92 @@ public:
     }
 
 private:
+    // The routing outputs of M received rows, in int64 words: topk_idx [M, K], src_idx [M], psum per rank [R], psum
+    // per local expert [L].
+    static int64_t routing_words(uintptr_t params, int64_t num_rows) {
+        const EpParams* p = at_address<const EpParams>(params);
+        return num_rows * p->num_topk + num_rows + p->num_ranks + p->num_local_experts;
+    }
+
+    // The clean topk_idx [N, K] at the start of a workspace.
+    static at::Tensor clean_view(const at::Tensor& workspace, uintptr_t params) {
+        const EpParams* p = at_address<const EpParams>(params);
+        return workspace.narrow(0, 0, p->num_tokens * p->num_topk).view({p->num_tokens, p->num_topk});
+    }
+
+    // Allocate the workspace (its `offsets`, then `extra` words), set the layout's and the notify's pointers into it
+    // and launch the layout kernel. Returns the workspace.
+    at::Tensor launch_layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
+                             const int64_t* offsets, int64_t extra, uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        require(topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
+                    topk_idx.numel() == p->num_tokens * p->num_topk,
+                "topk_idx must be contiguous int64 of num_tokens x num_topk = " +
+                    std::to_string(p->num_tokens * p->num_topk) + " values");
+        at::Tensor workspace = at::empty({offsets[kWorkspaceLength] + extra}, topk_idx.options());
+        int64_t* base = workspace.data_ptr<int64_t>();
+        int64_t* counts = base + offsets[kWorkspaceCounts];  // rows per rank [R], rows per expert [E], error flags [1]
+        auto* a = at_address<LayoutArgs>(args);
+        a->topk_idx = topk_idx.data_ptr<int64_t>();
+        a->clean_idx = base;
+        a->send_pos = base + offsets[kWorkspaceSendPos];
+        a->expert_rank = reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpertRank]);
+        a->num_tokens_per_rank = counts;
+        a->num_tokens_per_expert = counts + p->num_ranks;
+        a->flags = counts + p->num_ranks + p->num_experts;
+        a->scratch = reinterpret_cast<int32_t*>(base + offsets[kWorkspaceLayoutScratch]);
+        auto* n = at_address<NotifyArgs>(notify);
+        n->num_tokens_per_rank = a->num_tokens_per_rank;
+        n->num_tokens_per_expert = a->num_tokens_per_expert;
+        n->flags = a->flags;
+        n->recv_slots = base + offsets[kWorkspaceRecvSlots];
+        check(released(layout_, p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
+        return workspace;
+    }
+
+    // Allocate a fresh dispatch's row outputs, set its pointers (into the workspace at `offsets` and `routing`,
+    // `routing_words` long) and launch the dispatch kernel; sizes and do_expand as the RecvOutputs struct holds.
+    py::tuple launch_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
+                              const OptionalTensor& scales, const OptionalTensor& weights,
+                              const at::Tensor& workspace, const int64_t* offsets, const at::Tensor& routing,
+                              int quantize, int dequantize, int num_blocks, int part, uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        auto* out = at_address<RecvOutputs>(outputs);
+        const int64_t M = out->num_rows, P = out->num_expand_rows, K = p->num_topk, R = p->num_ranks;
+        const int64_t L = p->num_local_experts;
+        auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, P);
+        OptionalTensor out_weights;
+        if (weights) {
+            out_weights = out->do_expand ? at::empty({P}, weights->options()) : at::empty({M, K}, weights->options());
+        }
+        int64_t* base = static_cast<int64_t*>(workspace.data_ptr());
+        int64_t* recv = routing.data_ptr<int64_t>();  // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
+
+        auto* in = at_address<DispatchInputs>(inputs);
+        in->x = bytes_of(data);
+        in->scales = bytes_of(scales);
+        in->quantize = quantize;
+        in->clean_idx = base;
+        in->weights = bytes_of(weights);
+        in->send_pos = base + offsets[kWorkspaceSendPos];
+        in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kWorkspaceExpertRank]);
+        out->counts = base + offsets[kWorkspaceRecvSlots];
+        out->x = bytes_of(x);
+        out->scales = bytes_of(out_scales);
+        out->dequantize = dequantize;
+        out->topk_idx = recv;
+        out->weights = bytes_of(out_weights);
+        out->src_idx = recv + M * K;
+        out->expand_row =
+            out->do_expand ? reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpandRow]) : nullptr;
+        out->psum_rank = recv + M * K + M;
+        out->psum_expert = recv + M * K + M + R;
+        check(released(dispatch_, p, in, out, num_blocks, 0, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        return py::make_tuple(x, or_none(out_scales), routing.narrow(0, 0, M * K).view({M, K}),
+                              routing.narrow(0, M * K, M), routing.narrow(0, M * K + M, R),
+                              routing.narrow(0, M * K + M + R, L), or_none(out_weights));
+    }
+
     // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
     // rows of bf16 `data` and their scales (float32 for fp8_block128, int32 words of UE8M0 bytes for mxfp8), or,
     // with `dequantize`, bf16 rows and no scales.
@@ -264,11 +314,6 @@ private:
         if (!condition) throw std::invalid_argument(what);
     }
 
-    static void check_offsets(const std::vector<int64_t>& offsets) {
-        require(offsets.size() == kNumOffsets, "workspace offsets: " + std::to_string(offsets.size()) +
-                                                   " values, expected " + std::to_string(kNumOffsets));
-    }
-
     // A launcher's failure as a RuntimeError with its own message (the condition and values, or the CUDA error).
     void check(int result, const EpParams* p, const char* what) const {
         if (result) {
@@ -294,6 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }))
         .def("layout", &Launcher::layout)
         .def("dispatch", &Launcher::dispatch)
+        .def("layout_dispatch", &Launcher::layout_dispatch)
         .def("cached_dispatch", &Launcher::cached_dispatch)
         .def("receive_dispatch", &Launcher::receive_dispatch)
         .def("combine", &Launcher::combine)
