@@ -195,6 +195,20 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         routing = check_dispatch(dispatch(q, scales, weights, M, P, do_expand, (0, 0)), M, P, do_expand)
         assert routing != base + 8 * offsets[-1]  # its own allocation: M was read on the host after the layout
 
+    # A dispatch of no tokens: its clean [0, K] view has a null data_ptr(); the pointers still come from the workspace.
+    no_tokens, no_offsets = _params(num_tokens=0), layout.workspace_offsets(0, K, R, E, cap, False, 1)
+    no_words = (ctypes.c_int64 * len(no_offsets))(*no_offsets)
+    empty = launcher.layout(ctypes.addressof(no_tokens), ctypes.addressof(args), ctypes.addressof(notify),
+                            torch.zeros(0, K, dtype=torch.int64), ctypes.addressof(no_words), 1234)
+    empty_base = empty.untyped_storage().data_ptr()
+    assert empty.shape == (0, K) and empty_base and fake.calls[-1][2].clean_idx == empty_base
+    launcher.dispatch(ctypes.addressof(no_tokens), ctypes.addressof(inputs), ctypes.addressof(outputs),
+                      torch.zeros(0, H, dtype=torch.bfloat16), None, None, empty, ctypes.addressof(no_words), 7, 7,
+                      False, 0, 0, 20, 0, 99)
+    _, _, i, o, *_ = fake.calls[-1]
+    assert (i.clean_idx, i.send_pos, o.counts) == (empty_base, empty_base + 8 * no_offsets[0],
+                                                   empty_base + 8 * no_offsets[2])
+
     # Without a CPU sync: one crossing, both launches, sizes from the plan's RecvOutputs, routing after the workspace.
     for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
         fake.calls.clear()

@@ -128,7 +128,8 @@ class CudaLayout:
         """Device address of a piece (`moe_comm.layout.WORKSPACE_PIECES`); 0 for expand_row without expand."""
         if piece == "expand_row" and not self.do_expand:
             return 0
-        return self.clean_idx.data_ptr() + 8 * self.offsets[lay.WORKSPACE_PIECES.index(piece)]
+        # The storage's address: the view of a dispatch of 0 tokens has a null data_ptr().
+        return self.clean_idx.untyped_storage().data_ptr() + 8 * self.offsets[lay.WORKSPACE_PIECES.index(piece)]
 
 
 @dataclass(eq=False)

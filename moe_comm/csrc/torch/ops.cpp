@@ -245,7 +245,8 @@ private:
         if (weights) {
             out_weights = out->do_expand ? at::empty({P}, weights->options()) : at::empty({M, K}, weights->options());
         }
-        int64_t* base = static_cast<int64_t*>(workspace.data_ptr());
+        // The storage's address: a view of no elements (a dispatch of 0 tokens) has a null data_ptr().
+        int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
         int64_t* recv = routing.data_ptr<int64_t>();  // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
 
         auto* in = at_address<DispatchInputs>(inputs);
