@@ -450,8 +450,8 @@ class Buffer(PrimitivesMixin):
             raise ValueError(f"{name} starts at an address that is not 16-byte aligned (data_ptr % 16 = "
                              f"{t.data_ptr() % 16}); pass a fresh or cloned tensor")
 
-    def _check_recv_hook(self, return_recv_hook, async_with_compute_stream: bool) -> None:
-        check_bool(return_recv_hook=return_recv_hook)
+    def _check_recv_hook(self, return_recv_hook: bool, async_with_compute_stream: bool) -> None:
+        """The hook's rules (the caller checked both are bools)."""
         if return_recv_hook and async_with_compute_stream:
             raise ValueError("return_recv_hook=True and async_with_compute_stream=True cannot be combined: with a "
                              "hook the receive runs when the hook is called, on the caller's stream")
@@ -534,7 +534,7 @@ class Buffer(PrimitivesMixin):
                            return_recv_hook) -> DispatchCall:
         check_bool(do_expand=do_expand, dequantize=dequantize,
                     async_with_compute_stream=async_with_compute_stream,
-                    allocate_on_comm_stream=allocate_on_comm_stream)
+                    allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook)
         self._check_recv_hook(return_recv_hook, async_with_compute_stream)
         check_int(1, expert_alignment=expert_alignment)
         check_int(0, num_sms=num_sms)
@@ -682,7 +682,7 @@ class Buffer(PrimitivesMixin):
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
                           allocate_on_comm_stream, return_recv_hook) -> CombineCall:
         check_bool(async_with_compute_stream=async_with_compute_stream,
-                    allocate_on_comm_stream=allocate_on_comm_stream)
+                    allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook)
         self._check_recv_hook(return_recv_hook, async_with_compute_stream)
         check_int(0, num_sms=num_sms)
         self._check_event(previous_event)

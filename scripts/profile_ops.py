@@ -1,8 +1,8 @@
 """Where the time of a dispatch/combine goes: host issue time, device time per kernel, Python hot spots.
 
 For each token count and op (dispatch with and without CPU sync, cached dispatch, combine) on the CUDA backend:
-- host us/call: wall time of issuing `--iters` calls back to back, divided by the count (the GPU is not waited
-  for, so for ops without a host sync this is the Python + launch cost alone);
+- host us/call: wall time of issuing calls back to back, divided by the count, the least of five loops of
+  `--iters / 5` (the GPU is not waited for, so for ops without a host sync this is the Python + launch cost alone);
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 At the smallest size also the host time of the pieces of a cached dispatch and a combine (checks, allocation, the
