@@ -140,44 +140,68 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
 
 
 def host_us(fn, iters: int) -> float:
-    """Host wall time per call of `fn` issued back to back (the GPU is not waited for inside the loop)."""
+    """Host wall time per call of `fn` issued back to back (the GPU is not waited for inside the loops), the least of
+    five loops of `iters / 5` calls (as `loop_times`)."""
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / iters
+    per_loop, least = max(1, iters // 5), float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(per_loop):
+            fn()
+        least = min(least, (time.perf_counter() - t0) * 1e6 / per_loop)
     torch.cuda.synchronize()
-    return us
+    return least
 
 
-def host_breakdown(buf, x, handle, recv_x, iters: int) -> list[str]:
-    """Host us per call of the pieces of a cached dispatch and a combine: argument checks, the host extension's
-    crossing (output allocation and one kernel launch), and the whole call; torch.empty from Python beside them."""
+def host_breakdown(buf, x, idx, w, num_experts: int, handle, recv_x, iters: int) -> list[str]:
+    """Host us per call of the pieces of a fresh dispatch without CPU sync, a cached dispatch and a combine: argument
+    checks, the kernel library's launchers called alone through ctypes (a launch without allocations or views), the
+    host extension's crossing (allocations, views, launches), the whole call; torch baselines beside them."""
     impl, dev = buf._impl, x.device
-    buf.dispatch(x, handle=handle)
+    lib = impl.kernels
+    # The launchers alone run along the structs as these calls set them: their tensors stay alive meanwhile.
+    impl._shapes.clear()  # then the fresh dispatch's launch structs are the only ones
+    fresh = buf.dispatch(x, idx, w, num_experts=num_experts, do_cpu_sync=False)
+    (fplan,) = impl._shapes.values()
+    cached = buf.dispatch(x, handle=handle)
     buf.combine(recv_x, handle)
     (dplan,) = [p for k, p in impl._plans[handle].items() if k[0] == "dispatch"]
     (cplan,) = [p for k, p in impl._plans[handle].items() if k[0] == "combine"]
     stream = torch.cuda.current_stream(dev).cuda_stream
+    sms = handle.num_sms
+    params, layout_args, notify, inputs, outputs = fplan.structs
     pieces = {
+        "fresh dispatch without CPU sync: checks (Buffer._validate_dispatch)": lambda: buf._validate_dispatch(
+            x, idx, w, num_experts, None, 1, 0, None, False, False, None, False, None, False, False, False),
+        "fresh dispatch: layout launcher alone (ctypes; a cooperative launch)": lambda: lib.layout(
+            params, layout_args, notify, stream),
+        "fresh dispatch: dispatch launcher alone (ctypes)": lambda: lib.dispatch(params, inputs, outputs, sms, 0, 0,
+                                                                                  stream),
+        "cached dispatch: launcher alone (ctypes)": lambda: lib.dispatch(*dplan.structs, sms, 1, 0, stream),
+        "fresh dispatch without CPU sync: host extension (allocations, both launches)": lambda: impl.launcher
+        .layout_dispatch(*fplan.addresses, idx, x, None, w, fplan.offsets_address, 0, 0, sms, 0, stream),
+        "fresh dispatch without CPU sync: whole call": lambda: buf.dispatch(x, idx, w, num_experts=num_experts,
+                                                                            do_cpu_sync=False),
         "cached dispatch: checks (Buffer._validate_dispatch)": lambda: buf._validate_dispatch(
             x, None, None, None, None, 1, 0, handle, None, handle.do_expand, None, False, None, False, False, False),
         "torch.empty from Python (one output)": lambda: torch.empty(handle.num_recv_rows, x.shape[1], dtype=x.dtype,
                                                                     device=dev),
         "cached dispatch: host extension (allocation, launch)": lambda: impl.launcher.cached_dispatch(
-            *dplan.addresses, x, None, 0, 0, handle.num_recv_rows, handle.num_sms, 0, stream),
+            *dplan.addresses, x, None, 0, 0, handle.num_recv_rows, sms, 0, stream),
         "cached dispatch: whole call": lambda: buf.dispatch(x, handle=handle),
         "combine: checks (Buffer._validate_combine)": lambda: buf._validate_combine(
             recv_x, handle, None, None, 0, None, False, False, False),
         "combine: host extension (allocation, launch)": lambda: impl.launcher.combine(
             *cplan.addresses, recv_x, None, None, None, handle.num_tokens, 1, cplan.num_slots, cplan.num_rounds,
-            False, handle.num_sms, 0, stream),
+            False, sms, 0, stream),
         "combine: whole call": lambda: buf.combine(recv_x, handle),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
+        "a small torch kernel from Python (t.add_(1))": lambda: recv_x[:1].add_(1),
     }
-    lines = [f"\nhost us per call, {x.shape[0]} tokens ({iters} calls each):"]
+    lines = [f"\nhost us per call, {x.shape[0]} tokens (the least of five loops of {iters // 5} calls each):"]
     for name, fn in pieces.items():
         lines.append(f"    {host_us(fn, iters):8.1f}  {name}")
+    del fresh, cached
     return lines
 
 
@@ -255,7 +279,7 @@ def profile_rank(rank: int, world_size: int, args: dict) -> tuple[str, list[dict
             rows.append({"tokens": num_tokens, "op": name, "host_us": round(host, 2), "stream_us": round(stream, 2),
                          "kernel_us": {kernel.split("(")[0]: round(us, 2) for kernel, us in kernels.items()}})
         if num_tokens == min(args["tokens"]) and not args["ops_only"]:
-            lines += host_breakdown(buf, x, handle, recv_x, 200)
+            lines += host_breakdown(buf, x, idx, w, E, handle, recv_x, 200)
             for name, fn in ops.items():
                 pieces = host_pieces(buf._impl, fn, iters)
                 lines.append(f"\nhost us per call inside, {name} at {num_tokens} tokens: " +
