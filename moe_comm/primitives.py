@@ -11,7 +11,10 @@ from typing import Callable, Optional
 
 import torch
 
+import torch.distributed as dist
+
 from .args import check_bool, check_int
+from .backends import cuda_primitives
 from .backends.torch_primitives import MAX_ROW_DIMS, shape_words
 from .event import EventOverlap
 
@@ -22,6 +25,38 @@ _REDUCE_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 class PrimitivesMixin:
     """The primitives' methods of `moe_comm.Buffer` (which provides `_impl`, `_prims`, the checks it uses here)."""
+
+    # ------------------------------------------------------------------------------------------------
+    # Size hints: device memory each rank's primitives take beside the buffer (the CUDA backend allocates each
+    # region at its first use; the reference sends through the group into the callers' tensors)
+    # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """Bytes each rank's `pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors)` allocates on the CUDA
+        backend: flags, then a slot per (neighbour direction, tensor in flight), each `num_max_tensor_bytes` rounded
+        up to 256 bytes. The reference backend allocates none."""
+        check_int(1, num_max_tensor_bytes=num_max_tensor_bytes, num_max_inflight_tensors=num_max_inflight_tensors)
+        return cuda_primitives.pp_region_bytes(num_max_tensor_bytes, num_max_inflight_tensors)
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(group: Optional[dist.ProcessGroup], num_max_bytes: int) -> int:
+        """Bytes each rank's all-gather / reduce-scatter region takes on the CUDA backend (allocated at the first
+        `all_gather` or `reduce_scatter`, again when a later call needs larger slots) for calls whose block per rank
+        is at most `num_max_bytes`: an `all_gather`'s `t.nbytes`, a `reduce_scatter`'s output (`t.nbytes / R`). Two
+        slots per rank of the group (calls alternate between them), each rounded up to 256 bytes, and flags. The
+        reference backend allocates none beyond the call's output."""
+        check_int(1, num_max_bytes=num_max_bytes)
+        num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)
+        return cuda_primitives.agrs_region_bytes(num_ranks, num_max_bytes)
+
+    @staticmethod
+    def get_engram_storage_size_hint(num_rows: int, row_bytes: int) -> int:
+        """Bytes each rank's `engram_write(storage)` takes for a table of `num_rows` rows of `row_bytes` bytes each
+        (`storage[0].nbytes`): the CUDA backend's region every rank maps (at least 256 bytes), the reference
+        backend's copy (`num_rows * row_bytes`)."""
+        check_int(0, num_rows=num_rows)
+        check_int(1, row_bytes=row_bytes)
+        return cuda_primitives.engram_region_bytes(num_rows * row_bytes)
 
     # ------------------------------------------------------------------------------------------------
     # Pipeline send/recv

@@ -33,6 +33,8 @@ def pipeline_rank(rank: int, world_size: int, num_steps: int, shape=(3, 5), back
     received tensor is bitwise what its sender made for that step. `backend="cuda"`: the copy-engine path."""
     buf = make_buffer(backend=backend)
     buf.pp_set_config(num_max_tensor_bytes=math.prod(shape) * 8, num_max_inflight_tensors=2)
+    if backend == "cuda":  # the pipeline region is what the hint says
+        assert buf._prims._region.tensor.numel() == moe_comm.Buffer.get_pp_buffer_size_hint(math.prod(shape) * 8, 2)
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
     received = []
     for step in range(num_steps):
@@ -136,6 +138,10 @@ def collectives_rank(rank: int, world_size: int, backend: str = "torch") -> list
                 expected = expected + block
             if not torch.equal(out.view(torch.uint8), expected.to(dtype).view(torch.uint8)):
                 problems.append(f"reduce_scatter {dtype} async={use_async}")
+        if backend == "cuda":  # the region grew to the largest block a rank sends another (an all_gather's t)
+            hint = moe_comm.Buffer.get_agrs_buffer_size_hint(None, t.nbytes)
+            if buf._prims._agrs.tensor.numel() != hint:
+                problems.append(f"all_gather / reduce_scatter region {buf._prims._agrs.tensor.numel()} != {hint}")
     # Bad arguments: refused on the caller before anything moves.
     if world_size > 1:
         with pytest.raises(ValueError, match=r"t's first dimension must be a multiple of the \d ranks, got shape "
@@ -173,6 +179,9 @@ def engram_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]
         counts = [5, 0, 3, 2][:world_size]
         tables = [tensor_of(r, 7, shape=(counts[r], *row)).mul(100).to(dtype) for r in range(world_size)]
         buf.engram_write(tables[rank].to(buf.device))
+        hint = moe_comm.Buffer.get_engram_storage_size_hint(counts[rank], math.prod(row) * tables[rank].element_size())
+        if backend == "cuda" and buf._prims._engram.tensor.numel() != hint:
+            problems.append(f"engram region {buf._prims._engram.tensor.numel()} != {hint}")
         whole = torch.cat(tables)
         g = torch.Generator().manual_seed(rank)
         for n in (0, 1, 9):
@@ -193,6 +202,31 @@ def engram_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]
                                              r"row dtype"):
             buf.engram_write(torch.zeros(2, 4, dtype=torch.float32 if rank else torch.float64, device=buf.device))
     return problems
+
+
+def test_size_hints():
+    """Each region's bytes (the CUDA backend allocates these; tests/test_shared_gpu.py compares its regions): flags
+    of 16 bytes per possible rank, slots rounded up to 256 bytes, two directions / parities; bad arguments named."""
+    flags = 16 * moe_comm.layout.MAX_RANKS
+    assert moe_comm.Buffer.get_pp_buffer_size_hint(1000, 3) == flags + 2 * 3 * 1024
+    assert moe_comm.Buffer.get_pp_buffer_size_hint(1024, 1) == flags + 2 * 1024
+    assert moe_comm.Buffer.get_engram_storage_size_hint(1000, 256) == 256_000
+    assert moe_comm.Buffer.get_engram_storage_size_hint(0, 8) == 256
+    with pytest.raises(ValueError, match="num_max_tensor_bytes=0 must be >= 1"):
+        moe_comm.Buffer.get_pp_buffer_size_hint(0, 2)
+    with pytest.raises(TypeError, match="num_max_inflight_tensors must be an int, got 1.5"):
+        moe_comm.Buffer.get_pp_buffer_size_hint(64, 1.5)
+    with pytest.raises(ValueError, match="num_rows=-1 must be >= 0"):
+        moe_comm.Buffer.get_engram_storage_size_hint(-1, 8)
+
+
+def agrs_hint_rank(rank: int, world_size: int) -> list[int]:
+    return [moe_comm.Buffer.get_agrs_buffer_size_hint(None, n) for n in (1, 256, 257)]
+
+
+def test_agrs_size_hint(pools):
+    flags = 16 * moe_comm.layout.MAX_RANKS
+    assert pools(2).run(agrs_hint_rank) == [[flags + 2 * 2 * 256, flags + 2 * 2 * 256, flags + 2 * 2 * 512]] * 2
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

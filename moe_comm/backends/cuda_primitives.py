@@ -65,6 +65,27 @@ REDUCE_BLOCKS = 264  # the reduce-scatter's sum: two blocks of 256 threads per S
 ENGRAM_BLOCKS = 16  # the fetch's one-sided reads: 128 warps, a row each at a time
 
 
+def _slot_size(num_bytes: int) -> int:
+    return max(SLOT_ALIGN, -(-num_bytes // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def pp_region_bytes(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+    """Bytes of a rank's pipeline region: the flags, then a slot per (neighbour direction, tensor in flight) of the
+    largest tensor rounded up to SLOT_ALIGN."""
+    return CONTROL_BYTES + 2 * num_max_inflight_tensors * _slot_size(num_max_tensor_bytes)
+
+
+def agrs_region_bytes(num_ranks: int, slot_bytes: int) -> int:
+    """Bytes of a rank's all-gather / reduce-scatter region whose slots hold `slot_bytes` (the largest block one
+    rank sends another: an all_gather's tensor, a reduce_scatter's output): the flags, 2 parities x R slots."""
+    return AGRS_CONTROL_BYTES + 2 * num_ranks * _slot_size(slot_bytes)
+
+
+def engram_region_bytes(table_bytes: int) -> int:
+    """Bytes of a rank's Engram region for a table of `table_bytes`."""
+    return max(SLOT_ALIGN, table_bytes)
+
+
 class CudaPrimitives(TorchPrimitives):
     """The primitives of a CUDA-backend Buffer: pipeline send/recv by copy engines (module docstring), the others
     the reference's.
@@ -158,8 +179,8 @@ class CudaPrimitives(TorchPrimitives):
         if self._region is not None:
             self._free_region(self._region)
             self._region, self.pp_config = None, None
-        self._slot_bytes = -(-num_max_tensor_bytes // SLOT_ALIGN) * SLOT_ALIGN
-        self._region = self._new_region(CONTROL_BYTES + 2 * num_max_inflight_tensors * self._slot_bytes)
+        self._slot_bytes = _slot_size(num_max_tensor_bytes)
+        self._region = self._new_region(pp_region_bytes(num_max_tensor_bytes, num_max_inflight_tensors))
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
         self._sent, self._received = {}, {}
         self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
@@ -204,8 +225,8 @@ class CudaPrimitives(TorchPrimitives):
             self._free_region(self._agrs)
             self._agrs = None
         R = b.num_ranks
-        self._agrs_slot_bytes = max(SLOT_ALIGN, -(-int(asked.max()) // SLOT_ALIGN) * SLOT_ALIGN)
-        region = self._new_region(AGRS_CONTROL_BYTES + 2 * R * self._agrs_slot_bytes)
+        self._agrs_slot_bytes = _slot_size(int(asked.max()))
+        region = self._new_region(agrs_region_bytes(R, self._agrs_slot_bytes))
         # Where this rank signals on every peer: its arrival, its release of a slot.
         me, bases = b.rank, region.addresses
         signal = [[bases[p] + offset + 8 * me if p != me else 0 for p in range(R)]
@@ -291,7 +312,7 @@ class CudaPrimitives(TorchPrimitives):
         if self._engram is not None:
             self._free_region(self._engram)
             self._engram = None
-        region = self._new_region(max(SLOT_ALIGN, rows.nbytes))
+        region = self._new_region(engram_region_bytes(rows.nbytes))
         table = region.tensor[:rows.nbytes].view(rows.dtype).view(rows.shape)
         table.copy_(rows)
         self._engram, self.table = region, table
