@@ -80,7 +80,7 @@ public:
         out->num_expand_rows = num_expand_rows;
         out->do_expand = do_expand ? 1 : 0;
         const at::Tensor routing = at::empty({routing_words(params, num_rows)}, clean_idx.options());
-        return launch_dispatch(params, inputs, outputs, data, scales, weights, clean_idx, o, routing, quantize,
+        return launch_dispatch(params, inputs, outputs, data, scales, weights, clean_idx, o, routing, 0, quantize,
                                dequantize, num_blocks, part, stream);
     }
 
@@ -95,9 +95,8 @@ public:
         const int64_t* o = at_address<const int64_t>(offsets);
         const int64_t extra = routing_words(params, at_address<const RecvOutputs>(outputs)->num_rows);
         const at::Tensor workspace = launch_layout(params, args, notify, topk_idx, o, extra, stream);
-        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, workspace, o,
-                                               workspace.narrow(0, o[kWorkspaceLength], extra), quantize,
-                                               dequantize, num_blocks, part, stream);
+        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, workspace, o, workspace,
+                                               o[kWorkspaceLength], quantize, dequantize, num_blocks, part, stream);
         py::tuple results(outs.size() + 1);
         for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
         results[outs.size()] = py::cast(clean_view(workspace, params));
@@ -194,10 +193,11 @@ private:
         return num_rows * p->num_topk + num_rows + p->num_ranks + p->num_local_experts;
     }
 
-    // The clean topk_idx [N, K] at the start of a workspace.
+    // The clean topk_idx [N, K] at the start of a workspace. Views are made with one as_strided each (narrow then
+    // view makes two tensors: ~0.3 us of host time each).
     static at::Tensor clean_view(const at::Tensor& workspace, uintptr_t params) {
         const EpParams* p = at_address<const EpParams>(params);
-        return workspace.narrow(0, 0, p->num_tokens * p->num_topk).view({p->num_tokens, p->num_topk});
+        return workspace.as_strided({p->num_tokens, p->num_topk}, {p->num_topk, 1}, 0);
     }
 
     // Allocate the workspace (its `offsets`, then `extra` words), set the layout's and the notify's pointers into it
@@ -230,12 +230,14 @@ private:
         return workspace;
     }
 
-    // Allocate a fresh dispatch's row outputs, set its pointers (into the workspace at `offsets` and `routing`,
-    // `routing_words` long) and launch the dispatch kernel; sizes and do_expand as the RecvOutputs struct holds.
+    // Allocate a fresh dispatch's row outputs, set its pointers (into the workspace at `offsets`, and into the
+    // routing outputs, `routing_words` long at word `routing_offset` of `words`' storage) and launch the dispatch
+    // kernel; sizes and do_expand as the RecvOutputs struct holds.
     py::tuple launch_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
                               const OptionalTensor& scales, const OptionalTensor& weights,
-                              const at::Tensor& workspace, const int64_t* offsets, const at::Tensor& routing,
-                              int quantize, int dequantize, int num_blocks, int part, uintptr_t stream) const {
+                              const at::Tensor& workspace, const int64_t* offsets, const at::Tensor& words,
+                              int64_t routing_offset, int quantize, int dequantize, int num_blocks, int part,
+                              uintptr_t stream) const {
         const EpParams* p = at_address<const EpParams>(params);
         auto* out = at_address<RecvOutputs>(outputs);
         const int64_t M = out->num_rows, P = out->num_expand_rows, K = p->num_topk, R = p->num_ranks;
@@ -247,7 +249,8 @@ private:
         }
         // The storage's address: a view of no elements (a dispatch of 0 tokens) has a null data_ptr().
         int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
-        int64_t* recv = routing.data_ptr<int64_t>();  // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
+        // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
+        int64_t* recv = static_cast<int64_t*>(words.storage().mutable_data()) + routing_offset;
 
         auto* in = at_address<DispatchInputs>(inputs);
         in->x = bytes_of(data);
@@ -269,9 +272,10 @@ private:
         out->psum_rank = recv + M * K + M;
         out->psum_expert = recv + M * K + M + R;
         check(released(dispatch_, p, in, out, num_blocks, 0, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
-        return py::make_tuple(x, or_none(out_scales), routing.narrow(0, 0, M * K).view({M, K}),
-                              routing.narrow(0, M * K, M), routing.narrow(0, M * K + M, R),
-                              routing.narrow(0, M * K + M + R, L), or_none(out_weights));
+        const int64_t at = routing_offset;
+        return py::make_tuple(x, or_none(out_scales), words.as_strided({M, K}, {K, 1}, at),
+                              words.as_strided({M}, {1}, at + M * K), words.as_strided({R}, {1}, at + M * K + M),
+                              words.as_strided({L}, {1}, at + M * K + M + R), or_none(out_weights));
     }
 
     // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
