@@ -201,7 +201,6 @@ class Buffer(PrimitivesMixin):
         self.topology = self._machine_topology()
         self._num_sms_cache: dict[tuple[int, int], int] = {}
         self._fitting: set[tuple] = set()  # call shapes that fit the buffer
-        self._check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")  # read once: ~3 us per call on the host path
         self._impl = self._make_backend(cuda_tuning)
         # Pipeline, all-gather / reduce-scatter, Engram (`primitives`): the CUDA backend's pipeline by copy engines.
         self._prims = CudaPrimitives(self._impl) if isinstance(self._impl, cuda_backend.CudaBackend) \
@@ -217,6 +216,8 @@ class Buffer(PrimitivesMixin):
         """
         impl, failure = None, None
         try:
+            # Read once (~3 us per call on the host path), here: a malformed value raises on every rank.
+            self._check_inputs = env.get_bool("MOE_COMM_CHECK_INPUTS")
             if self.backend == "cuda" and self.is_hybrid:
                 impl = HybridBackend(self.group, self.device, self.num_cpu_timeout_secs,
                                      *self.get_logical_domain_size(), self._partial_sums(), self.num_gpu_timeout_secs,
@@ -235,6 +236,13 @@ class Buffer(PrimitivesMixin):
         except Exception as exc:  # of any kind: the peers must hear of it either way
             failure = exc
         error = _error_on_every_rank(self.group, failure, f"moe_comm.Buffer(backend={self.backend!r})")
+        if error is None:
+            # MOE_COMM_CHECK_INPUTS adds exchanges to calls: ranks set differently would not meet in them.
+            values = [None] * self.num_ranks
+            dist.all_gather_object(values, self._check_inputs, group=self.group)
+            if len(set(values)) > 1:
+                error = ValueError(f"moe_comm.Buffer: MOE_COMM_CHECK_INPUTS differs between ranks (per rank, as read): "
+                                   f"{values}; set it the same on every rank")
         if error is None and self.backend == "cuda":
             try:
                 impl.connect()

@@ -27,8 +27,9 @@ class PrimitivesMixin:
     """The primitives' methods of `moe_comm.Buffer` (which provides `_impl`, `_prims`, the checks it uses here)."""
 
     # ------------------------------------------------------------------------------------------------
-    # Size hints: device memory each rank's primitives take beside the buffer (the CUDA backend allocates each
-    # region at its first use; the reference sends through the group into the callers' tensors)
+    # Size hints: device memory each rank's primitives ask for beside the buffer (the CUDA backend allocates each
+    # region at its first use, cudaMalloc may round it up; the reference sends through the group into the callers'
+    # tensors)
     # ------------------------------------------------------------------------------------------------
     @staticmethod
     def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
@@ -51,9 +52,9 @@ class PrimitivesMixin:
 
     @staticmethod
     def get_engram_storage_size_hint(num_rows: int, row_bytes: int) -> int:
-        """Bytes each rank's `engram_write(storage)` takes for a table of `num_rows` rows of `row_bytes` bytes each
-        (`storage[0].nbytes`): the CUDA backend's region every rank maps (at least 256 bytes), the reference
-        backend's copy (`num_rows * row_bytes`)."""
+        """Bytes each rank's `engram_write(storage)` takes on the CUDA backend for a table of `num_rows` rows of
+        `row_bytes` bytes each (`storage[0].nbytes`): the region every rank maps, `num_rows * row_bytes` and at
+        least 256. The reference backend keeps a copy of the table (`num_rows * row_bytes`)."""
         check_int(0, num_rows=num_rows)
         check_int(1, row_bytes=row_bytes)
         return cuda_primitives.engram_region_bytes(num_rows * row_bytes)

@@ -71,3 +71,19 @@ def test_public_api_names():
         assert field in moe_comm.EPHandle.__dataclass_fields__, field
     assert callable(moe_comm.EventOverlap.current_stream_wait)
     assert callable(moe_comm.RecvHook) and isinstance(moe_comm.RecvHook.done, property)
+
+
+def test_handle_made_fast_is_the_same_frozen_handle():
+    """EPHandle.make (the backends' constructor, without the frozen dataclass's per-field setattr) gives what the
+    dataclass's own constructor gives, frozen, and refuses a missing or unknown field."""
+    import dataclasses
+
+    from moe_comm.handle import EPHandle
+
+    values = {f.name: i for i, f in enumerate(dataclasses.fields(EPHandle))}
+    made, built = EPHandle.make(**values), EPHandle(**values)
+    assert dataclasses.asdict(made) == dataclasses.asdict(built) == values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.num_recv_rows = 1
+    with pytest.raises(TypeError, match=r"missing \['layout'\], unknown \['extra'\]"):
+        EPHandle.make(**{**{k: v for k, v in values.items() if k != "layout"}, "extra": 1})

@@ -209,20 +209,40 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     assert (i.clean_idx, i.send_pos, o.counts) == (empty_base, empty_base + 8 * no_offsets[0],
                                                    empty_base + 8 * no_offsets[2])
 
-    # Without a CPU sync: one crossing, both launches, sizes from the plan's RecvOutputs, routing after the workspace.
+    # Without a CPU sync: one crossing, both launches, routing after the workspace; the sizes given reach the struct.
+    layout_dispatch = lambda topk, data, w, M, P, do_expand, codes=(0, 0), at=ctypes.addressof(words): (  # noqa: E731
+        launcher.layout_dispatch(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify),
+                                 ctypes.addressof(inputs), ctypes.addressof(outputs), topk, data, scales, w, at, M, P,
+                                 do_expand, *codes, 20, 0, 99))
     for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
         fake.calls.clear()
-        outputs = layout.RecvOutputs(num_rows=M, num_expand_rows=P, do_expand=int(do_expand))
-        *results, clean = launcher.layout_dispatch(
-            ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify), ctypes.addressof(inputs),
-            ctypes.addressof(outputs), topk_idx, q, scales, weights, ctypes.addressof(words), 0, 0, 20, 0, 99)
+        *results, clean = layout_dispatch(topk_idx, q, weights, M, P, do_expand)
         assert [c[0] for c in fake.calls] == ["layout", "dispatch"]
         base = clean.data_ptr()
         assert clean.shape == (N, K) and clean.untyped_storage().nbytes() == 8 * (offsets[-1] + M * K + M + R + L)
         check_layout_launch(*fake.calls[0][:4], 1234)
         assert fake.calls[0][4] == 99
         assert check_dispatch(results, M, P, do_expand) == base + 8 * offsets[-1]
-    outputs = layout.RecvOutputs()
+    # No tokens: the routing and every pointer still from the workspace's storage.
+    fake.calls.clear()
+    *_, clean = launcher.layout_dispatch(
+        ctypes.addressof(no_tokens), ctypes.addressof(args), ctypes.addressof(notify), ctypes.addressof(inputs),
+        ctypes.addressof(outputs), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, H, dtype=torch.bfloat16), None,
+        None, ctypes.addressof(no_words), 7, 7, False, 0, 0, 20, 0, 99)
+    storage = clean.untyped_storage().data_ptr()
+    (_, _, a, _, _), (_, _, i, o, *_) = fake.calls
+    assert clean.shape == (0, K) and (a.clean_idx, i.clean_idx, o.counts, o.topk_idx) == (
+        storage, storage, storage + 8 * no_offsets[2], storage + 8 * no_offsets[-1])
+    # Outputs refused, or offsets missing or out of order: nothing launched (the layout kernel is collective).
+    fake.calls.clear()
+    with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
+        layout_dispatch(topk_idx, q, weights, 7, 7, False, codes=(3, 3))
+    with pytest.raises(ValueError, match="workspace offsets: the address is 0"):
+        layout_dispatch(topk_idx, q, weights, 7, 7, False, at=0)
+    backwards = (ctypes.c_int64 * len(offsets))(*reversed(offsets))
+    with pytest.raises(ValueError, match="workspace offsets must be non-negative and non-decreasing"):
+        layout_dispatch(topk_idx, q, weights, 7, 7, False, at=ctypes.addressof(backwards))
+    assert not fake.calls
 
     # Without weights and FP8: no weight or scale outputs, null pointers.
     x, out_scales, *_, w = dispatch(torch.zeros(N, H, dtype=torch.bfloat16), None, None, 7, 7, False, (0, 0))

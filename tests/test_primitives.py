@@ -138,8 +138,10 @@ def collectives_rank(rank: int, world_size: int, backend: str = "torch") -> list
                 expected = expected + block
             if not torch.equal(out.view(torch.uint8), expected.to(dtype).view(torch.uint8)):
                 problems.append(f"reduce_scatter {dtype} async={use_async}")
-        if backend == "cuda":  # the region grew to the largest block a rank sends another (an all_gather's t)
-            hint = moe_comm.Buffer.get_agrs_buffer_size_hint(None, t.nbytes)
+    if backend == "cuda":  # the region grows to the largest block a rank sends another, and stays that large
+        for numel in (250, 150):  # 1000 bytes (slots of 1024), then 600 (768 would do)
+            buf.all_gather(torch.full((numel,), float(rank), device=dev))
+            hint = moe_comm.Buffer.get_agrs_buffer_size_hint(None, 1000)
             if buf._prims._agrs.tensor.numel() != hint:
                 problems.append(f"all_gather / reduce_scatter region {buf._prims._agrs.tensor.numel()} != {hint}")
     # Bad arguments: refused on the caller before anything moves.

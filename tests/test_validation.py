@@ -261,6 +261,29 @@ def test_check_inputs_env_raises_up_front(pools):
     assert pools(2).run(check_inputs_env_rank) == ["ok", "ok"]
 
 
+def check_inputs_env_disagrees_rank(rank: int, world_size: int) -> list[str]:
+    """MOE_COMM_CHECK_INPUTS set on one rank only, then malformed on one rank: making the Buffer raises the same
+    ValueError on every rank (the variable adds exchanges to calls, which ranks set differently would not meet in)."""
+    messages = []
+    for value in ("1", "maybe"):
+        with mock.patch.dict(os.environ, {"MOE_COMM_CHECK_INPUTS": value} if rank == 1 else {}):
+            if rank == 0:
+                os.environ.pop("MOE_COMM_CHECK_INPUTS", None)
+            with pytest.raises(ValueError) as info:
+                new_buffer()
+        messages.append(str(info.value))
+    new_buffer().barrier()  # the group works afterwards
+    return messages
+
+
+def test_check_inputs_env_must_agree(pools):
+    (differs, malformed), others = pools(2).run(check_inputs_env_disagrees_rank)
+    assert others[0] == differs and "MOE_COMM_CHECK_INPUTS differs between ranks (per rank, as read): [False, True]" \
+        in differs, differs
+    assert others[1] == malformed and "failed on rank(s) [1]: rank 1: ValueError: MOE_COMM_CHECK_INPUTS='maybe' is " \
+        "not a boolean" in malformed, malformed
+
+
 def one_bad_rank(rank: int, world_size: int) -> str:
     """Only rank 0 passes a bad argument: it raises before communicating, so rank 1 waits at its first exchange
     and times out there (had rank 0 sent anything first, rank 1 would fail later or not at all)."""

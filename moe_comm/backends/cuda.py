@@ -117,7 +117,9 @@ class CudaLayout:
         flags), recv_slots (copy of the control slots this dispatch received, for the receivers of cached
         dispatches), expert_rank (tokens before this one that chose the slot's expert), expand_row (expand only:
         output row of each (received row, slot)), the layout kernel's scratch (~130 KB at 132 blocks and 256
-        experts; used by that kernel only); without a CPU sync, the dispatch's routing outputs after them.
+        experts; used by that kernel only); without a CPU sync, the dispatch's routing outputs after them (so any
+        of the handle's routing tensors, or `recv_topk_idx`, keeps the whole workspace allocated: 1.3-1.5 MB at 4096
+        tokens, top-8 of 256 experts at EP2).
     """
 
     clean_idx: torch.Tensor
@@ -125,11 +127,13 @@ class CudaLayout:
     do_expand: bool
 
     def pointer(self, piece: str) -> int:
-        """Device address of a piece (`moe_comm.layout.WORKSPACE_PIECES`); 0 for expand_row without expand."""
+        """Device address of "clean_idx" (the workspace's start) or a piece (`moe_comm.layout.WORKSPACE_PIECES`); 0
+        for expand_row without expand."""
         if piece == "expand_row" and not self.do_expand:
             return 0
         # The storage's address: the view of a dispatch of 0 tokens has a null data_ptr().
-        return self.clean_idx.untyped_storage().data_ptr() + 8 * self.offsets[lay.WORKSPACE_PIECES.index(piece)]
+        base = self.clean_idx.untyped_storage().data_ptr()
+        return base if piece == "clean_idx" else base + 8 * self.offsets[lay.WORKSPACE_PIECES.index(piece)]
 
 
 @dataclass(eq=False)
@@ -444,9 +448,7 @@ class CudaBackend(Backend):
         M = R * cap  # the worst case, sizing the outputs of a call without CPU sync
         P = M * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
         blocks = lay.layout_blocks(N, self.num_device_sms)
-        # The worst-case sizes stay set for calls without CPU sync; one with sets its own (host extension).
-        outputs = lay.RecvOutputs(num_rows=M, num_expand_rows=P, do_expand=int(c.do_expand))
-        return _Plan((params, lay.LayoutArgs(num_blocks=blocks), notify, lay.DispatchInputs(), outputs),
+        return _Plan((params, lay.LayoutArgs(num_blocks=blocks), notify, lay.DispatchInputs(), lay.RecvOutputs()),
                      offsets=lay.workspace_offsets(N, K, R, E, cap, c.do_expand, blocks), num_rows=M,
                      num_expand_rows=P)
 
@@ -477,10 +479,10 @@ class CudaBackend(Backend):
             aligned_list, M, P = None, plan.num_rows, plan.num_expand_rows
             *outs, clean_idx = self.launcher.layout_dispatch(
                 params, layout_args, notify, inputs, outputs, c.topk_idx, data, scales, c.topk_weights,
-                plan.offsets_address, quantize, dequantize, c.num_sms, part, stream)
+                plan.offsets_address, M, P, c.do_expand, quantize, dequantize, c.num_sms, part, stream)
         out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = outs
         self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
-        handle = EPHandle(
+        handle = EPHandle.make(
             group=self.group, backend=self.name, epoch=self.epoch,
             num_experts=c.num_experts, num_topk=c.num_topk, num_tokens=c.num_tokens,
             num_max_tokens_per_rank=c.num_max_tokens_per_rank, do_expand=c.do_expand,
@@ -502,7 +504,7 @@ class CudaBackend(Backend):
         plan = plans.get(key)
         if plan is None:
             params = self._dispatch_params(c, handle.num_tokens, handle.num_topk, 0, c.signature())
-            inputs = lay.DispatchInputs(clean_idx=handle.topk_idx.data_ptr(), send_pos=layout.pointer("send_pos"),
+            inputs = lay.DispatchInputs(clean_idx=layout.pointer("clean_idx"), send_pos=layout.pointer("send_pos"),
                                         expert_rank=layout.pointer("expert_rank"))
             outputs = lay.RecvOutputs(counts=layout.pointer("recv_slots"), expand_row=layout.pointer("expand_row"),
                                       num_rows=handle.recv_src_idx.shape[0], num_expand_rows=handle.num_recv_rows,
@@ -610,7 +612,7 @@ class CudaBackend(Backend):
                               "combine", peers, rows_per_token=num_slots, signature=signature)
         args = lay.CombineArgs(
             psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.pointer("expand_row"),
-            send_pos=layout.pointer("send_pos"), clean_idx=handle.topk_idx.data_ptr(), hidden=c.x.shape[1],
+            send_pos=layout.pointer("send_pos"), clean_idx=layout.pointer("clean_idx"), hidden=c.x.shape[1],
             num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots, slot_begin=0,
             slot_end=min(K, num_slots), first_round=1, last_round=int(num_slots >= K or not handle.do_expand))
         return _Plan((params, args), num_slots=num_slots, num_rounds=-(-K // num_slots) if handle.do_expand else 1,

@@ -264,7 +264,7 @@ class HybridBackend(Backend):
             0, order, torch.arange(order.shape[0], **i64))
         recv_w = _gather(recv_w, order)
         self.epoch += 1
-        handle = EPHandle(
+        handle = EPHandle.make(
             group=self.group, backend=self.name, epoch=self.epoch, num_experts=c.num_experts, num_topk=K,
             num_tokens=N, num_max_tokens_per_rank=cap, do_expand=c.do_expand, expert_alignment=c.expert_alignment,
             num_sms=c.num_sms, do_cpu_sync=c.do_cpu_sync, topk_idx=clean, recv_src_idx=recv_src_idx,

@@ -419,7 +419,7 @@ class TorchRefBackend(Backend):
 
     def _new_handle(self, c, route: Route, rows: "ReceivedRows", counts: "ReceivedCounts",
                     aligned_list: Optional[list[int]], layout) -> EPHandle:
-        return EPHandle(
+        return EPHandle.make(
             group=self.group, backend=self.name, epoch=self.epoch,
             num_experts=c.num_experts, num_topk=c.num_topk, num_tokens=c.num_tokens,
             num_max_tokens_per_rank=c.num_max_tokens_per_rank, do_expand=c.do_expand,

@@ -57,7 +57,7 @@ public:
     // start (the workspace is its storage).
     at::Tensor layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
                       uintptr_t offsets, uintptr_t stream) const {
-        const int64_t* o = at_address<const int64_t>(offsets);
+        const int64_t* o = checked_offsets(offsets);
         return clean_view(launch_layout(params, args, notify, topk_idx, o, 0, stream), params);
     }
 
@@ -72,31 +72,33 @@ public:
                        const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& clean_idx,
                        uintptr_t offsets, int64_t num_rows, int64_t num_expand_rows, bool do_expand, int quantize,
                        int dequantize, int num_blocks, int part, uintptr_t stream) const {
-        const int64_t* o = at_address<const int64_t>(offsets);
+        const int64_t* o = checked_offsets(offsets);
         require(clean_idx.storage_offset() == 0 && clean_idx.storage().nbytes() >= 8 * o[kWorkspaceLength],
                 "clean_idx must be the view `layout` returned, at the start of the workspace");
-        auto* out = at_address<RecvOutputs>(outputs);
-        out->num_rows = num_rows;
-        out->num_expand_rows = num_expand_rows;
-        out->do_expand = do_expand ? 1 : 0;
+        const Sizes sizes{num_rows, num_expand_rows, do_expand};
+        const RowOutputs rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
         const at::Tensor routing = at::empty({routing_words(params, num_rows)}, clean_idx.options());
-        return launch_dispatch(params, inputs, outputs, data, scales, weights, clean_idx, o, routing, 0, quantize,
-                               dequantize, num_blocks, part, stream);
+        return launch_dispatch(params, inputs, outputs, data, scales, weights, rows, sizes, clean_idx, o, routing, 0,
+                               quantize, dequantize, num_blocks, part, stream);
     }
 
     // A fresh dispatch without a CPU sync: both launches in one crossing, into outputs sized for the worst case
-    // the plan set in the RecvOutputs struct (num_rows, num_expand_rows, do_expand), the routing outputs at the
-    // end of the workspace allocation. Arguments as `layout` and `dispatch`. Returns `dispatch`'s tuple, then the
-    // clean topk_idx (`layout`'s).
+    // (`num_rows`, `num_expand_rows`, `do_expand` as in `dispatch`), every output allocated and checked before the
+    // layout kernel, which is collective, launches; the routing outputs at the end of the workspace allocation.
+    // Other arguments as `layout` and `dispatch`. Returns `dispatch`'s tuple, then the clean topk_idx (`layout`'s).
     py::tuple layout_dispatch(uintptr_t params, uintptr_t args, uintptr_t notify, uintptr_t inputs, uintptr_t outputs,
                               const at::Tensor& topk_idx, const at::Tensor& data, const OptionalTensor& scales,
-                              const OptionalTensor& weights, uintptr_t offsets, int quantize, int dequantize,
-                              int num_blocks, int part, uintptr_t stream) const {
-        const int64_t* o = at_address<const int64_t>(offsets);
-        const int64_t extra = routing_words(params, at_address<const RecvOutputs>(outputs)->num_rows);
+                              const OptionalTensor& weights, uintptr_t offsets, int64_t num_rows,
+                              int64_t num_expand_rows, bool do_expand, int quantize, int dequantize, int num_blocks,
+                              int part, uintptr_t stream) const {
+        const int64_t* o = checked_offsets(offsets);
+        const Sizes sizes{num_rows, num_expand_rows, do_expand};
+        const RowOutputs rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
+        const int64_t extra = routing_words(params, num_rows);
         const at::Tensor workspace = launch_layout(params, args, notify, topk_idx, o, extra, stream);
-        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, workspace, o, workspace,
-                                               o[kWorkspaceLength], quantize, dequantize, num_blocks, part, stream);
+        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, rows, sizes, workspace,
+                                               o, workspace, o[kWorkspaceLength], quantize, dequantize, num_blocks,
+                                               part, stream);
         py::tuple results(outs.size() + 1);
         for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
         results[outs.size()] = py::cast(clean_view(workspace, params));
@@ -230,23 +232,51 @@ private:
         return workspace;
     }
 
-    // Allocate a fresh dispatch's row outputs, set its pointers (into the workspace at `offsets`, and into the
-    // routing outputs, `routing_words` long at word `routing_offset` of `words`' storage) and launch the dispatch
-    // kernel; sizes and do_expand as the RecvOutputs struct holds.
-    py::tuple launch_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                              const OptionalTensor& scales, const OptionalTensor& weights,
-                              const at::Tensor& workspace, const int64_t* offsets, const at::Tensor& words,
-                              int64_t routing_offset, int quantize, int dequantize, int num_blocks, int part,
-                              uintptr_t stream) const {
+    // A fresh dispatch's received rows M, output rows P (M without expand), and whether rows are expanded.
+    struct Sizes {
+        int64_t num_rows, num_expand_rows;
+        bool do_expand;
+    };
+
+    // A fresh dispatch's row outputs: rows and scales (`outputs_of`), weights [M, K] (expand: [P]) if given.
+    struct RowOutputs {
+        at::Tensor x;
+        OptionalTensor scales, weights;
+    };
+
+    static RowOutputs row_outputs(uintptr_t params, const at::Tensor& data, const OptionalTensor& scales,
+                                  const OptionalTensor& weights, int quantize, int dequantize, const Sizes& sizes) {
         const EpParams* p = at_address<const EpParams>(params);
-        auto* out = at_address<RecvOutputs>(outputs);
-        const int64_t M = out->num_rows, P = out->num_expand_rows, K = p->num_topk, R = p->num_ranks;
-        const int64_t L = p->num_local_experts;
-        auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, P);
+        auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, sizes.num_expand_rows);
         OptionalTensor out_weights;
         if (weights) {
-            out_weights = out->do_expand ? at::empty({P}, weights->options()) : at::empty({M, K}, weights->options());
+            out_weights = sizes.do_expand ? at::empty({sizes.num_expand_rows}, weights->options())
+                                          : at::empty({sizes.num_rows, p->num_topk}, weights->options());
         }
+        return {x, out_scales, out_weights};
+    }
+
+    // The workspace offsets at `offsets` (moe_comm.layout.workspace_offsets: kWorkspaceLength + 1 values, the
+    // pieces' starts then the length), refused unless present and in order.
+    static const int64_t* checked_offsets(uintptr_t offsets) {
+        const int64_t* o = at_address<const int64_t>(offsets);
+        require(o != nullptr, "workspace offsets: the address is 0");
+        bool ordered = o[0] >= 0;
+        for (int i = 0; i < kWorkspaceLength; ++i) ordered = ordered && o[i] <= o[i + 1];
+        require(ordered, "workspace offsets must be non-negative and non-decreasing (workspace_offsets)");
+        return o;
+    }
+
+    // Set a fresh dispatch's pointers (into the workspace at `offsets`, the row outputs `rows`, and the routing
+    // outputs, `routing_words` long at word `routing_offset` of `words`' storage) and its sizes in the RecvOutputs
+    // struct, and launch the dispatch kernel.
+    py::tuple launch_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
+                              const OptionalTensor& scales, const OptionalTensor& weights, const RowOutputs& rows,
+                              const Sizes& sizes, const at::Tensor& workspace, const int64_t* offsets,
+                              const at::Tensor& words, int64_t routing_offset, int quantize, int dequantize,
+                              int num_blocks, int part, uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        const int64_t M = sizes.num_rows, K = p->num_topk, R = p->num_ranks, L = p->num_local_experts;
         // The storage's address: a view of no elements (a dispatch of 0 tokens) has a null data_ptr().
         int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
         // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
@@ -260,22 +290,26 @@ private:
         in->weights = bytes_of(weights);
         in->send_pos = base + offsets[kWorkspaceSendPos];
         in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kWorkspaceExpertRank]);
+        auto* out = at_address<RecvOutputs>(outputs);
         out->counts = base + offsets[kWorkspaceRecvSlots];
-        out->x = bytes_of(x);
-        out->scales = bytes_of(out_scales);
+        out->x = bytes_of(rows.x);
+        out->scales = bytes_of(rows.scales);
         out->dequantize = dequantize;
         out->topk_idx = recv;
-        out->weights = bytes_of(out_weights);
+        out->weights = bytes_of(rows.weights);
         out->src_idx = recv + M * K;
         out->expand_row =
-            out->do_expand ? reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpandRow]) : nullptr;
+            sizes.do_expand ? reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpandRow]) : nullptr;
         out->psum_rank = recv + M * K + M;
         out->psum_expert = recv + M * K + M + R;
+        out->num_rows = M;
+        out->num_expand_rows = sizes.num_expand_rows;
+        out->do_expand = sizes.do_expand ? 1 : 0;
         check(released(dispatch_, p, in, out, num_blocks, 0, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
         const int64_t at = routing_offset;
-        return py::make_tuple(x, or_none(out_scales), words.as_strided({M, K}, {K, 1}, at),
+        return py::make_tuple(rows.x, or_none(rows.scales), words.as_strided({M, K}, {K, 1}, at),
                               words.as_strided({M}, {1}, at + M * K), words.as_strided({R}, {1}, at + M * K + M),
-                              words.as_strided({L}, {1}, at + M * K + M + R), or_none(out_weights));
+                              words.as_strided({L}, {1}, at + M * K + M + R), or_none(rows.weights));
     }
 
     // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
