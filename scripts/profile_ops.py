@@ -179,7 +179,8 @@ def host_breakdown(buf, x, idx, w, num_experts: int, handle, recv_x, iters: int)
                                                                                   stream),
         "cached dispatch: launcher alone (ctypes)": lambda: lib.dispatch(*dplan.structs, sms, 1, 0, stream),
         "fresh dispatch without CPU sync: host extension (allocations, both launches)": lambda: impl.launcher
-        .layout_dispatch(*fplan.addresses, idx, x, None, w, fplan.offsets_address, 0, 0, sms, 0, stream),
+        .layout_dispatch(*fplan.addresses, idx, x, None, w, fplan.offsets_address, fplan.num_rows,
+                         fplan.num_expand_rows, False, 0, 0, sms, 0, stream),
         "fresh dispatch without CPU sync: whole call": lambda: buf.dispatch(x, idx, w, num_experts=num_experts,
                                                                             do_cpu_sync=False),
         "cached dispatch: checks (Buffer._validate_dispatch)": lambda: buf._validate_dispatch(
