@@ -257,8 +257,8 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         _, _, i, o, *_ = fake.calls[-1]
         assert (i.quantize, i.x, i.scales, o.scales) == (code, bf16.data_ptr(), None, out_scales.data_ptr())
         # `dequantize`: bf16 outputs and no scales, whether the senders cast (quantize) or the rows came as FP8.
-        for data, scales_in in ((bf16, None), (q, torch.ones(N, H // 128) if code == 1 else torch.ones(N, H // 128,
-                                                                                                         dtype=torch.int32))):
+        fp8_scales = torch.ones(N, H // 128, dtype=torch.float32 if code == 1 else torch.int32)
+        for data, scales_in in ((bf16, None), (q, fp8_scales)):
             x, out_scales, *_ = dispatch(data, scales_in, None, 7, 9, True, (code if scales_in is None else 0, code))
             assert (x.shape, x.dtype, out_scales, fake.calls[-1][3].dequantize) == ((9, H), torch.bfloat16, None,
                                                                                     code)

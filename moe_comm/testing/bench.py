@@ -106,8 +106,8 @@ def loop_times(fn: Callable[[], object], iters: int, device: torch.device) -> tu
     """(host us per call, stream us per call) of `iters` back-to-back calls on CUDA.
 
     Host: wall time of issuing the calls (the GPU is not waited for), the least over five loops of `iters // 5`
-    calls (at least one): the lent machines' host speed drifts by up to 1.5x within a minute (other tenants), the least loop is
-    the cost of the path itself. Stream: CUDA-event time of one loop of `iters` with the stream kept busy first for
+    calls (at least one): the lent machines' host speed drifts by up to 1.5x within a minute (other tenants), the
+    least loop is the cost of the path itself. Stream: CUDA-event time of one loop of `iters` with the stream kept busy first for
     longer than the host needs to issue it, so it is the device's time per call (what DeepEP's benchmark reports),
     host gaps left only where a call waits for the GPU (a CPU sync).
     """
