@@ -64,7 +64,7 @@ public:
     // A fresh dispatch with a CPU sync, second launch, along the workspace of `layout` (`clean_idx`): `num_rows`
     // (M) received rows, `num_expand_rows` (P, = M without expand) output rows. `quantize`: 0, or the FP8 format
     // (1 fp8_block128, 2 mxfp8) the senders cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire
-    // rows, cast back to bf16 on arrival. `part`: kPartWhole, or kPartSend (the receivers run later, `receive`).
+    // rows, cast back to bf16 on arrival. `part`: kPartWhole, or kPartSend (the receivers later: `receive_dispatch`).
     // Returns (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx [M, K], src_idx [M],
     // psum per rank [R], psum per local expert [L], weights or None), the routing outputs as views of one int64
     // allocation.
