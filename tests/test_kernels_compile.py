@@ -274,6 +274,23 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
                           None, topk_idx, ctypes.addressof(words), 7, 7, False, 0, 0, 20, 0, 99)
 
 
+def test_workspace_pointers_of_a_dispatch_of_no_tokens():
+    """A handle's routing state (CudaLayout) addresses the workspace through its storage: the clean [0, K] view of a
+    dispatch of no tokens has a null data_ptr(), which made the cached dispatch's and the combine's pointers start
+    from address 0 (found on a GPU: wrong rows received)."""
+    from moe_comm.backends.cuda import CudaLayout
+
+    offsets = layout.workspace_offsets(0, 8, 2, 16, 4, True, 1)
+    workspace = torch.zeros(offsets[-1], dtype=torch.int64)
+    clean = workspace.as_strided((0, 8), (8, 1), 0)  # as the host extension returns it
+    base = workspace.data_ptr()
+    assert clean.data_ptr() == 0 and base
+    state = CudaLayout(clean, offsets, True)
+    assert [state.pointer(piece) for piece in ("clean_idx", *layout.WORKSPACE_PIECES)] == [
+        base, *(base + 8 * offset for offset in offsets[:-1])]
+    assert CudaLayout(clean, offsets, False).pointer("expand_row") == 0
+
+
 def test_host_extension_cached_dispatch_and_combine_rounds(kernels):
     """A cached dispatch launches with the barrier; a combine in rounds sets each round's slots and an fp32 (fp64
     for fp64 rows) accumulator, a single round leaves the plan's slots alone and has no accumulator."""
