@@ -470,7 +470,8 @@ class CudaBackend(Backend):
         if c.do_cpu_sync:  # two crossings: the host reads the counts in between to size the outputs
             clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets_address, stream)
             M, rows_per_expert = self._read_summary(c, c.num_experts // self.num_ranks)
-            aligned_list = [-(-n // c.expert_alignment) * c.expert_alignment for n in rows_per_expert]
+            a = c.expert_alignment  # only when it aligns: over L = 128-256 experts this costs 8-17 us on the CI CPU
+            aligned_list = rows_per_expert if a == 1 else [-(-n // a) * a for n in rows_per_expert]
             P = sum(aligned_list) if c.do_expand else M
             outs = self.launcher.dispatch(params, inputs, outputs, data, scales, c.topk_weights, clean_idx,
                                           plan.offsets_address, M, P, c.do_expand, quantize, dequantize, c.num_sms,
