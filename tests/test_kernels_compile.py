@@ -413,3 +413,22 @@ def test_host_extension_builds_with_the_ninja_package(kernels, monkeypatch):
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored afterwards: the build prepends to it
     assert cuda_kernels.extension_check() > 0
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+
+
+def test_host_path_cpu_script_runs(kernels):
+    """scripts/host_path_cpu.py (the CUDA backend's host path timed on this CPU, no-op launchers) still assembles a
+    backend without its constructor and runs every op: it breaks when CudaBackend gains state the script does not
+    set, or the host extension's arguments change."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for its one-rank gloo group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).resolve().parents[1] / "scripts" / "host_path_cpu.py"
+    run = subprocess.run([sys.executable, str(script), "--iters", "10", "--profile", "cached"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(port)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert all(f"  {op}\n" in run.stdout for op in ("fresh no-sync", "cached", "combine")), run.stdout
+    assert "function calls" in run.stdout  # the cProfile of "cached"
