@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import moe_comm  # noqa: E402
 from moe_comm import layout as lay  # noqa: E402
 from moe_comm.backends import cuda, cuda_kernels  # noqa: E402
 from moe_comm.backends.common import Backend  # noqa: E402
+from moe_comm.testing.bench import least_host_us  # noqa: E402
 from moe_comm.testing.routing import Case, rank_inputs  # noqa: E402
 
 NO_OP_LAUNCHERS = """
@@ -77,17 +77,6 @@ def cpu_backend(buf: moe_comm.Buffer, library: ctypes.CDLL) -> cuda.CudaBackend:
     return impl
 
 
-def least_us(fn, iters: int) -> float:
-    """The least over five loops of `iters // 5` calls, us per call (as moe_comm.testing.bench.loop_times)."""
-    per_loop, least = max(1, iters // 5), float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(per_loop):
-            fn()
-        least = min(least, (time.perf_counter() - t0) * 1e6 / per_loop)
-    return least
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128, help=f"tokens per call (at most {CAP})")
@@ -112,7 +101,7 @@ def main() -> None:
         for name, fn in ops.items():
             for _ in range(50):
                 fn()
-            print(f"    {least_us(fn, args.iters):7.1f}  {name}")
+            print(f"    {least_host_us(fn, args.iters):7.1f}  {name}")
             if args.profile == name:
                 prof = cProfile.Profile()
                 prof.enable()

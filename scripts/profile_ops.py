@@ -39,7 +39,7 @@ import torch
 import moe_comm
 from moe_comm import quant
 from moe_comm.testing import parallel_launch
-from moe_comm.testing.bench import loop_times, run_metadata
+from moe_comm.testing.bench import least_host_us, loop_times, run_metadata
 from moe_comm.testing.routing import Case, rank_inputs
 
 
@@ -140,15 +140,9 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
 
 
 def host_us(fn, iters: int) -> float:
-    """Host wall time per call of `fn` issued back to back (the GPU is not waited for inside the loops), the least of
-    five loops of `iters / 5` calls (as `loop_times`)."""
+    """`least_host_us` of `fn` from an idle device (the GPU is not waited for inside the loops)."""
     torch.cuda.synchronize()
-    per_loop, least = max(1, iters // 5), float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(per_loop):
-            fn()
-        least = min(least, (time.perf_counter() - t0) * 1e6 / per_loop)
+    least = least_host_us(fn, iters)
     torch.cuda.synchronize()
     return least
 

@@ -102,23 +102,28 @@ def median_time_us(fn: Callable[[], object], device: torch.device, num_warmups: 
     return statistics.median(times)
 
 
-def loop_times(fn: Callable[[], object], iters: int, device: torch.device) -> tuple[float, float]:
-    """(host us per call, stream us per call) of `iters` back-to-back calls on CUDA.
-
-    Host: wall time of issuing the calls (the GPU is not waited for), the least over five loops of `iters // 5`
-    calls (at least one): the lent machines' host speed drifts by up to 1.5x within a minute (other tenants), the
-    least loop is the cost of the path itself. Stream: CUDA-event time of one loop of `iters` with the stream kept busy first for
-    longer than the host needs to issue it, so it is the device's time per call (what DeepEP's benchmark reports),
-    host gaps left only where a call waits for the GPU (a CPU sync).
-    """
-    torch.cuda.synchronize(device)
-    per_loop = max(1, iters // 5)
-    host = float("inf")
+def least_host_us(fn: Callable[[], object], iters: int) -> float:
+    """Host wall time per call of `fn` issued back to back, the least over five loops of `iters // 5` calls (at least
+    one): the lent machines' host speed drifts by up to 1.5x within a minute (other tenants), the least loop is the
+    cost of the path itself."""
+    per_loop, least = max(1, iters // 5), float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(per_loop):
             fn()
-        host = min(host, (time.perf_counter() - t0) * 1e6 / per_loop)
+        least = min(least, (time.perf_counter() - t0) * 1e6 / per_loop)
+    return least
+
+
+def loop_times(fn: Callable[[], object], iters: int, device: torch.device) -> tuple[float, float]:
+    """(host us per call, stream us per call) of `iters` back-to-back calls on CUDA.
+
+    Host: `least_host_us` (the GPU is not waited for). Stream: CUDA-event time of one loop of `iters` with the stream
+    kept busy first for longer than the host needs to issue it, so it is the device's time per call (what DeepEP's
+    benchmark reports), host gaps left only where a call waits for the GPU (a CPU sync).
+    """
+    torch.cuda.synchronize(device)
+    host = least_host_us(fn, iters)
     # Every rank sleeps as long as the slowest host needs: with sleeps of their own lengths, the rank that woke
     # first would count the wait for the other in its first call.
     slowest = torch.tensor([host], dtype=torch.float64, device=device)
