@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-
 import torch.distributed as dist
 
 from .args import check_bool, check_int

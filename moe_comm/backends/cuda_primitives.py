@@ -101,7 +101,9 @@ class CudaPrimitives(TorchPrimitives):
         self._slot_bytes = 0
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
-        self._wait_params: lay.EpParams | None = None
+        # The waits' parameters: the backend's buffer, ErrorRecord (a timeout names rank, phase and peer), timeout.
+        self._wait_params = lay.EpParams(local_base=backend.buffer.data_ptr(), error=backend._mapped_dev,
+                                         timeout_ns=backend.timeout_ns, rank=backend.rank, num_ranks=backend.num_ranks)
         self._agrs: IpcMemory | None = None  # the all-gather / reduce-scatter region (`_agrs_region`)
         self._agrs_slot_bytes = 0
         self._agrs_seq = 0  # calls so far: the same on every rank (collective order)
@@ -173,7 +175,6 @@ class CudaPrimitives(TorchPrimitives):
     # Pipeline send/recv
     # ------------------------------------------------------------------------------------------------
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int, error=None) -> None:
-        b = self.backend
         values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
         self.agree(values, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config", error)
         if self._region is not None:
@@ -183,8 +184,6 @@ class CudaPrimitives(TorchPrimitives):
         self._region = self._new_region(pp_region_bytes(num_max_tensor_bytes, num_max_inflight_tensors))
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
         self._sent, self._received = {}, {}
-        self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
-                                         timeout_ns=b.timeout_ns, rank=b.rank, num_ranks=b.num_ranks)
 
     def pp_send(self, t: torch.Tensor, dst: int):
         b, k = self.backend, self.backend.kernels
@@ -233,9 +232,6 @@ class CudaPrimitives(TorchPrimitives):
                   for offset in (AGRS_ARRIVED, AGRS_RELEASED)]
         self._agrs_signals = torch.tensor(signal, dtype=torch.int64, device=b.device)
         self._agrs, self._agrs_seq = region, 0
-        if self._wait_params is None:
-            self._wait_params = lay.EpParams(local_base=b.buffer.data_ptr(), error=b._mapped_dev,
-                                             timeout_ns=b.timeout_ns, rank=b.rank, num_ranks=R)
 
     def _agrs_slot(self, rank: int, parity: int, source: int) -> int:
         return self._agrs.addresses[rank] + AGRS_CONTROL_BYTES + \
@@ -344,6 +340,7 @@ class CudaPrimitives(TorchPrimitives):
                 self._free_region(region)
                 setattr(self, name, None)
         self.table = None
+
 
 def _drop(region: IpcMemory, device: torch.device) -> None:
     """A region whose primitives were dropped without `close()`: this rank stops writing into its peers' (the device
