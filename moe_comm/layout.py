@@ -286,6 +286,7 @@ CONSTANTS = {  # name in C -> (value, C type)
     "kKernelDoneOffset": (KERNEL_DONE_OFFSET, "int64_t"), "kAbortOffset": (ABORT_OFFSET, "int64_t"),
     "kSignaturesOffset": (SIGNATURES_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
     "kMappedSignaturesOffset": (MAPPED_SIGNATURES_OFFSET, "int64_t"),
+    "kSummaryOffset": (SUMMARY_OFFSET, "int64_t"),
     "kSlotStride": (SLOT_STRIDE, "int64_t"), "kTagMagic": (TAG_MAGIC, "int64_t"),
     "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"), "kErrorDisagree": (ERROR_DISAGREE, "int64_t"),
     "kPartWhole": (PART_WHOLE, "int"), "kPartSend": (PART_SEND, "int"), "kPartReceive": (PART_RECEIVE, "int"),

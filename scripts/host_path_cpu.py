@@ -41,13 +41,14 @@ NO_OP_LAUNCHERS = """
 int layout(void* p, void* a, void* n, void* s) { return 0; }
 int dispatch(void* p, void* i, void* o, int b, int w, int part, void* s) { return 0; }
 int combine(void* p, void* a, int d, int b, int part, void* s) { return 0; }
+int synchronize(void* s) { return 0; }
 const char* last_error(void) { return "no error"; }
 """
 HIDDEN, TOPK, EXPERTS, CAP = 512, 8, 256, 256
 
 
 def no_op_library(folder: str) -> ctypes.CDLL:
-    """The four launcher entry points the host extension calls, each returning at once (built with the C compiler)."""
+    """The five launcher entry points the host extension calls, each returning at once (built with the C compiler)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("host_path_cpu.py needs a C compiler (cc or gcc) for its no-op launchers")
@@ -67,7 +68,7 @@ def cpu_backend(buf: moe_comm.Buffer, library: ctypes.CDLL) -> cuda.CudaBackend:
     impl.tuning, impl.kernels, impl.timeout_ns = cuda.CudaTuning(), None, 10 ** 10
     impl.region_bytes, impl.num_device_sms, impl._device_index = 1 << 34, 132, -1
     impl.launcher = cuda_kernels.host_extension().Launcher(*(address(n) for n in ("layout", "dispatch", "combine",
-                                                                                    "last_error")))
+                                                                                    "synchronize", "last_error")))
     impl._shapes, impl._stale_epoch, impl._plans, impl._ipc = {}, 0, weakref.WeakKeyDictionary(), None
     impl.buffer, impl.symm, impl._peer_bases = torch.zeros(64, dtype=torch.uint8), None, 0
     impl._mapped_words = ctypes.create_string_buffer(lay.SUMMARY_OFFSET + 8 * lay.summary_len(lay.MAX_RANKS,
@@ -94,7 +95,12 @@ def main() -> None:
                     num_max_tokens_per_rank=CAP, drop_prob=0.0)
         x, idx, w = rank_inputs(case, 0, buf.device)
         recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=False)
+        # What a notify of this call would leave in the summary (one rank): every token received, its slots spread
+        # over the experts; the no-op layout never changes it.
+        summary = [args.tokens, 0, 0, args.tokens] + [args.tokens * TOPK // EXPERTS] * EXPERTS
+        (ctypes.c_int64 * len(summary)).from_address(buf._impl._mapped_host + lay.SUMMARY_OFFSET)[:] = summary
         ops = {"fresh no-sync": lambda: buf.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=False),
+               "fresh sync": lambda: buf.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=True),
                "cached": lambda: buf.dispatch(x, handle=handle),
                "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_w)}
         print(f"host us per call on this CPU, {args.tokens} tokens, no-op launchers (least of five loops):")

@@ -103,25 +103,27 @@ _DISPATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), c
                                 ctypes.c_void_p)
 _COMBINE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.CombineArgs),
                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+_SYNCHRONIZE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)
 
 
 class FakeLaunchers:
-    """Launchers that record a copy of every struct they are given (and the ints), returning `result`."""
+    """Launchers that record a copy of every struct they are given (and the ints), returning `result` (settable)."""
 
     def __init__(self, result: int = 0) -> None:
-        self.calls = []
+        self.calls, self.result = [], result
         self.message = ctypes.create_string_buffer(b"fake launcher failed (values)")
         copy = lambda p: type(p.contents).from_buffer_copy(p.contents)  # noqa: E731
 
         def record(name, *args):
             self.calls.append((name, *(copy(a) if isinstance(a, ctypes._Pointer) else a for a in args)))
-            return result
+            return self.result
 
         # Kept on self: the C function pointers live as long as these objects.
         self.fns = (_LAYOUT_FN(lambda p, a, n, s: record("layout", p, a, n, s)),
                     _DISPATCH_FN(lambda p, i, o, b, w, part, s: record("dispatch", p, i, o, b, w, part, s)),
                     _COMBINE_FN(lambda p, a, d, b, part, s: record("combine", p, a, d, b, part, s)),
+                    _SYNCHRONIZE_FN(lambda s: record("synchronize", s)),
                     _LAST_ERROR_FN(lambda: ctypes.addressof(self.message)))
 
     def launcher(self):
@@ -168,9 +170,25 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     scales = torch.ones(N, H // 128)
     weights = torch.rand(N, K)
     inputs, outputs = layout.DispatchInputs(), layout.RecvOutputs()
-    dispatch = lambda data, scales, weights, M, P, do_expand, codes: launcher.dispatch(  # noqa: E731
-        ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), data, scales, weights,
-        clean_idx, ctypes.addressof(words), M, P, do_expand, *codes, 20, 0, 99)
+    # The host-mapped words: the error code at 0, the notify's summary (per source [rows, flags], pending flags per
+    # source, rows in all, rows per local expert) at SUMMARY_OFFSET.
+    mapped = ctypes.create_string_buffer(layout.SUMMARY_OFFSET + 8 * layout.summary_len(R, L))
+    summary = (ctypes.c_int64 * layout.summary_len(R, L)).from_address(ctypes.addressof(mapped) +
+                                                                        layout.SUMMARY_OFFSET)
+
+    def synced(data, scales, weights, M, counts, do_expand, codes, alignment=1, clean=clean_idx, p=params, w=words,
+               flags=(0, 0), pending=(0, 0)):
+        summary[:] = [M - M // 2, flags[0], M // 2, flags[1], *pending, M, *counts]
+        return launcher.dispatch(ctypes.addressof(p), ctypes.addressof(inputs), ctypes.addressof(outputs), data,
+                                 scales, weights, clean, ctypes.addressof(w), ctypes.addressof(mapped), alignment,
+                                 do_expand, *codes, 20, 0, 99)
+
+    def dispatch(data, scales, weights, M, P, do_expand, codes):  # P rows spread over the experts, no alignment
+        *results, P_out, aligned = synced(data, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
+                                          do_expand, codes)
+        assert P_out == P and sum(aligned) == P
+        assert fake.calls[-2] == ("synchronize", 99)  # the notify waited for before anything is read
+        return results
 
     def check_dispatch(results, M, P, do_expand, with_data=q):
         x, out_scales, idx, src, psum_rank, psum_expert, w = results
@@ -202,9 +220,8 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
                             torch.zeros(0, K, dtype=torch.int64), ctypes.addressof(no_words), 1234)
     empty_base = empty.untyped_storage().data_ptr()
     assert empty.shape == (0, K) and empty_base and fake.calls[-1][2].clean_idx == empty_base
-    launcher.dispatch(ctypes.addressof(no_tokens), ctypes.addressof(inputs), ctypes.addressof(outputs),
-                      torch.zeros(0, H, dtype=torch.bfloat16), None, None, empty, ctypes.addressof(no_words), 7, 7,
-                      False, 0, 0, 20, 0, 99)
+    synced(torch.zeros(0, H, dtype=torch.bfloat16), None, None, 7, [7, 0, 0, 0], False, (0, 0), clean=empty,
+           p=no_tokens, w=no_words)
     _, _, i, o, *_ = fake.calls[-1]
     assert (i.clean_idx, i.send_pos, o.counts) == (empty_base, empty_base + 8 * no_offsets[0],
                                                    empty_base + 8 * no_offsets[2])
@@ -270,8 +287,30 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     with pytest.raises(ValueError, match="quantize casts bf16 rows of a multiple of 128 channels"):
         dispatch(torch.zeros(N, H, dtype=torch.float32), None, None, 7, 7, False, (1, 0))
     with pytest.raises(ValueError, match="clean_idx must be the view `layout` returned"):
-        launcher.dispatch(ctypes.addressof(params), ctypes.addressof(inputs), ctypes.addressof(outputs), bf16, None,
-                          None, topk_idx, ctypes.addressof(words), 7, 7, False, 0, 0, 20, 0, 99)
+        synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0), clean=topk_idx)
+    with pytest.raises(ValueError, match=r"alignment=0 \(at least 1\)"):
+        synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0), alignment=0)
+
+    # The per-expert counts aligned up to the alignment on the host side of the launch; P their sum (expand).
+    for do_expand, P in ((True, 16), (False, 7)):
+        x, *_, w, P_out, aligned = synced(bf16, None, weights, 7, [1, 0, 5, 2], do_expand, (0, 0), alignment=4)
+        assert (aligned, P_out, x.shape[0], fake.calls[-1][3].num_expand_rows) == ([4, 0, 8, 4], P, P, P)
+    # A problem recorded: nothing launched, None (the backend raises it): an error code, a rank's flags of this call,
+    # a rank's pending flags of an earlier call without CPU sync.
+    error_code = ctypes.c_int64.from_address(ctypes.addressof(mapped))
+    for code, flags, pending in ((1, (0, 0), (0, 0)), (2, (0, 0), (0, 0)), (0, (0, 2), (0, 0)), (0, (1, 0), (0, 0)),
+                                 (0, (0, 0), (4, 0)), (0, (0, 0), (0, 1))):
+        fake.calls.clear()
+        error_code.value = code
+        assert synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0), flags=flags, pending=pending) is None
+        assert [c[0] for c in fake.calls] == ["synchronize"]
+    error_code.value = 0
+    # The wait failed: the library's message, nothing launched.
+    fake.calls.clear()
+    fake.result = 1
+    with pytest.raises(RuntimeError, match=r"wait for the dispatch notify failed on rank 1: fake launcher failed"):
+        synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0))
+    assert [c[0] for c in fake.calls] == ["synchronize"]
 
 
 def test_workspace_pointers_of_a_dispatch_of_no_tokens():
@@ -393,7 +432,7 @@ def test_host_extension_raises_the_launchers_message(kernels):
         kernels.launcher.layout(ctypes.addressof(bad), ctypes.addressof(args), ctypes.addressof(notify),
                                 torch.zeros(5, 3, dtype=torch.int64), ctypes.addressof(offsets), 0)
     with pytest.raises(ValueError, match="a launcher address is 0"):
-        cuda_kernels.host_extension().Launcher(0, 0, 0, 0)
+        cuda_kernels.host_extension().Launcher(0, 0, 0, 0, 0)
 
 
 def test_host_extension_builds_again_in_one_process(kernels):
@@ -430,5 +469,5 @@ def test_host_path_cpu_script_runs(kernels):
     run = subprocess.run([sys.executable, str(script), "--iters", "10", "--profile", "cached"], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(port)})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert all(f"  {op}\n" in run.stdout for op in ("fresh no-sync", "cached", "combine")), run.stdout
+    assert all(f"  {op}\n" in run.stdout for op in ("fresh no-sync", "fresh sync", "cached", "combine")), run.stdout
     assert "function calls" in run.stdout  # the cProfile of "cached"

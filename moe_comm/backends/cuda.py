@@ -39,7 +39,7 @@ import ctypes
 import socket
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -467,15 +467,14 @@ class CudaBackend(Backend):
         stream, part = current_stream(self._device_index), _part(c)
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
         # control slot and theirs into ours; then send and receive (with a hook: send now, the receivers in the hook).
-        if c.do_cpu_sync:  # two crossings: the host reads the counts in between to size the outputs
+        if c.do_cpu_sync:  # two crossings: the second waits for the notify and sizes the outputs by its summary
             clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets_address, stream)
-            M, rows_per_expert = self._read_summary(c, c.num_experts // self.num_ranks)
-            a = c.expert_alignment  # only when it aligns: over L = 128-256 experts this costs 8-17 us on the CI CPU
-            aligned_list = rows_per_expert if a == 1 else [-(-n // a) * a for n in rows_per_expert]
-            P = sum(aligned_list) if c.do_expand else M
             outs = self.launcher.dispatch(params, inputs, outputs, data, scales, c.topk_weights, clean_idx,
-                                          plan.offsets_address, M, P, c.do_expand, quantize, dequantize, c.num_sms,
-                                          part, stream)
+                                          plan.offsets_address, self._mapped_host, c.expert_alignment, c.do_expand,
+                                          quantize, dequantize, c.num_sms, part, stream)
+            if outs is None:
+                self._raise_summary(c)
+            *outs, P, aligned_list = outs
         else:  # one crossing, outputs of the worst case
             aligned_list, M, P = None, plan.num_rows, plan.num_expand_rows
             *outs, clean_idx = self.launcher.layout_dispatch(
@@ -539,18 +538,18 @@ class CudaBackend(Backend):
 
         return [receive]
 
-    def _read_summary(self, c, num_local_experts: int) -> tuple[int, list[int]]:
-        """Wait for the notify, raise what the kernels recorded (a disagreement, a timeout) and every rank's error
-        flags from its host-mapped summary, and return (rows this rank receives, rows per local expert)."""
-        R, L = self.num_ranks, num_local_experts
-        torch.cuda.current_stream(self.device).synchronize()
+    def _raise_summary(self, c) -> NoReturn:
+        """A synchronized dispatch's notify summary reported a problem (the launcher waited for it and launched
+        nothing): raise what the kernels recorded (a disagreement, a timeout), then the flags of earlier dispatches
+        without CPU sync, then every rank's flags of this call (every rank sees the same flags and raises alike)."""
+        R = self.num_ranks
         self.after_host_sync(synchronized=True)
-        values = (ctypes.c_int64 * lay.summary_len(R, L)).from_address(self._mapped_host + lay.SUMMARY_OFFSET)[:]
-        flags, pending = values[1:2 * R:2], values[2 * R:3 * R]
-        if any(pending):
+        values = (ctypes.c_int64 * (3 * R)).from_address(self._mapped_host + lay.SUMMARY_OFFSET)[:]
+        if any(values[2 * R:]):
             self.check_pending_errors()
-        self.raise_for_flags(flags, c.topk_idx, c.num_experts, "")
-        return values[3 * R], values[3 * R + 1:]
+        self.raise_for_flags(values[1:2 * R:2], c.topk_idx, c.num_experts, "")
+        raise RuntimeError(f"moe_comm: the dispatch notify's summary on rank {self.rank} reported a problem that "
+                           f"nothing names (summary {values}, error code {self._error.code}): a bug in moe_comm")
 
     # ------------------------------------------------------------------------------------------------
     # Combine

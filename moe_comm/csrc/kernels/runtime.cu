@@ -44,6 +44,15 @@ int moe_comm_free_mapped(void* host) {
     return 0;
 }
 
+// Wait for everything queued on `stream`: a synchronized dispatch's notify, before the host extension reads its
+// summary (csrc/torch/ops.cpp, without the GIL).
+int moe_comm_stream_synchronize(cudaStream_t stream) {
+    const cudaError_t err = cudaStreamSynchronize(stream);
+    MOE_COMM_REQUIRE(err == cudaSuccess, "cudaStreamSynchronize: %s (%s)", cudaGetErrorName(err),
+                     cudaGetErrorString(err));
+    return 0;
+}
+
 // Zeroed device memory that other processes of this machine can map (`*handle`: a cudaIpcMemHandle_t, 64 bytes):
 // the CUDA backend's buffer when its peers are mapped with CUDA IPC instead of torch's symmetric memory
 // (CudaTuning.peer_memory="ipc", which also lets two ranks share one GPU).

@@ -1,6 +1,6 @@
 // The host path of the CUDA backend's calls, as a Python extension built against the installed torch
-// (moe_comm.jit.load_extension): one crossing from Python per call (a fresh dispatch with a CPU sync: one per launch,
-// the host reads the counts in between) allocates the outputs with torch's caching allocator, sets the per-call
+// (moe_comm.jit.load_extension): one crossing from Python per launch (a fresh dispatch with a CPU sync: the second
+// waits for the first and reads the counts it sent to the host) allocates the outputs with torch's caching allocator, sets the per-call
 // pointers in the launch structs that moe_comm.backends.cuda built once per shape, and launches through the kernel
 // library. ctypes crossings and torch.empty from Python cost more host time than
 // the kernels run at small sizes (benchmarks/host-path_*.md).
@@ -29,6 +29,7 @@ using Stream = void*;  // cudaStream_t, an opaque pointer
 using LayoutFn = int (*)(const EpParams*, const LayoutArgs*, const NotifyArgs*, Stream);
 using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOutputs*, int, int, int, Stream);
 using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, int, Stream);
+using SynchronizeFn = int (*)(Stream);
 using LastErrorFn = const char* (*)();
 using OptionalTensor = std::optional<at::Tensor>;
 
@@ -43,17 +44,18 @@ py::object or_none(const OptionalTensor& t) { return t ? py::cast(*t) : py::none
 
 class Launcher {
 public:
-    // Addresses of the kernel library's moe_comm_layout, moe_comm_dispatch, moe_comm_combine and
-    // moe_comm_last_error (kernels/*.cu; moe_comm.backends.cuda_kernels.SIGNATURES).
-    Launcher(uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t last_error)
+    // Addresses of the kernel library's moe_comm_layout, moe_comm_dispatch, moe_comm_combine,
+    // moe_comm_stream_synchronize and moe_comm_last_error (kernels/*.cu; moe_comm.backends.cuda_kernels.SIGNATURES).
+    Launcher(uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t synchronize, uintptr_t last_error)
         : layout_(reinterpret_cast<LayoutFn>(layout)),
           dispatch_(reinterpret_cast<DispatchFn>(dispatch)),
           combine_(reinterpret_cast<CombineFn>(combine)),
+          synchronize_(reinterpret_cast<SynchronizeFn>(synchronize)),
           last_error_(reinterpret_cast<LastErrorFn>(last_error)) {}
 
     // A fresh dispatch with a CPU sync, first launch: the routing workspace (`offsets`: the address of its
-    // moe_comm.layout.workspace_offsets), then the layout kernel, whose last block runs the notify. The host reads
-    // the counts before the second launch (`dispatch`). Returns the clean topk_idx [N, K], a view at the workspace's
+    // moe_comm.layout.workspace_offsets), then the layout kernel, whose last block runs the notify and writes the
+    // counts into the host-mapped summary that the second launch (`dispatch`) sizes its outputs by. Returns the clean topk_idx [N, K], a view at the workspace's
     // start (the workspace is its storage).
     at::Tensor layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
                       uintptr_t offsets, uintptr_t stream) const {
@@ -61,25 +63,53 @@ public:
         return clean_view(launch_layout(params, args, notify, topk_idx, o, 0, stream), params);
     }
 
-    // A fresh dispatch with a CPU sync, second launch, along the workspace of `layout` (`clean_idx`): `num_rows`
-    // (M) received rows, `num_expand_rows` (P, = M without expand) output rows. `quantize`: 0, or the FP8 format
-    // (1 fp8_block128, 2 mxfp8) the senders cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire
-    // rows, cast back to bf16 on arrival. `part`: kPartWhole, or kPartSend (the receivers later: `receive_dispatch`).
-    // Returns (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx [M, K], src_idx [M],
-    // psum per rank [R], psum per local expert [L], weights or None), the routing outputs as views of one int64
-    // allocation.
-    py::tuple dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                       const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& clean_idx,
-                       uintptr_t offsets, int64_t num_rows, int64_t num_expand_rows, bool do_expand, int quantize,
-                       int dequantize, int num_blocks, int part, uintptr_t stream) const {
+    // A fresh dispatch with a CPU sync, second launch, along the workspace of `layout` (`clean_idx`): waits for the
+    // layout's notify (the stream synchronized without the GIL), reads its summary in the buffer's host-mapped
+    // memory at `mapped` (the ErrorRecord at 0, the summary at kSummaryOffset, moe_comm.layout.summary_len), sizes
+    // the outputs by it and launches: M received rows, the per-expert counts aligned up to `alignment`, P output rows
+    // (their sum with `do_expand`, else M). `quantize`: 0, or the FP8 format (1 fp8_block128, 2 mxfp8) the senders
+    // cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire rows, cast back to bf16 on arrival. `part`:
+    // kPartWhole, or kPartSend (the receivers later: `receive_dispatch`). Returns None, launching nothing, when a
+    // kernel recorded an error or any rank's flags (or pending flags) are set: the host raises them
+    // (moe_comm.backends.cuda); else (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None,
+    // topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None, P, the aligned
+    // per-expert counts as a list), the routing outputs as views of one int64 allocation.
+    py::object dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
+                        const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& clean_idx,
+                        uintptr_t offsets, uintptr_t mapped, int64_t alignment, bool do_expand, int quantize,
+                        int dequantize, int num_blocks, int part, uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
         const int64_t* o = checked_offsets(offsets);
         require(clean_idx.storage_offset() == 0 && clean_idx.storage().nbytes() >= 8 * o[kWorkspaceLength],
                 "clean_idx must be the view `layout` returned, at the start of the workspace");
-        const Sizes sizes{num_rows, num_expand_rows, do_expand};
+        require(mapped != 0 && alignment >= 1, "mapped=" + std::to_string(mapped) + " (the host-mapped words), "
+                "alignment=" + std::to_string(alignment) + " (at least 1)");
+        check(released(synchronize_, reinterpret_cast<Stream>(stream)), p, "wait for the dispatch notify");
+        // Mapped memory the device wrote: read through volatile (the stream is complete, the values are final).
+        const volatile int64_t* error_code = at_address<const volatile int64_t>(mapped);
+        const volatile int64_t* summary = at_address<const volatile int64_t>(mapped + kSummaryOffset);
+        const int R = p->num_ranks, L = p->num_local_experts;
+        bool problem = *error_code != 0;
+        for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
+        if (problem) return py::none();
+        const int64_t M = summary[3 * R];
+        py::list aligned(L);
+        int64_t aligned_sum = 0;
+        for (int e = 0; e < L; ++e) {
+            const int64_t n = (summary[3 * R + 1 + e] + alignment - 1) / alignment * alignment;
+            aligned_sum += n;
+            aligned[e] = n;
+        }
+        const Sizes sizes{M, do_expand ? aligned_sum : M, do_expand};
         const RowOutputs rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
-        const at::Tensor routing = at::empty({routing_words(params, num_rows)}, clean_idx.options());
-        return launch_dispatch(params, inputs, outputs, data, scales, weights, rows, sizes, clean_idx, o, routing, 0,
-                               quantize, dequantize, num_blocks, part, stream);
+        const at::Tensor routing = at::empty({routing_words(params, M)}, clean_idx.options());
+        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, rows, sizes, clean_idx,
+                                               o, routing, 0, quantize, dequantize, num_blocks, part, stream);
+        py::tuple results(outs.size() + 2);
+        for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
+        results[outs.size()] = py::int_(sizes.num_expand_rows);
+        results[outs.size() + 1] = aligned;
+        return results;
     }
 
     // A fresh dispatch without a CPU sync: both launches in one crossing, into outputs sized for the worst case
@@ -364,6 +394,7 @@ private:
     LayoutFn layout_;
     DispatchFn dispatch_;
     CombineFn combine_;
+    SynchronizeFn synchronize_;
     LastErrorFn last_error_;
 };
 
@@ -372,9 +403,11 @@ private:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "moe_comm's host path: allocate, set the per-call pointers, launch (moe_comm/csrc/torch/ops.cpp)";
     py::class_<Launcher>(m, "Launcher", py::module_local())
-        .def(py::init([](uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t last_error) {
-            if (!layout || !dispatch || !combine || !last_error) throw std::invalid_argument("a launcher address is 0");
-            return Launcher(layout, dispatch, combine, last_error);
+        .def(py::init([](uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t synchronize,
+                         uintptr_t last_error) {
+            if (!layout || !dispatch || !combine || !synchronize || !last_error)
+                throw std::invalid_argument("a launcher address is 0");
+            return Launcher(layout, dispatch, combine, synchronize, last_error);
         }))
         .def("layout", &Launcher::layout)
         .def("dispatch", &Launcher::dispatch)
