@@ -89,6 +89,33 @@ def block_times(buf, handle, ops: dict) -> list[str]:
     return lines
 
 
+def layout_steps(buf, fresh) -> str:
+    """When a fresh dispatch's layout kernel (one call of `fresh`) reached each step (cuda_kernels.LAYOUT_STEPS), in
+    us after its first block started: the blocks' median, then the notify's steps in the last block (a build with
+    -DMOE_COMM_BLOCK_TIMES)."""
+    import ctypes
+    import statistics
+
+    from moe_comm.backends.cuda_kernels import LAYOUT_STEPS
+
+    impl, width = buf._impl, 1 + len(LAYOUT_STEPS)
+    impl._shapes.clear()
+    fresh()
+    torch.cuda.synchronize()
+    (plan,) = impl._shapes.values()
+    num_blocks = plan.structs[1].num_blocks
+    raw = (ctypes.c_uint64 * (width * num_blocks))()
+    impl.kernels.check(impl.kernels.layout_step_times(raw, num_blocks), "layout step times", impl.rank)
+    rows = [raw[b * width:(b + 1) * width] for b in range(num_blocks)]
+    t0 = min(row[0] for row in rows)
+    (last,) = [row for row in rows if row[-1]]
+    us = lambda t: (t - t0) / 1e3  # noqa: E731
+    parts = [f"{name} {statistics.median(us(row[i]) for row in rows):.1f}"
+             for i, name in enumerate(LAYOUT_STEPS[:5], 1)]
+    parts += [f"{name} {us(last[i]):.1f}" for i, name in enumerate(LAYOUT_STEPS[5:], 6)]
+    return f"        layout steps ({num_blocks} blocks, us, medians then the last block): " + ", ".join(parts)
+
+
 def variants_rank(rank: int, world_size: int, args: dict) -> str:
     from moe_comm.backends.cuda import CudaTuning
     from moe_comm.testing.checks import check_case
@@ -131,6 +158,9 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
                          f"   (SMs {handle.num_sms})")
             if settings.get("times"):
                 lines += block_times(buf, handle, ops)
+                for sync in (False, True):
+                    lines.append(layout_steps(buf, lambda: buf.dispatch(x, idx, w, num_experts=E, num_sms=num_sms,
+                                                                        do_cpu_sync=sync, do_expand=expand)))
         except RuntimeError as exc:  # e.g. a build whose kernels need more registers than a launch allows
             lines.append(f"    {variant:30s} failed: {exc}")
         if rank == 0:

@@ -47,3 +47,10 @@ extern "C" int moe_comm_layout(const EpParams* p, const LayoutArgs* a, const Not
                      static_cast<long long>(smem_bytes), cudaGetErrorString(err));
     return 0;
 }
+
+#ifdef MOE_COMM_BLOCK_TIMES
+// [num_blocks][kLayoutSteps] ns of the last layout_notify_impl launch (impls/notify.cuh).
+extern "C" int moe_comm_layout_step_times(uint64_t* host, int num_blocks) {
+    return copy_block_times(g_layout_step_times, host, num_blocks);
+}
+#endif

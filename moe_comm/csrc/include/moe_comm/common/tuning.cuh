@@ -52,9 +52,13 @@ constexpr int kMaxTimedBlocks = 1024;
 #define BLOCK_TIME_END(times)                                                                   \
     __syncthreads();                                                                            \
     if (threadIdx.x == 0 && blockIdx.x < kMaxTimedBlocks) times[blockIdx.x][1] = global_timer_ns()
+// The same build: the global timer at step `step` of a block (a kernel's phases), into times[blockIdx.x][step].
+#define STEP_TIME(times, step) \
+    if (threadIdx.x == 0 && blockIdx.x < kMaxTimedBlocks) times[blockIdx.x][step] = global_timer_ns()
 #else
 #define BLOCK_TIME_START(times)
 #define BLOCK_TIME_END(times)
+#define STEP_TIME(times, step)
 #endif
 
 }  // namespace moe_comm

@@ -31,14 +31,15 @@ inline int launch_result(const char* kernel, int num_blocks, int num_threads, in
 }
 
 #ifdef MOE_COMM_BLOCK_TIMES
-// Copy [num_blocks][start, end] ns of a kernel's last launch from its __device__ array (tuning.cuh BLOCK_TIME_*).
+// Copy the first `num_blocks` rows ([start, end] ns, or a row of steps) of a kernel's last launch from its
+// __device__ array (tuning.cuh BLOCK_TIME_*, STEP_TIME).
 template <typename Times>
 int copy_block_times(const Times& times, uint64_t* host, int num_blocks) {
     if (num_blocks < 0 || num_blocks > kMaxTimedBlocks) {
         set_last_error("block times: num_blocks=%d is outside [0, %d]", num_blocks, kMaxTimedBlocks);
         return 1;
     }
-    const cudaError_t err = cudaMemcpyFromSymbol(host, times, sizeof(uint64_t) * 2 * num_blocks);
+    const cudaError_t err = cudaMemcpyFromSymbol(host, times, sizeof(times[0]) * num_blocks);
     if (err != cudaSuccess) set_last_error("block times: cudaMemcpyFromSymbol: %s", cudaGetErrorString(err));
     return err == cudaSuccess ? 0 : 1;
 }

@@ -185,13 +185,26 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_notify_impl(EpParams p,
     namespace cg = cooperative_groups;
     const int64_t chunk = (p.num_tokens + gridDim.x - 1) / gridDim.x;
     const int64_t begin = min(p.num_tokens, blockIdx.x * chunk), end = min(p.num_tokens, begin + chunk);
+#ifdef MOE_COMM_BLOCK_TIMES
+    if (threadIdx.x < kLayoutSteps && blockIdx.x < kMaxTimedBlocks) g_layout_step_times[blockIdx.x][threadIdx.x] = 0;
+#endif
+    STEP_TIME(g_layout_step_times, 0);
     layout_count(p, a, begin, end, layout_smem);
+    STEP_TIME(g_layout_step_times, 1);
     cg::this_grid().sync();
+    STEP_TIME(g_layout_step_times, 2);
     layout_scan(p, a);
+    STEP_TIME(g_layout_step_times, 3);
     cg::this_grid().sync();
+    STEP_TIME(g_layout_step_times, 4);
     const int columns = p.num_ranks + p.num_experts;
     layout_place(p, a, begin, end, layout_smem, reinterpret_cast<uint32_t*>(layout_smem + columns));
-    if (kernel_done(p)) notify_block(p, n);
+    STEP_TIME(g_layout_step_times, 5);
+    if (kernel_done(p)) {
+        notify_block(p, n);
+        __syncthreads();
+        STEP_TIME(g_layout_step_times, 9);
+    }
 }
 
 }  // namespace moe_comm

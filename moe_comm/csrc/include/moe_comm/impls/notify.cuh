@@ -11,6 +11,13 @@
 
 namespace moe_comm {
 
+// Profiling build (-DMOE_COMM_BLOCK_TIMES): per layout block the global timer at its steps (layout.cuh), the last
+// block's row also at the notify's (started, barrier passed, slots exchanged, done); the others' notify steps 0.
+constexpr int kLayoutSteps = 10;
+#ifdef MOE_COMM_BLOCK_TIMES
+__device__ uint64_t g_layout_step_times[kMaxTimedBlocks][kLayoutSteps];  // included by kernels/layout.cu only
+#endif
+
 // ------------------------------------------------------------------------------------------------------------
 // Dispatch notify, one block (thread d < num_ranks talks to rank d): the barrier before the dispatch (nobody
 // writes into a region its owner still reads; it advances the barrier counter that names the operation; it carries
@@ -22,8 +29,10 @@ namespace moe_comm {
 // ------------------------------------------------------------------------------------------------------------
 __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
     const int R = p.num_ranks, L = p.num_local_experts;
+    STEP_TIME(g_layout_step_times, 6);
     if (block_aborted(p) || !signal_wait_block(p, kBarrierFlagsOffset, kBarrierSeqOffset, p.barrier_phase, true))
         return;  // the dispatch kernel after it sees the abort word too and moves nothing
+    STEP_TIME(g_layout_step_times, 7);
     // Our slot on every peer d: rows for d, d's experts' counts, flags (every thread takes values).
     // NOTES: the exchange's barrier (__syncthreads, then a system fence and release per peer) publishes them.
     const int width = L + 2;
@@ -35,6 +44,7 @@ __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
         control_slot(p.peer_bases[d], p.rank)[c] = value;
     }
     if (!signal_wait_block(p, kExchangeFlagsOffset, kExchangeSeqOffset, n.exchange_phase, false)) return;
+    STEP_TIME(g_layout_step_times, 8);
     // Slots written by peers: volatile loads (not through L1).
     auto slot_value = [&](int s, int i) {
         return *reinterpret_cast<volatile const int64_t*>(control_slot(p.local_base, s) + i);
