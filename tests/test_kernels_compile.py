@@ -177,11 +177,11 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
                                                                         layout.SUMMARY_OFFSET)
 
     def synced(data, scales, weights, M, counts, do_expand, codes, alignment=1, clean=clean_idx, p=params, w=words,
-               flags=(0, 0), pending=(0, 0)):
+               flags=(0, 0), pending=(0, 0), part=0):
         summary[:] = [M - M // 2, flags[0], M // 2, flags[1], *pending, M, *counts]
         return launcher.dispatch(ctypes.addressof(p), ctypes.addressof(inputs), ctypes.addressof(outputs), data,
                                  scales, weights, clean, ctypes.addressof(w), ctypes.addressof(mapped), alignment,
-                                 do_expand, *codes, 20, 0, 99)
+                                 do_expand, *codes, 20, part, 99)
 
     def dispatch(data, scales, weights, M, P, do_expand, codes):  # P rows spread over the experts, no alignment
         *results, P_out, aligned = synced(data, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
@@ -250,6 +250,12 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     (_, _, a, _, _), (_, _, i, o, *_) = fake.calls
     assert clean.shape == (0, K) and (a.clean_idx, i.clean_idx, o.counts, o.topk_idx) == (
         storage, storage, storage + 8 * no_offsets[2], storage + 8 * no_offsets[-1])
+    # Outputs that cannot be allocated (rows of 2**50 bytes): both launches still run, the dispatch with no outputs
+    # (the peers wait for this rank's notify and rows; its receivers skip every row), then the allocator's error.
+    fake.calls.clear()
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        layout_dispatch(topk_idx, q, weights, 2**42, 2**42, False)
+    check_without_outputs(fake.calls, ["layout", "dispatch"], q)
     # Outputs refused, or offsets missing or out of order: nothing launched (the layout kernel is collective).
     fake.calls.clear()
     with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
@@ -305,12 +311,27 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         assert synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0), flags=flags, pending=pending) is None
         assert [c[0] for c in fake.calls] == ["synchronize"]
     error_code.value = 0
+    # Outputs that cannot be allocated after the notify: the dispatch runs without outputs (whole, even when asked to
+    # send only: no hook will run), then the allocator's error.
+    fake.calls.clear()
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        synced(bf16, None, weights, 2**42, [2**40] * L, True, (0, 0), part=1)
+    check_without_outputs(fake.calls, ["synchronize", "dispatch"], bf16)
     # The wait failed: the library's message, nothing launched.
     fake.calls.clear()
     fake.result = 1
     with pytest.raises(RuntimeError, match=r"wait for the dispatch notify failed on rank 1: fake launcher failed"):
         synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0))
     assert [c[0] for c in fake.calls] == ["synchronize"]
+
+
+def check_without_outputs(calls, names, data):
+    """The last launch was a dispatch that sends `data` and writes nothing (no output pointers, no rows), whole."""
+    assert [c[0] for c in calls] == names
+    _, _, i, o, _, _, part, _ = calls[-1]
+    assert (i.x, i.clean_idx != 0, i.send_pos != 0, o.counts != 0, part) == (data.data_ptr(), True, True, True, 0)
+    assert (o.num_rows, o.num_expand_rows) == (0, 0)
+    assert not any((o.x, o.scales, o.weights, o.topk_idx, o.src_idx, o.psum_rank, o.psum_expert))
 
 
 def test_workspace_pointers_of_a_dispatch_of_no_tokens():

@@ -467,6 +467,9 @@ class CudaBackend(Backend):
         stream, part = current_stream(self._device_index), _part(c)
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
         # control slot and theirs into ours; then send and receive (with a hook: send now, the receivers in the hook).
+        # The handle's epoch: counted before the crossings, which launch on every rank even when this rank's outputs
+        # cannot be allocated (then they raise); ranks that disagreed realign it (`_realign`).
+        self.epoch += 1
         if c.do_cpu_sync:  # two crossings: the second waits for the notify and sizes the outputs by its summary
             clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets_address, stream)
             outs = self.launcher.dispatch(params, inputs, outputs, data, scales, c.topk_weights, clean_idx,
@@ -481,7 +484,6 @@ class CudaBackend(Backend):
                 params, layout_args, notify, inputs, outputs, c.topk_idx, data, scales, c.topk_weights,
                 plan.offsets_address, M, P, c.do_expand, quantize, dequantize, c.num_sms, part, stream)
         out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = outs
-        self.epoch += 1  # the device checks agreement; ranks that disagreed realign the epoch (`_realign`)
         handle = EPHandle.make(
             group=self.group, backend=self.name, epoch=self.epoch,
             num_experts=c.num_experts, num_topk=c.num_topk, num_tokens=c.num_tokens,

@@ -55,12 +55,14 @@ public:
 
     // A fresh dispatch with a CPU sync, first launch: the routing workspace (`offsets`: the address of its
     // moe_comm.layout.workspace_offsets), then the layout kernel, whose last block runs the notify and writes the
-    // counts into the host-mapped summary that the second launch (`dispatch`) sizes its outputs by. Returns the clean topk_idx [N, K], a view at the workspace's
-    // start (the workspace is its storage).
+    // counts into the host-mapped summary that the second launch (`dispatch`) sizes its outputs by. Returns the
+    // clean topk_idx [N, K], a view at the workspace's start (the workspace is its storage).
     at::Tensor layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
                       uintptr_t offsets, uintptr_t stream) const {
         const int64_t* o = checked_offsets(offsets);
-        return clean_view(launch_layout(params, args, notify, topk_idx, o, 0, stream), params);
+        const at::Tensor workspace = at::empty({o[kWorkspaceLength]}, topk_idx.options());
+        launch_layout(params, args, notify, topk_idx, o, workspace, stream);
+        return clean_view(workspace, params);
     }
 
     // A fresh dispatch with a CPU sync, second launch, along the workspace of `layout` (`clean_idx`): waits for the
@@ -73,7 +75,8 @@ public:
     // kernel recorded an error or any rank's flags (or pending flags) are set: the host raises them
     // (moe_comm.backends.cuda); else (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None,
     // topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None, P, the aligned
-    // per-expert counts as a list), the routing outputs as views of one int64 allocation.
+    // per-expert counts as a list), the routing outputs as views of one int64 allocation. Raises what failed after
+    // launching the dispatch without outputs when the outputs cannot be made (the peers wait for this rank's rows).
     py::object dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
                         const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& clean_idx,
                         uintptr_t offsets, uintptr_t mapped, int64_t alignment, bool do_expand, int quantize,
@@ -101,10 +104,23 @@ public:
             aligned[e] = n;
         }
         const Sizes sizes{M, do_expand ? aligned_sum : M, do_expand};
-        const RowOutputs rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
-        const at::Tensor routing = at::empty({routing_words(params, M)}, clean_idx.options());
-        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, rows, sizes, clean_idx,
-                                               o, routing, 0, quantize, dequantize, num_blocks, part, stream);
+        RowOutputs rows;
+        at::Tensor routing;
+        try {
+            rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
+            routing = at::empty({routing_words(params, M)}, clean_idx.options());
+        } catch (...) {
+            // Every peer now waits for this rank's rows (the notify ran): the dispatch runs with no outputs (the
+            // senders send, the receivers skip every row: num_rows 0), so the peers finish theirs, then this rank
+            // raises (e.g. torch.OutOfMemoryError naming the bytes; moe_comm.backends.cuda counted the epoch). Whole,
+            // with or without a receive hook: no rows to receive later.
+            launch_dispatch(params, inputs, outputs, data, scales, weights, {}, Sizes{0, 0, do_expand}, clean_idx, o,
+                            quantize, dequantize, num_blocks, kPartWhole, stream);
+            throw;
+        }
+        launch_dispatch(params, inputs, outputs, data, scales, weights, pointers(rows, routing, 0), sizes, clean_idx,
+                        o, quantize, dequantize, num_blocks, part, stream);
+        const py::tuple outs = results_of(params, rows, routing, 0, M);
         py::tuple results(outs.size() + 2);
         for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
         results[outs.size()] = py::int_(sizes.num_expand_rows);
@@ -114,7 +130,8 @@ public:
 
     // A fresh dispatch without a CPU sync: both launches in one crossing, into outputs sized for the worst case
     // (`num_rows`, `num_expand_rows`, `do_expand` as in `dispatch`), every output allocated and checked before the
-    // layout kernel, which is collective, launches; the routing outputs at the end of the workspace allocation.
+    // layout kernel, which is collective, launches (an allocation that fails: both launches still run, without
+    // outputs, then the error is raised); the routing outputs at the end of the workspace allocation.
     // Other arguments as `layout` and `dispatch`. Returns `dispatch`'s tuple, then the clean topk_idx (`layout`'s).
     py::tuple layout_dispatch(uintptr_t params, uintptr_t args, uintptr_t notify, uintptr_t inputs, uintptr_t outputs,
                               const at::Tensor& topk_idx, const at::Tensor& data, const OptionalTensor& scales,
@@ -123,12 +140,26 @@ public:
                               int part, uintptr_t stream) const {
         const int64_t* o = checked_offsets(offsets);
         const Sizes sizes{num_rows, num_expand_rows, do_expand};
-        const RowOutputs rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
         const int64_t extra = routing_words(params, num_rows);
-        const at::Tensor workspace = launch_layout(params, args, notify, topk_idx, o, extra, stream);
-        const py::tuple outs = launch_dispatch(params, inputs, outputs, data, scales, weights, rows, sizes, workspace,
-                                               o, workspace, o[kWorkspaceLength], quantize, dequantize, num_blocks,
-                                               part, stream);
+        RowOutputs rows;
+        at::Tensor workspace;
+        try {
+            rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
+            workspace = at::empty({o[kWorkspaceLength] + extra}, topk_idx.options());
+        } catch (const c10::Error&) {  // an allocation failed (an argument refused throws before launching anything)
+            // The peers' layout waits for this rank's notify and their dispatch for its rows: both launches run, with
+            // no outputs (a workspace without the routing words; the receivers skip every row), then this rank raises.
+            // Only a failure of that workspace too leaves the peers to their timeout.
+            const at::Tensor bare = at::empty({o[kWorkspaceLength]}, topk_idx.options());
+            launch_layout(params, args, notify, topk_idx, o, bare, stream);
+            launch_dispatch(params, inputs, outputs, data, scales, weights, {}, Sizes{0, 0, do_expand}, bare, o,
+                            quantize, dequantize, num_blocks, kPartWhole, stream);
+            throw;
+        }
+        launch_layout(params, args, notify, topk_idx, o, workspace, stream);
+        launch_dispatch(params, inputs, outputs, data, scales, weights, pointers(rows, workspace, o[kWorkspaceLength]),
+                        sizes, workspace, o, quantize, dequantize, num_blocks, part, stream);
+        const py::tuple outs = results_of(params, rows, workspace, o[kWorkspaceLength], num_rows);
         py::tuple results(outs.size() + 1);
         for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
         results[outs.size()] = py::cast(clean_view(workspace, params));
@@ -232,17 +263,16 @@ private:
         return workspace.as_strided({p->num_tokens, p->num_topk}, {p->num_topk, 1}, 0);
     }
 
-    // Allocate the workspace (its `offsets`, then `extra` words), set the layout's and the notify's pointers into it
-    // and launch the layout kernel. Returns the workspace.
-    at::Tensor launch_layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
-                             const int64_t* offsets, int64_t extra, uintptr_t stream) const {
+    // Set the layout's and the notify's pointers into `workspace` (int64, at least offsets[kWorkspaceLength] words)
+    // and launch the layout kernel.
+    void launch_layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
+                       const int64_t* offsets, const at::Tensor& workspace, uintptr_t stream) const {
         const EpParams* p = at_address<const EpParams>(params);
         require(topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
                     topk_idx.numel() == p->num_tokens * p->num_topk,
                 "topk_idx must be contiguous int64 of num_tokens x num_topk = " +
                     std::to_string(p->num_tokens * p->num_topk) + " values");
-        at::Tensor workspace = at::empty({offsets[kWorkspaceLength] + extra}, topk_idx.options());
-        int64_t* base = workspace.data_ptr<int64_t>();
+        int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
         int64_t* counts = base + offsets[kWorkspaceCounts];  // rows per rank [R], rows per expert [E], error flags [1]
         auto* a = at_address<LayoutArgs>(args);
         a->topk_idx = topk_idx.data_ptr<int64_t>();
@@ -259,7 +289,6 @@ private:
         n->flags = a->flags;
         n->recv_slots = base + offsets[kWorkspaceRecvSlots];
         check(released(layout_, p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
-        return workspace;
     }
 
     // A fresh dispatch's received rows M, output rows P (M without expand), and whether rows are expanded.
@@ -297,21 +326,30 @@ private:
         return o;
     }
 
-    // Set a fresh dispatch's pointers (into the workspace at `offsets`, the row outputs `rows`, and the routing
-    // outputs, `routing_words` long at word `routing_offset` of `words`' storage) and its sizes in the RecvOutputs
-    // struct, and launch the dispatch kernel.
-    py::tuple launch_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                              const OptionalTensor& scales, const OptionalTensor& weights, const RowOutputs& rows,
-                              const Sizes& sizes, const at::Tensor& workspace, const int64_t* offsets,
-                              const at::Tensor& words, int64_t routing_offset, int quantize, int dequantize,
-                              int num_blocks, int part, uintptr_t stream) const {
-        const EpParams* p = at_address<const EpParams>(params);
-        const int64_t M = sizes.num_rows, K = p->num_topk, R = p->num_ranks, L = p->num_local_experts;
-        // The storage's address: a view of no elements (a dispatch of 0 tokens) has a null data_ptr().
-        int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
-        // topk_idx [M, K], src_idx [M], psum_rank [R], psum_expert [L]
-        int64_t* recv = static_cast<int64_t*>(words.storage().mutable_data()) + routing_offset;
+    // Where a fresh dispatch's launch writes: row outputs, and the routing outputs (`routing_words` long: topk_idx
+    // [M, K], src_idx [M], psum per rank [R], psum per local expert [L]); null: not written.
+    struct OutputPointers {
+        uint8_t *x = nullptr, *scales = nullptr, *weights = nullptr;
+        int64_t* routing = nullptr;
+    };
 
+    // The routing outputs at word `routing_offset` of `words`' storage. The storage's address: a view of no elements
+    // (a dispatch of 0 tokens) has a null data_ptr().
+    static OutputPointers pointers(const RowOutputs& rows, const at::Tensor& words, int64_t routing_offset) {
+        return {bytes_of(rows.x), bytes_of(rows.scales), bytes_of(rows.weights),
+                static_cast<int64_t*>(words.storage().mutable_data()) + routing_offset};
+    }
+
+    // Set a fresh dispatch's pointers (into the workspace at `offsets`, and `to`) and its sizes in the RecvOutputs
+    // struct, and launch the dispatch kernel.
+    void launch_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
+                         const OptionalTensor& scales, const OptionalTensor& weights, const OutputPointers& to,
+                         const Sizes& sizes, const at::Tensor& workspace, const int64_t* offsets, int quantize,
+                         int dequantize, int num_blocks, int part, uintptr_t stream) const {
+        const EpParams* p = at_address<const EpParams>(params);
+        const int64_t M = sizes.num_rows, K = p->num_topk, R = p->num_ranks;
+        int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
+        int64_t* recv = to.routing;
         auto* in = at_address<DispatchInputs>(inputs);
         in->x = bytes_of(data);
         in->scales = bytes_of(scales);
@@ -322,21 +360,27 @@ private:
         in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kWorkspaceExpertRank]);
         auto* out = at_address<RecvOutputs>(outputs);
         out->counts = base + offsets[kWorkspaceRecvSlots];
-        out->x = bytes_of(rows.x);
-        out->scales = bytes_of(rows.scales);
+        out->x = to.x;
+        out->scales = to.scales;
         out->dequantize = dequantize;
         out->topk_idx = recv;
-        out->weights = bytes_of(rows.weights);
-        out->src_idx = recv + M * K;
+        out->weights = to.weights;
+        out->src_idx = recv ? recv + M * K : nullptr;
         out->expand_row =
             sizes.do_expand ? reinterpret_cast<int32_t*>(base + offsets[kWorkspaceExpandRow]) : nullptr;
-        out->psum_rank = recv + M * K + M;
-        out->psum_expert = recv + M * K + M + R;
+        out->psum_rank = recv ? recv + M * K + M : nullptr;
+        out->psum_expert = recv ? recv + M * K + M + R : nullptr;
         out->num_rows = M;
         out->num_expand_rows = sizes.num_expand_rows;
         out->do_expand = sizes.do_expand ? 1 : 0;
         check(released(dispatch_, p, in, out, num_blocks, 0, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
-        const int64_t at = routing_offset;
+    }
+
+    // A fresh dispatch's outputs as `dispatch` returns them, the routing outputs views of `words` at word `at`.
+    static py::tuple results_of(uintptr_t params, const RowOutputs& rows, const at::Tensor& words, int64_t at,
+                                int64_t M) {
+        const EpParams* p = at_address<const EpParams>(params);
+        const int64_t K = p->num_topk, R = p->num_ranks, L = p->num_local_experts;
         return py::make_tuple(rows.x, or_none(rows.scales), words.as_strided({M, K}, {K, 1}, at),
                               words.as_strided({M}, {1}, at + M * K), words.as_strided({R}, {1}, at + M * K + M),
                               words.as_strided({L}, {1}, at + M * K + M + R), or_none(rows.weights));
