@@ -1,9 +1,9 @@
 // The host path of the CUDA backend's calls, as a Python extension built against the installed torch
-// (moe_comm.jit.load_extension): one crossing from Python per launch (a fresh dispatch with a CPU sync: the second
-// waits for the first and reads the counts it sent to the host) allocates the outputs with torch's caching allocator, sets the per-call
-// pointers in the launch structs that moe_comm.backends.cuda built once per shape, and launches through the kernel
-// library. ctypes crossings and torch.empty from Python cost more host time than
-// the kernels run at small sizes (benchmarks/host-path_*.md).
+// (moe_comm.jit.load_extension): one crossing from Python per call (a fresh dispatch with a CPU sync: one per
+// launch, the second waits for the first and reads the counts it left for the host) allocates the outputs with
+// torch's caching allocator, sets the per-call pointers in the launch structs that moe_comm.backends.cuda built once
+// per shape, and launches through the kernel library. ctypes crossings and torch.empty from Python cost more host
+// time than the kernels run at small sizes (benchmarks/host-path_*.md).
 //
 // The kernel library stays free of torch headers (the CPU CI machine compiles it; one build serves every torch):
 // this module reaches its launchers through the addresses given to `Launcher`, and shares only the generated
