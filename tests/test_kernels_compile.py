@@ -256,6 +256,14 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         layout_dispatch(topk_idx, q, weights, 2**42, 2**42, False)
     check_without_outputs(fake.calls, ["layout", "dispatch"], q)
+    # The rows fit (none: zero-width), the workspace with the routing words does not: the layout runs on a workspace
+    # without them.
+    fake.calls.clear()
+    no_width = torch.zeros(N, 0, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        layout_dispatch(topk_idx, no_width, None, 2**42, 2**42, False)
+    check_without_outputs(fake.calls, ["layout", "dispatch"], no_width)
+    assert fake.calls[-1][3].counts == fake.calls[0][2].clean_idx + 8 * offsets[2]
     # Outputs refused, or offsets missing or out of order: nothing launched (the layout kernel is collective).
     fake.calls.clear()
     with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
@@ -329,7 +337,7 @@ def check_without_outputs(calls, names, data):
     """The last launch was a dispatch that sends `data` and writes nothing (no output pointers, no rows), whole."""
     assert [c[0] for c in calls] == names
     _, _, i, o, _, _, part, _ = calls[-1]
-    assert (i.x, i.clean_idx != 0, i.send_pos != 0, o.counts != 0, part) == (data.data_ptr(), True, True, True, 0)
+    assert (i.x or 0, part) == (data.data_ptr(), 0) and i.clean_idx and i.send_pos and o.counts
     assert (o.num_rows, o.num_expand_rows) == (0, 0)
     assert not any((o.x, o.scales, o.weights, o.topk_idx, o.src_idx, o.psum_rank, o.psum_expert))
 

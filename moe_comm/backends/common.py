@@ -66,7 +66,8 @@ class Backend:
         self.timeout_secs = num_cpu_timeout_secs
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._comm_stream_busy = False  # an async call ran on the comm stream since the last synchronous one
-        # Fresh dispatches that the ranks agreed on: the epoch of the next handle is one more. Ranks that call alike
+        # Fresh dispatches counted alike on every rank (those the ranks agreed on; on the CUDA backend also those that
+        # raised after their kernels ran everywhere): the epoch of the next handle is one more. Ranks that call alike
         # hold handles of the same epoch, so a combine or cached dispatch checks the handle across ranks.
         self.epoch = 0
         # Why the group can no longer be used (a wait that failed: peers gone or out of step), else None.

@@ -468,7 +468,8 @@ class CudaBackend(Backend):
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
         # control slot and theirs into ours; then send and receive (with a hook: send now, the receivers in the hook).
         # The handle's epoch: counted before the crossings, which launch on every rank even when this rank's outputs
-        # cannot be allocated (then they raise); ranks that disagreed realign it (`_realign`).
+        # cannot be allocated (then they raise; only the routing workspace's failure launches nothing, leaving the
+        # peers to their timeout and the group broken); ranks that disagreed realign it (`_realign`).
         self.epoch += 1
         if c.do_cpu_sync:  # two crossings: the second waits for the notify and sizes the outputs by its summary
             clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets_address, stream)

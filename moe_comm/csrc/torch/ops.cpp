@@ -56,7 +56,8 @@ public:
     // A fresh dispatch with a CPU sync, first launch: the routing workspace (`offsets`: the address of its
     // moe_comm.layout.workspace_offsets), then the layout kernel, whose last block runs the notify and writes the
     // counts into the host-mapped summary that the second launch (`dispatch`) sizes its outputs by. Returns the
-    // clean topk_idx [N, K], a view at the workspace's start (the workspace is its storage).
+    // clean topk_idx [N, K], a view at the workspace's start (the workspace is its storage). A workspace that cannot
+    // be allocated launches nothing: the peers wait for this rank's notify until their timeout.
     at::Tensor layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
                       uintptr_t offsets, uintptr_t stream) const {
         const int64_t* o = checked_offsets(offsets);
@@ -109,7 +110,7 @@ public:
         try {
             rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
             routing = at::empty({routing_words(params, M)}, clean_idx.options());
-        } catch (...) {
+        } catch (const c10::Error&) {  // an allocation failed (the argument checks throw std::invalid_argument)
             // Every peer now waits for this rank's rows (the notify ran): the dispatch runs with no outputs (the
             // senders send, the receivers skip every row: num_rows 0), so the peers finish theirs, then this rank
             // raises (e.g. torch.OutOfMemoryError naming the bytes; moe_comm.backends.cuda counted the epoch). Whole,
@@ -146,10 +147,12 @@ public:
         try {
             rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
             workspace = at::empty({o[kWorkspaceLength] + extra}, topk_idx.options());
-        } catch (const c10::Error&) {  // an allocation failed (an argument refused throws before launching anything)
+        } catch (const c10::Error&) {  // an allocation failed (the argument checks throw std::invalid_argument
+                                       // before anything launches)
             // The peers' layout waits for this rank's notify and their dispatch for its rows: both launches run, with
             // no outputs (a workspace without the routing words; the receivers skip every row), then this rank raises.
-            // Only a failure of that workspace too leaves the peers to their timeout.
+            // Only a failure of that workspace too (a few words per token) leaves the peers to their timeout.
+            rows = {};  // the outputs that were allocated go back first
             const at::Tensor bare = at::empty({o[kWorkspaceLength]}, topk_idx.options());
             launch_layout(params, args, notify, topk_idx, o, bare, stream);
             launch_dispatch(params, inputs, outputs, data, scales, weights, {}, Sizes{0, 0, do_expand}, bare, o,

@@ -53,12 +53,16 @@ constexpr int kMaxTimedBlocks = 1024;
     __syncthreads();                                                                            \
     if (threadIdx.x == 0 && blockIdx.x < kMaxTimedBlocks) times[blockIdx.x][1] = global_timer_ns()
 // The same build: the global timer at step `step` of a block (a kernel's phases), into times[blockIdx.x][step].
-#define STEP_TIME(times, step) \
-    if (threadIdx.x == 0 && blockIdx.x < kMaxTimedBlocks) times[blockIdx.x][step] = global_timer_ns()
+#define STEP_TIME(times, step)                                                                    \
+    do {                                                                                          \
+        if (threadIdx.x == 0 && blockIdx.x < kMaxTimedBlocks) times[blockIdx.x][step] = global_timer_ns(); \
+    } while (0)
 #else
 #define BLOCK_TIME_START(times)
 #define BLOCK_TIME_END(times)
-#define STEP_TIME(times, step)
+#define STEP_TIME(times, step) \
+    do {                       \
+    } while (0)
 #endif
 
 }  // namespace moe_comm

@@ -202,8 +202,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_notify_impl(EpParams p,
     STEP_TIME(g_layout_step_times, 5);
     if (kernel_done(p)) {
         notify_block(p, n);
+#ifdef MOE_COMM_BLOCK_TIMES
         __syncthreads();
         STEP_TIME(g_layout_step_times, 9);
+#endif
     }
 }
 
