@@ -78,6 +78,15 @@ def cpu_backend(buf: moe_comm.Buffer, library: ctypes.CDLL) -> cuda.CudaBackend:
     return impl
 
 
+def cpu_cuda_buffer(folder: str) -> moe_comm.Buffer:
+    """A Buffer of this rank's gloo group (one rank) whose backend is the CUDA backend around no-op launchers built
+    in `folder` (`cpu_backend`): its outputs are never written; the host-mapped words are host memory."""
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=CAP, hidden=HIDDEN, num_topk=TOPK, backend="torch")
+    buf._impl = cpu_backend(buf, no_op_library(folder))
+    cuda.current_stream = lambda device_index: 0  # no CUDA streams here: cuda.py reads the raw one by this name
+    return buf
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128, help=f"tokens per call (at most {CAP})")
@@ -87,10 +96,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29573")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=CAP, hidden=HIDDEN, num_topk=TOPK, backend="torch")
     with tempfile.TemporaryDirectory() as folder:
-        buf._impl = cpu_backend(buf, no_op_library(folder))
-        cuda.current_stream = lambda device_index: 0  # no CUDA streams here: cuda.py reads the raw one by this name
+        buf = cpu_cuda_buffer(folder)
         case = Case(seed=3, num_ranks=1, num_experts=EXPERTS, num_topk=TOPK, hidden=HIDDEN, num_tokens=(args.tokens,),
                     num_max_tokens_per_rank=CAP, drop_prob=0.0)
         x, idx, w = rank_inputs(case, 0, buf.device)

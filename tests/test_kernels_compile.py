@@ -483,6 +483,84 @@ def test_host_extension_builds_with_the_ninja_package(kernels, monkeypatch):
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
 
 
+def synchronized_dispatch_rank(rank: int, world_size: int) -> list[str]:
+    """The CUDA backend's synchronized dispatch on this CPU (scripts/host_path_cpu.py: no-op launchers, the
+    host-mapped words in host memory, written here as a notify would): outputs sized by the summary (counts aligned
+    in the extension), and each problem the summary can report raised by the backend with its own error."""
+    import importlib.util
+    import tempfile
+
+    from moe_comm.backends.cuda import PHASES
+
+    spec = importlib.util.spec_from_file_location(
+        "host_path_cpu", Path(__file__).resolve().parents[1] / "scripts" / "host_path_cpu.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    E, N = script.EXPERTS, 128
+    seen = []
+    with tempfile.TemporaryDirectory() as folder:
+        buf = script.cpu_cuda_buffer(folder)
+        impl = buf._impl
+        x = torch.zeros(N, script.HIDDEN, dtype=torch.bfloat16)
+        idx = torch.arange(N * script.TOPK, dtype=torch.int64).view(N, script.TOPK) % E
+        words = (ctypes.c_int64 * layout.summary_len(1, E)).from_address(impl._mapped_host + layout.SUMMARY_OFFSET)
+
+        def dispatch(rows=N, counts=(4,) * E, flags=0, pending=0, topk_idx=idx, **kwargs):
+            words[:] = [rows, flags, pending, rows, *counts]
+            return buf.dispatch(x, topk_idx, num_experts=E, **kwargs)
+
+        epoch = impl.epoch
+        recv_x, recv_idx, _, handle, _ = dispatch()
+        assert (recv_x.shape[0], recv_idx.shape[0], handle.num_recv_tokens) == (N, N, N)
+        assert handle.num_recv_tokens_per_expert_list == [4] * E and impl.epoch == epoch + 1
+        recv_x, _, _, handle, _ = dispatch(counts=(1, 0, 5) + (4,) * (E - 3), do_expand=True, expert_alignment=4)
+        aligned = [4, 0, 8] + [4] * (E - 3)
+        assert handle.num_recv_tokens_per_expert_list == aligned and recv_x.shape[0] == sum(aligned)
+
+        bad = idx.clone()
+        bad[5, 2] = E + 7
+        with pytest.raises(ValueError, match=rf"topk_idx is invalid: entries outside \[-1, {E}\) on rank\(s\) \[0\]; "
+                                             rf"first bad slot: topk_idx\[5, 2\]={E + 7}"):
+            dispatch(flags=1, topk_idx=bad)
+        seen.append("flags")
+        impl.pending_flags[0] = 2  # what an earlier dispatch without CPU sync left (the summary copies it)
+        with pytest.raises(ValueError, match=r"in an earlier dispatch without CPU sync \(slots dropped\): "
+                                             r"duplicate experts in a row on rank\(s\) \[0\]"):
+            dispatch(pending=2)
+        assert impl.pending_flags.tolist() == [0]
+        seen.append("pending")
+        with pytest.raises(RuntimeError, match="reported a problem that nothing names"):
+            dispatch(pending=2)  # the summary says so, the flags do not: a bug, named as one
+        seen.append("unnamed")
+        error = impl._error
+
+        def notify_times_out(stream):  # the notify records a timed-out wait while the host waits for it
+            error.code, error.phase, error.rank, error.peer = layout.ERROR_TIMEOUT, PHASES.index("dispatch notify"), 0, 3
+            return 0
+
+        wait = _SYNCHRONIZE_FN(notify_times_out)
+        os.mkdir(os.path.join(folder, "again"))
+        lib = script.no_op_library(os.path.join(folder, "again"))
+        address = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # noqa: E731
+        impl.launcher = cuda_kernels.host_extension().Launcher(
+            address("layout"), address("dispatch"), address("combine"), ctypes.cast(wait, ctypes.c_void_p).value,
+            address("last_error"))
+        with pytest.raises(TimeoutError, match="rank 0 timed out in dispatch notify waiting for peer 3"):
+            dispatch()
+        with pytest.raises(RuntimeError, match="broken since an earlier error"):
+            dispatch()
+        seen.append("timeout")
+        assert impl.epoch == epoch + 6  # every call that reached the kernels counted alike on every rank
+    return seen
+
+
+def test_synchronized_dispatch_reads_the_summary(kernels):
+    from moe_comm.testing import WorkerPool
+
+    with WorkerPool(1, backend="gloo", timeout_s=240) as pool:
+        assert pool.run(synchronized_dispatch_rank) == [["flags", "pending", "unnamed", "timeout"]]
+
+
 def test_host_path_cpu_script_runs(kernels):
     """scripts/host_path_cpu.py (the CUDA backend's host path timed on this CPU, no-op launchers) still assembles a
     backend without its constructor and runs every op: it breaks when CudaBackend gains state the script does not
