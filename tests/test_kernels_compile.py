@@ -535,7 +535,8 @@ def synchronized_dispatch_rank(rank: int, world_size: int) -> list[str]:
         error = impl._error
 
         def notify_times_out(stream):  # the notify records a timed-out wait while the host waits for it
-            error.code, error.phase, error.rank, error.peer = layout.ERROR_TIMEOUT, PHASES.index("dispatch notify"), 0, 3
+            error.code, error.phase = layout.ERROR_TIMEOUT, PHASES.index("dispatch notify")
+            error.rank, error.peer = 0, 3
             return 0
 
         wait = _SYNCHRONIZE_FN(notify_times_out)
