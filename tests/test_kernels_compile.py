@@ -184,7 +184,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
                                  do_expand, *codes, 20, part, 99)
 
     def dispatch(data, scales, weights, M, P, do_expand, codes):  # P rows spread over the experts, no alignment
-        *results, P_out, aligned = synced(data, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
+        results, P_out, aligned = synced(data, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
                                           do_expand, codes)
         assert P_out == P and sum(aligned) == P
         assert fake.calls[-2] == ("synchronize", 99)  # the notify waited for before anything is read
@@ -233,7 +233,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
                                  do_expand, *codes, 20, 0, 99))
     for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
         fake.calls.clear()
-        *results, clean = layout_dispatch(topk_idx, q, weights, M, P, do_expand)
+        results, clean = layout_dispatch(topk_idx, q, weights, M, P, do_expand)
         assert [c[0] for c in fake.calls] == ["layout", "dispatch"]
         base = clean.data_ptr()
         assert clean.shape == (N, K) and clean.untyped_storage().nbytes() == 8 * (offsets[-1] + M * K + M + R + L)
@@ -242,7 +242,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         assert check_dispatch(results, M, P, do_expand) == base + 8 * offsets[-1]
     # No tokens: the routing and every pointer still from the workspace's storage.
     fake.calls.clear()
-    *_, clean = launcher.layout_dispatch(
+    _, clean = launcher.layout_dispatch(
         ctypes.addressof(no_tokens), ctypes.addressof(args), ctypes.addressof(notify), ctypes.addressof(inputs),
         ctypes.addressof(outputs), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, H, dtype=torch.bfloat16), None,
         None, ctypes.addressof(no_words), 7, 7, False, 0, 0, 20, 0, 99)
@@ -307,7 +307,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
 
     # The per-expert counts aligned up to the alignment on the host side of the launch; P their sum (expand).
     for do_expand, P in ((True, 16), (False, 7)):
-        x, *_, w, P_out, aligned = synced(bf16, None, weights, 7, [1, 0, 5, 2], do_expand, (0, 0), alignment=4)
+        (x, *_, w), P_out, aligned = synced(bf16, None, weights, 7, [1, 0, 5, 2], do_expand, (0, 0), alignment=4)
         assert (aligned, P_out, x.shape[0], fake.calls[-1][3].num_expand_rows) == ([4, 0, 8, 4], P, P, P)
     # A problem recorded: nothing launched, None (the backend raises it): an error code, a rank's flags of this call,
     # a rank's pending flags of an earlier call without CPU sync.

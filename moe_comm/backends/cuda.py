@@ -473,15 +473,15 @@ class CudaBackend(Backend):
         self.epoch += 1
         if c.do_cpu_sync:  # two crossings: the second waits for the notify and sizes the outputs by its summary
             clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets_address, stream)
-            outs = self.launcher.dispatch(params, inputs, outputs, data, scales, c.topk_weights, clean_idx,
-                                          plan.offsets_address, self._mapped_host, c.expert_alignment, c.do_expand,
-                                          quantize, dequantize, c.num_sms, part, stream)
-            if outs is None:
+            sized = self.launcher.dispatch(params, inputs, outputs, data, scales, c.topk_weights, clean_idx,
+                                           plan.offsets_address, self._mapped_host, c.expert_alignment, c.do_expand,
+                                           quantize, dequantize, c.num_sms, part, stream)
+            if sized is None:
                 self._raise_summary(c)
-            *outs, P, aligned_list = outs
+            outs, P, aligned_list = sized
         else:  # one crossing, outputs of the worst case
             aligned_list, M, P = None, plan.num_rows, plan.num_expand_rows
-            *outs, clean_idx = self.launcher.layout_dispatch(
+            outs, clean_idx = self.launcher.layout_dispatch(
                 params, layout_args, notify, inputs, outputs, c.topk_idx, data, scales, c.topk_weights,
                 plan.offsets_address, M, P, c.do_expand, quantize, dequantize, c.num_sms, part, stream)
         out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = outs

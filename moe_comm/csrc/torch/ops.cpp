@@ -75,8 +75,8 @@ public:
     // cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire rows, cast back to bf16 on arrival. `part`:
     // kPartWhole, or kPartSend (the receivers later: `receive_dispatch`). Returns None, launching nothing, when a
     // kernel recorded an error or any rank's flags (or pending flags) are set: the host raises them
-    // (moe_comm.backends.cuda); else (x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None,
-    // topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None, P, the aligned
+    // (moe_comm.backends.cuda); else ((x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None,
+    // topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None), P, the aligned
     // per-expert counts as a list), the routing outputs as views of one int64 allocation. Raises what failed after
     // launching the dispatch without outputs when the outputs cannot be made (the peers wait for this rank's rows).
     py::object dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
@@ -122,19 +122,15 @@ public:
         }
         launch_dispatch(params, inputs, outputs, data, scales, weights, pointers(rows, routing, 0), sizes, clean_idx,
                         o, quantize, dequantize, num_blocks, part, stream);
-        const py::tuple outs = results_of(params, rows, routing, 0, M);
-        py::tuple results(outs.size() + 2);
-        for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
-        results[outs.size()] = py::int_(sizes.num_expand_rows);
-        results[outs.size() + 1] = aligned;
-        return results;
+        return py::make_tuple(results_of(params, rows, routing, 0, M), sizes.num_expand_rows, aligned);
     }
 
     // A fresh dispatch without a CPU sync: both launches in one crossing, into outputs sized for the worst case
     // (`num_rows`, `num_expand_rows`, `do_expand` as in `dispatch`), every output allocated and checked before the
     // layout kernel, which is collective, launches (an allocation that fails: both launches still run, without
     // outputs, then the error is raised); the routing outputs at the end of the workspace allocation.
-    // Other arguments as `layout` and `dispatch`. Returns `dispatch`'s tuple, then the clean topk_idx (`layout`'s).
+    // Other arguments as `layout` and `dispatch`. Returns (`dispatch`'s tuple of outputs, the clean topk_idx as
+    // `layout` returns it).
     py::tuple layout_dispatch(uintptr_t params, uintptr_t args, uintptr_t notify, uintptr_t inputs, uintptr_t outputs,
                               const at::Tensor& topk_idx, const at::Tensor& data, const OptionalTensor& scales,
                               const OptionalTensor& weights, uintptr_t offsets, int64_t num_rows,
@@ -163,11 +159,8 @@ public:
         launch_layout(params, args, notify, topk_idx, o, workspace, stream);
         launch_dispatch(params, inputs, outputs, data, scales, weights, pointers(rows, workspace, o[kWorkspaceLength]),
                         sizes, workspace, o, quantize, dequantize, num_blocks, part, stream);
-        const py::tuple outs = results_of(params, rows, workspace, o[kWorkspaceLength], num_rows);
-        py::tuple results(outs.size() + 1);
-        for (size_t i = 0; i < outs.size(); ++i) results[i] = outs[i];
-        results[outs.size()] = py::cast(clean_view(workspace, params));
-        return results;
+        return py::make_tuple(results_of(params, rows, workspace, o[kWorkspaceLength], num_rows),
+                              clean_view(workspace, params));
     }
 
     // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows, `quantize` and `dequantize`
