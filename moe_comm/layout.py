@@ -108,7 +108,7 @@ def combine_row(data_bytes: int, weights_per_row: int, weight_bytes: int) -> Row
     return RowFormat(meta, meta, meta, meta, tag, tag + TAG_BYTES)
 
 
-LAYOUT_MIN_CHUNK = 32  # tokens per layout block at least: a pass of the placing warp
+LAYOUT_MIN_CHUNK = 256  # tokens per layout block at least: a pass (a token per thread)
 LAYOUT_MAX_BLOCKS = 256  # a column's scan holds at most 8 chunks per lane
 
 

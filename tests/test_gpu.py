@@ -225,9 +225,8 @@ def test_async_overlaps_compute(nccl_pool, backend):
 
 
 def gradcheck_rank(rank: int, world_size: int, backend: str) -> bool:
-    base = dict(num_ranks=WORLD_SIZE, num_experts=2 * max(WORLD_SIZE, 2), num_topk=3, hidden=2, num_tokens=per_rank(3, 0),
-                num_max_tokens_per_rank=4,
-                dtype="float64", drop_prob=0.25, num_bias=1)
+    base = dict(num_ranks=WORLD_SIZE, num_experts=2 * max(WORLD_SIZE, 2), num_topk=3, hidden=2,
+                num_tokens=per_rank(3, 0), num_max_tokens_per_rank=4, dtype="float64", drop_prob=0.25, num_bias=1)
     with Buffers() as buffers:
         for case in (Case(seed=81, **base), Case(seed=82, do_expand=True, expert_alignment=3, do_cpu_sync=False,
                                                  **base)):
@@ -485,6 +484,47 @@ def large_shapes_rank(rank: int, world_size: int) -> int:
 
 def test_cuda_large_shapes(nccl_pool):
     assert nccl_pool.run(large_shapes_rank) == [3] * WORLD_SIZE
+
+
+def layout_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    """The layout kernel's outputs in a fresh dispatch's workspace (send_pos, expert_rank, the counts, the clean
+    routing) against a vectorized oracle, bitwise."""
+    with Buffers() as buffers:
+        for case in cases:
+            N, K, E, R = case.num_tokens[rank], case.num_topk, case.num_experts, world_size
+            buf = buffers.make(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=case.hidden,
+                               num_topk=K, backend="cuda")
+            x, idx, w = rank_inputs(case, rank, buf.device)
+            handle = buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)[3]
+            words = torch.empty(0, dtype=torch.int64, device=buf.device).set_(
+                handle.layout.clean_idx.untyped_storage())
+            send_pos, counts, _, expert_rank = (words[o:] for o in handle.layout.offsets[:4])
+            valid, e = idx >= 0, idx.clamp(min=0)
+            chose = torch.zeros(N, E, dtype=torch.int64, device=buf.device).scatter_add_(1, e, valid.long())
+            hits = torch.zeros(N, R, dtype=torch.int64, device=buf.device).scatter_add_(1, e // (E // R),
+                                                                                          valid.long()) > 0
+            where = f"{N} tokens, top-{K} of {E}"
+            assert_same(f"clean topk_idx, {where}", handle.topk_idx, idx)
+            assert_same(f"send_pos, {where}", send_pos[:N * R].view(N, R),
+                        torch.where(hits, hits.long().cumsum(0) - 1, -1))
+            assert_same(f"expert_rank, {where}", expert_rank.view(torch.int32)[:N * K].view(N, K),
+                        torch.where(valid, (chose.cumsum(0) - chose).gather(1, e), -1).int())
+            assert_same(f"counts, {where}", counts[:R + E + 1],
+                        torch.cat([hits.sum(0), chose.sum(0), torch.zeros(1, dtype=torch.int64, device=x.device)]))
+        return len(cases)
+
+
+def test_cuda_layout(nccl_pool):
+    """One layout block (128 tokens), a grid of them (4096), several passes of 256 tokens per block (40,000 tokens:
+    over 256 per block on a GPU of up to 156 SMs) with rows wider than the slots a layout thread keeps in registers
+    (top-20), half the slots dropped."""
+    cases = [Case(seed=221, num_ranks=WORLD_SIZE, num_experts=256, num_topk=8, hidden=64,
+                  num_tokens=per_rank(128, 100), num_max_tokens_per_rank=128),
+             Case(seed=222, num_ranks=WORLD_SIZE, num_experts=256, num_topk=8, hidden=64,
+                  num_tokens=per_rank(4096, 3000), num_max_tokens_per_rank=4096),
+             Case(seed=223, num_ranks=WORLD_SIZE, num_experts=64, num_topk=20, hidden=64,
+                  num_tokens=per_rank(40000, 39000), num_max_tokens_per_rank=40000, drop_prob=0.5)]
+    assert nccl_pool.run(layout_rank, cases) == [len(cases)] * WORLD_SIZE
 
 
 def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:

@@ -185,7 +185,8 @@ def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None
         reasons.append(f"{dist.get_world_size(group)} ranks (the kernels take at most {lay.MAX_RANKS})")
     if torch.cuda.is_available():
         me = torch.cuda.current_device()
-        blind = [d for d in range(torch.cuda.device_count()) if d != me and not torch.cuda.can_device_access_peer(me, d)]
+        blind = [d for d in range(torch.cuda.device_count())
+                 if d != me and not torch.cuda.can_device_access_peer(me, d)]
         if blind:
             reasons.append(f"GPU {me} has no peer access to GPU(s) {blind}")
     else:

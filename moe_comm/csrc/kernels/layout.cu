@@ -28,8 +28,10 @@ extern "C" int moe_comm_layout(const EpParams* p, const LayoutArgs* a, const Not
     MOE_COMM_REQUIRE(a->num_blocks >= 1 && a->num_blocks <= kLayoutMaxBlocks && a->scratch != nullptr,
                      "num_blocks=%d (at most %d), scratch=%p", a->num_blocks, kLayoutMaxBlocks,
                      static_cast<void*>(a->scratch));
-    // Shared memory: a count per column (ranks, experts, flags), then a running count and a hit mask per column.
-    const int64_t smem_bytes = 8 * static_cast<int64_t>(p->num_ranks + p->num_experts + 1);
+    // Shared memory (LayoutShared): per column (ranks, experts) a hit mask and a position per warp, a running count;
+    // the flags.
+    const int64_t columns = p->num_ranks + p->num_experts;
+    const int64_t smem_bytes = 4 * (2 * kLayoutWarps * columns + columns + 1);
     MOE_COMM_REQUIRE(smem_bytes <= kMaxDynamicSmem, "num_experts=%d needs %lld bytes of shared memory (limit %lld)",
                      p->num_experts, static_cast<long long>(smem_bytes), static_cast<long long>(kMaxDynamicSmem));
     static bool opted_in[kMaxDevices] = {};
@@ -39,8 +41,9 @@ extern "C" int moe_comm_layout(const EpParams* p, const LayoutArgs* a, const Not
     LayoutArgs args = *a;
     NotifyArgs notify = *n;
     void* kernel_args[] = {&q, &args, &notify};
-    const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(layout_notify_impl), a->num_blocks,
-                                      kLayoutThreads, kernel_args, smem_bytes, stream);
+    const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(layout_notify_impl),
+                                                        a->num_blocks, kLayoutThreads, kernel_args, smem_bytes,
+                                                        stream);
     if (err != cudaSuccess) cudaGetLastError();
     MOE_COMM_REQUIRE(err == cudaSuccess, "cooperative launch of layout_notify_impl (%d blocks x %d threads, %lld "
                      "bytes of dynamic shared memory): %s", a->num_blocks, kLayoutThreads,

@@ -10,7 +10,8 @@ namespace moe_comm {
 constexpr int kWarpSize = 32;
 constexpr int kMaxWarpsPerBlock = 16;        // dispatch_impl / combine_impl blocks: 512 threads
 constexpr int kThreadsPerBlock = kMaxWarpsPerBlock * kWarpSize;
-constexpr int kLayoutThreads = 256;             // threads of a layout block
+constexpr int kLayoutThreads = 256;          // threads of a layout block: tokens of a pass, one each
+constexpr int kLayoutWarps = kLayoutThreads / kWarpSize;  // hit masks per column of a layout pass
 constexpr int kMaxLayoutTopk = 16;           // slots a layout thread keeps in registers (more are re-read)
 constexpr int kMaxDevices = 64;              // devices one process may launch dispatches on
 

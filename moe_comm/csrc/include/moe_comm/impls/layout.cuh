@@ -12,21 +12,26 @@
 
 namespace moe_comm {
 
-// Layout: `a.num_blocks` co-resident blocks (a cooperative launch), block b owning a contiguous chunk of tokens,
-// in three phases between grid-wide barriers; every token's row is read twice and positions are deterministic
-// (send_pos[t, d] = tokens before t that go to rank d; expert_rank[t, j] = tokens before t that chose slot j's
-// expert). Columns: R destination ranks, then E experts, then one for the error flags.
-//  1. count: the chunk's hits per column into scratch[b][column] (shared-memory atomics: counts only), its flags
-//     (1 out of range, 2 duplicate expert in a row) into the flags column; the cleaned routing (invalid slots ->
-//     -1) and expert_rank -1 for invalid slots.
-//  2. scan: a group of lanes per column: the exclusive prefix over the chunks, in place, and the column's total into
-//     num_tokens_per_rank / num_tokens_per_expert (the flags column: ORed into flags).
-//  3. place: warp 0 walks the chunk in token order, a token per lane and pass: each lane marks its token's columns
-//     in a shared bit mask per column, so its position in a column is the column's running count (from the
-//     prefix) plus the lanes before it that hit the column.
+// Layout: `a.num_blocks` co-resident blocks (a cooperative launch), block b owning a contiguous chunk of tokens
+// taken in passes of kLayoutThreads tokens (a token per thread), in three phases between grid-wide barriers (none
+// when there is one block); positions are deterministic (send_pos[t, d] = tokens before t that go to rank d;
+// expert_rank[t, j] = tokens before t that chose slot j's expert). Columns: R destination ranks, then E experts,
+// then one for the error flags. Shared memory per column: a hit mask per warp of a pass (bit = lane: which tokens
+// of the pass hit the column), the position of each mask's first token in the column, the column's running count.
+//  1. count: each thread its token of the first pass: the row cleaned (invalid slots -> -1, expert_rank -1; flags 1
+//     out of range, 2 duplicate expert in a row) into clean_idx and registers, its columns' bits into the masks;
+//     tokens of later passes (chunks over kLayoutThreads tokens) counted by shared-memory atomics. The chunk's count
+//     per column (masks' popcounts + atomics) into scratch[b][column], or with one block straight into the totals.
+//  2. scan (more than one block): a group of lanes per column: the exclusive prefix over the chunks, in place, and
+//     the column's total into num_tokens_per_rank / num_tokens_per_expert (the flags column: ORed into flags).
+//  3. place, per pass: each column's masks turned into positions (its running count, from the prefix, plus the
+//     bits of the masks before), then each thread's token's position in a column is its mask's position plus the
+//     bits of the lanes before it. The first pass's masks and rows are still there from phase 1; a later pass marks
+//     its masks again from clean_idx.
 // The last block to finish runs the notify (notify_block) on the complete counts: one launch for both.
-// NOTES: benchmarks/NOTES.md (session 7) has the measurements against the one-block-per-column kernel it replaced
-// (which read every row once per column: 46 us at 4096 tokens, top-8 of 256).
+// NOTES: benchmarks/NOTES.md: session 7 measured the one-block-per-column kernel this replaced (every row read once
+// per column: 46 us at 4096 tokens, top-8 of 256); session 13 this kernel against a warp placing 32 tokens a pass
+// (~3-4 us a pass: a slot's load, a shared atomic and a store at a time).
 // ------------------------------------------------------------------------------------------------------------
 // Slot j of a row, holding `e` (the first kMaxLayoutTopk slots in registers, indexed by constants only): the expert,
 // or -1 when invalid (out of range, or a repeat of an earlier slot of the row); `flags` collects why.
@@ -47,40 +52,78 @@ __device__ __forceinline__ int64_t clean_slot(int64_t e, const int64_t (&row)[kM
     return duplicate ? -1 : e;
 }
 
-__device__ void layout_count(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end, int* counts) {
-    const int K = p.num_topk, R = p.num_ranks, L = p.num_local_experts;
-    const int columns = R + p.num_experts;
-    for (int c = threadIdx.x; c <= columns; c += blockDim.x) counts[c] = 0;
+// Shared memory of a layout block (dynamic, sized by kernels/layout.cu): per column, a hit mask per warp of a pass
+// and the position of that mask's first token in the column; the columns' running counts (in phase 1 the counts of
+// later passes, the flags in [columns]).
+struct LayoutShared {
+    uint32_t* hits;  // [columns][kLayoutWarps]
+    int* first;      // [columns][kLayoutWarps]
+    int* running;    // [columns + 1]
+    __device__ LayoutShared(int* smem, int columns)
+        : hits(reinterpret_cast<uint32_t*>(smem)),
+          first(smem + columns * kLayoutWarps),
+          running(smem + 2 * columns * kLayoutWarps) {}
+};
+
+// A thread's token of a pass: its cleaned slots (the first kMaxLayoutTopk; -1 invalid) and the ranks it goes to.
+struct LayoutRow {
+    int e[kMaxLayoutTopk];
+    uint32_t ranks;
+};
+
+// Phase 1 into `sh` and `row` (the thread's token of the first pass, kept for phase 3).
+__device__ void layout_count(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end,
+                             const LayoutShared& sh, LayoutRow& row) {
+    const int K = p.num_topk, R = p.num_ranks, L = p.num_local_experts, columns = R + p.num_experts;
+    for (int i = threadIdx.x; i < columns * kLayoutWarps; i += blockDim.x) sh.hits[i] = 0;
+    for (int c = threadIdx.x; c <= columns; c += blockDim.x) sh.running[c] = 0;
     __syncthreads();
+    const int warp = threadIdx.x / kWarpSize;
+    const uint32_t bit = 1u << (threadIdx.x % kWarpSize);
     int flags = 0;
-    for (int64_t t = begin + threadIdx.x; t < end; t += blockDim.x) {
+    for (int64_t t = begin + threadIdx.x; t < end; t += kLayoutThreads) {
+        const bool first_pass = t - begin < kLayoutThreads;
+        auto hit = [&](int c) {
+            if (first_pass) atomicOr(&sh.hits[c * kLayoutWarps + warp], bit);
+            else atomicAdd(&sh.running[c], 1);
+        };
         const int64_t* src = a.topk_idx + t * K;
-        int64_t row[kMaxLayoutTopk];
+        int64_t raw[kMaxLayoutTopk];
 #pragma unroll
-        for (int j = 0; j < kMaxLayoutTopk; ++j) row[j] = j < K ? src[j] : -1;
+        for (int j = 0; j < kMaxLayoutTopk; ++j) raw[j] = j < K ? src[j] : -1;
         uint32_t ranks = 0;
         auto visit = [&](int j, int64_t value) {
-            const int64_t e = clean_slot(value, row, src, j, p.num_experts, flags);
+            const int e = static_cast<int>(clean_slot(value, raw, src, j, p.num_experts, flags));
             a.clean_idx[t * K + j] = e;
             if (e < 0) {
                 a.expert_rank[t * K + j] = -1;
-                return;
+                return e;
             }
-            atomicAdd(&counts[R + e], 1);
+            hit(R + e);
             ranks |= 1u << (e / L);
+            return e;
         };
+        LayoutRow mine;
 #pragma unroll
-        for (int j = 0; j < kMaxLayoutTopk; ++j) {  // unrolled: the row stays in registers
-            if (j >= K) break;
-            visit(j, row[j]);
-        }
+        for (int j = 0; j < kMaxLayoutTopk; ++j) mine.e[j] = j < K ? visit(j, raw[j]) : -1;  // unrolled: registers
         for (int j = kMaxLayoutTopk; j < K; ++j) visit(j, src[j]);  // rare wide rows: the extra slots from memory
-        for (; ranks; ranks &= ranks - 1) atomicAdd(&counts[__ffs(ranks) - 1], 1);
+        for (uint32_t r = ranks; r; r &= r - 1) hit(__ffs(r) - 1);
+        mine.ranks = ranks;
+        if (first_pass) row = mine;
     }
-    if (flags) atomicOr(&counts[columns], flags);
+    if (flags) atomicOr(&sh.running[columns], flags);
     __syncthreads();
-    int* mine = a.scratch + static_cast<int64_t>(blockIdx.x) * (columns + 1);
-    for (int c = threadIdx.x; c <= columns; c += blockDim.x) mine[c] = counts[c];
+    // The chunk's count per column: into scratch for the scan, or with one block the totals themselves.
+    int* counts = a.scratch + static_cast<int64_t>(blockIdx.x) * (columns + 1);
+    for (int c = threadIdx.x; c <= columns; c += blockDim.x) {
+        int total = sh.running[c];
+        if (c < columns)
+            for (int w = 0; w < kLayoutWarps; ++w) total += __popc(sh.hits[c * kLayoutWarps + w]);
+        if (gridDim.x > 1) counts[c] = total;
+        else if (c < R) a.num_tokens_per_rank[c] = total;
+        else if (c < columns) a.num_tokens_per_expert[c - R] = total;
+        else a.flags[0] = total;
+    }
 }
 
 __device__ void layout_scan(const EpParams& p, const LayoutArgs& a) {
@@ -132,73 +175,84 @@ __device__ void layout_scan(const EpParams& p, const LayoutArgs& a) {
     }
 }
 
-__device__ void layout_place(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end, int* run,
-                             uint32_t* hits) {
-    const int K = p.num_topk, R = p.num_ranks, L = p.num_local_experts;
-    const int columns = R + p.num_experts;
+// Phase 3: `row` is the thread's token of the first pass from phase 1 (whose masks are still in `sh`).
+__device__ void layout_place(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end,
+                             const LayoutShared& sh, LayoutRow row) {
+    const int K = p.num_topk, R = p.num_ranks, L = p.num_local_experts, columns = R + p.num_experts;
     const int* prefix = a.scratch + static_cast<int64_t>(blockIdx.x) * (columns + 1);
-    for (int c = threadIdx.x; c < columns; c += blockDim.x) {
-        run[c] = __ldcg(prefix + c);
-        hits[c] = 0;
-    }
-    __syncthreads();
-    if (threadIdx.x >= kWarpSize) return;
-    const int lane = threadIdx.x;
+    // The thread that owns column c here owned it in phase 1's totals: no barrier between them.
+    for (int c = threadIdx.x; c < columns; c += blockDim.x) sh.running[c] = gridDim.x > 1 ? __ldcg(prefix + c) : 0;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const uint32_t before = (1u << lane) - 1;
-    for (int64_t pass = begin; pass < end; pass += kWarpSize) {
-        const int64_t t = pass + lane;
-        const int64_t* row = a.clean_idx + t * K;
-        uint32_t ranks = 0;
-        if (t < end) {  // mark this token's columns
-            for (int j = 0; j < K; ++j) {
-                const int64_t e = row[j];
-                if (e < 0) continue;
-                atomicOr(&hits[R + e], 1u << lane);
-                ranks |= 1u << (e / L);
-            }
-            for (uint32_t r = ranks; r; r &= r - 1) atomicOr(&hits[__ffs(r) - 1], 1u << lane);
-        }
-        __syncwarp();
-        if (t < end) {  // positions: the running count plus the lanes before this one
-            for (int j = 0; j < K; ++j) {
-                const int64_t e = row[j];
-                if (e >= 0) a.expert_rank[t * K + j] = run[R + e] + __popc(hits[R + e] & before);
-            }
-            for (int d = 0; d < R; ++d)
-                a.send_pos[t * R + d] = (ranks >> d) & 1 ? run[d] + __popc(hits[d] & before) : -1;
-        }
-        __syncwarp();
-        for (int c = lane; c < columns; c += kWarpSize) {  // advance the columns this pass hit
-            const uint32_t m = hits[c];
-            if (m) {
-                run[c] += __popc(m);
-                hits[c] = 0;
+    for (int64_t pass = begin; pass < end; pass += kLayoutThreads) {
+        const int64_t t = pass + threadIdx.x;
+        if (pass != begin) {  // a later pass: its rows again from clean_idx, its masks
+            __syncthreads();  // the pass before has read its masks
+            for (int i = threadIdx.x; i < columns * kLayoutWarps; i += blockDim.x) sh.hits[i] = 0;
+            __syncthreads();
+            row.ranks = 0;
+            if (t < end) {
+                const int64_t* src = a.clean_idx + t * K;
+#pragma unroll
+                for (int j = 0; j < kMaxLayoutTopk; ++j) row.e[j] = j < K ? static_cast<int>(src[j]) : -1;
+                auto mark = [&](int e) {
+                    if (e < 0) return;
+                    atomicOr(&sh.hits[(R + e) * kLayoutWarps + warp], 1u << lane);
+                    row.ranks |= 1u << (e / L);
+                };
+#pragma unroll
+                for (int j = 0; j < kMaxLayoutTopk; ++j) mark(row.e[j]);
+                for (int j = kMaxLayoutTopk; j < K; ++j) mark(static_cast<int>(src[j]));
+                for (uint32_t r = row.ranks; r; r &= r - 1)
+                    atomicOr(&sh.hits[(__ffs(r) - 1) * kLayoutWarps + warp], 1u << lane);
             }
         }
-        __syncwarp();
+        __syncthreads();  // the pass's masks are complete
+        for (int c = threadIdx.x; c < columns; c += blockDim.x) {
+            int running = sh.running[c];
+            for (int w = 0; w < kLayoutWarps; ++w) {
+                sh.first[c * kLayoutWarps + w] = running;
+                running += __popc(sh.hits[c * kLayoutWarps + w]);
+            }
+            sh.running[c] = running;
+        }
+        __syncthreads();
+        if (t >= end) continue;
+        auto position = [&](int c) {
+            return sh.first[c * kLayoutWarps + warp] + __popc(sh.hits[c * kLayoutWarps + warp] & before);
+        };
+#pragma unroll
+        for (int j = 0; j < kMaxLayoutTopk; ++j)
+            if (j < K && row.e[j] >= 0) a.expert_rank[t * K + j] = position(R + row.e[j]);
+        for (int j = kMaxLayoutTopk; j < K; ++j) {
+            const int e = static_cast<int>(a.clean_idx[t * K + j]);
+            if (e >= 0) a.expert_rank[t * K + j] = position(R + e);
+        }
+        for (int d = 0; d < R; ++d) a.send_pos[t * R + d] = (row.ranks >> d) & 1 ? position(d) : -1;
     }
 }
 
-// Dynamic shared memory: counts [columns + 1] in phase 1, then run [columns] and hits [columns] in phase 3.
 __global__ void __launch_bounds__(kLayoutThreads) layout_notify_impl(EpParams p, LayoutArgs a, NotifyArgs n) {
     extern __shared__ int layout_smem[];
     namespace cg = cooperative_groups;
+    const LayoutShared sh(layout_smem, p.num_ranks + p.num_experts);
     const int64_t chunk = (p.num_tokens + gridDim.x - 1) / gridDim.x;
     const int64_t begin = min(p.num_tokens, blockIdx.x * chunk), end = min(p.num_tokens, begin + chunk);
 #ifdef MOE_COMM_BLOCK_TIMES
     if (threadIdx.x < kLayoutSteps && blockIdx.x < kMaxTimedBlocks) g_layout_step_times[blockIdx.x][threadIdx.x] = 0;
 #endif
+    LayoutRow row{};
     STEP_TIME(g_layout_step_times, 0);
-    layout_count(p, a, begin, end, layout_smem);
+    layout_count(p, a, begin, end, sh, row);
     STEP_TIME(g_layout_step_times, 1);
-    cg::this_grid().sync();
+    const bool grid = gridDim.x > 1;  // one block: phase 1 wrote the totals, every prefix is 0
+    if (grid) cg::this_grid().sync();
     STEP_TIME(g_layout_step_times, 2);
-    layout_scan(p, a);
+    if (grid) layout_scan(p, a);
     STEP_TIME(g_layout_step_times, 3);
-    cg::this_grid().sync();
+    if (grid) cg::this_grid().sync();
     STEP_TIME(g_layout_step_times, 4);
-    const int columns = p.num_ranks + p.num_experts;
-    layout_place(p, a, begin, end, layout_smem, reinterpret_cast<uint32_t*>(layout_smem + columns));
+    layout_place(p, a, begin, end, sh, row);
     STEP_TIME(g_layout_step_times, 5);
     if (kernel_done(p)) {
         notify_block(p, n);
