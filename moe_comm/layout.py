@@ -108,7 +108,9 @@ def combine_row(data_bytes: int, weights_per_row: int, weight_bytes: int) -> Row
     return RowFormat(meta, meta, meta, meta, tag, tag + TAG_BYTES)
 
 
-LAYOUT_MIN_CHUNK = 256  # tokens per layout block at least: a pass (a token per thread)
+# Tokens per layout block at least (a block takes 256 a pass, a token per thread): 128 measured best over 128-8192
+# tokens (benchmarks/NOTES.md, thirteenth session).
+LAYOUT_MIN_CHUNK = 128
 LAYOUT_MAX_BLOCKS = 256  # a column's scan holds at most 8 chunks per lane
 
 

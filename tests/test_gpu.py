@@ -499,10 +499,10 @@ def layout_rank(rank: int, world_size: int, cases: list[Case]) -> int:
             words = torch.empty(0, dtype=torch.int64, device=buf.device).set_(
                 handle.layout.clean_idx.untyped_storage())
             send_pos, counts, _, expert_rank = (words[o:] for o in handle.layout.offsets[:4])
+            idx = idx.cpu()  # the oracle on the CPU (assert_same compares there)
             valid, e = idx >= 0, idx.clamp(min=0)
-            chose = torch.zeros(N, E, dtype=torch.int64, device=buf.device).scatter_add_(1, e, valid.long())
-            hits = torch.zeros(N, R, dtype=torch.int64, device=buf.device).scatter_add_(1, e // (E // R),
-                                                                                          valid.long()) > 0
+            chose = torch.zeros(N, E, dtype=torch.int64).scatter_add_(1, e, valid.long())
+            hits = torch.zeros(N, R, dtype=torch.int64).scatter_add_(1, e // (E // R), valid.long()) > 0
             where = f"{N} tokens, top-{K} of {E}"
             assert_same(f"clean topk_idx, {where}", handle.topk_idx, idx)
             assert_same(f"send_pos, {where}", send_pos[:N * R].view(N, R),
@@ -510,7 +510,7 @@ def layout_rank(rank: int, world_size: int, cases: list[Case]) -> int:
             assert_same(f"expert_rank, {where}", expert_rank.view(torch.int32)[:N * K].view(N, K),
                         torch.where(valid, (chose.cumsum(0) - chose).gather(1, e), -1).int())
             assert_same(f"counts, {where}", counts[:R + E + 1],
-                        torch.cat([hits.sum(0), chose.sum(0), torch.zeros(1, dtype=torch.int64, device=x.device)]))
+                        torch.cat([hits.sum(0), chose.sum(0), torch.zeros(1, dtype=torch.int64)]))
         return len(cases)
 
 
