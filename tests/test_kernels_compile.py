@@ -108,16 +108,17 @@ _LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)
 
 
 class FakeLaunchers:
-    """Launchers that record a copy of every struct they are given (and the ints), returning `result` (settable)."""
+    """Launchers that record a copy of every struct they are given (and the ints), returning `result` (settable;
+    with `fail_only` set to a launcher's name, only that one returns it, the others 0)."""
 
     def __init__(self, result: int = 0) -> None:
-        self.calls, self.result = [], result
+        self.calls, self.result, self.fail_only = [], result, None
         self.message = ctypes.create_string_buffer(b"fake launcher failed (values)")
         copy = lambda p: type(p.contents).from_buffer_copy(p.contents)  # noqa: E731
 
         def record(name, *args):
             self.calls.append((name, *(copy(a) if isinstance(a, ctypes._Pointer) else a for a in args)))
-            return self.result
+            return self.result if self.fail_only in (None, name) else 0
 
         # Kept on self: the C function pointers live as long as these objects.
         self.fns = (_LAYOUT_FN(lambda p, a, n, s: record("layout", p, a, n, s)),
@@ -136,9 +137,11 @@ def _params(**fields) -> layout.EpParams:
 
 
 def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(kernels):
-    """The layout launch gets the workspace pieces at `workspace_offsets`; the dispatch launch gets outputs of the
-    right shapes and dtypes (FP8 rows stay FP8, routing outputs are views of one int64 allocation). Without a CPU
-    sync both launches run in one crossing, the routing outputs at the end of the workspace."""
+    """A fresh dispatch is one crossing: the layout launch gets the workspace pieces at `workspace_offsets`; the
+    dispatch launch gets outputs of the right shapes and dtypes (FP8 rows stay FP8, routing outputs are views of one
+    int64 allocation). With a CPU sync the crossing waits for the notify between the launches and sizes the outputs
+    by its summary; without one, the outputs are the worst case's and the routing outputs lie at the end of the
+    workspace."""
     fake = FakeLaunchers()
     launcher = fake.launcher()
     N, K, R, E, L, H, cap = 5, 3, 2, 8, 4, 256, 6
@@ -146,16 +149,33 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     offsets = layout.workspace_offsets(N, K, R, E, cap, True, 3)
     words = (ctypes.c_int64 * len(offsets))(*offsets)
     args, notify = layout.LayoutArgs(), layout.NotifyArgs(pending_flags=64, summary=128, exchange_phase=1)
+    inputs, outputs = layout.DispatchInputs(), layout.RecvOutputs()
     topk_idx = torch.zeros(N, K, dtype=torch.int64)
-    clean_idx = launcher.layout(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify), topk_idx,
-                                ctypes.addressof(words), 1234)
-    assert clean_idx.shape == (N, K) and clean_idx.dtype == torch.int64
-    assert clean_idx.untyped_storage().nbytes() == 8 * offsets[-1] and clean_idx.storage_offset() == 0
-    base = clean_idx.data_ptr()
-    at = lambda i: base + 8 * offsets[i]  # noqa: E731
+    q = torch.zeros(N, H, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(N, H // 128)
+    weights = torch.rand(N, K)
+    bf16 = torch.zeros(N, H, dtype=torch.bfloat16)
+    # The host-mapped words: the error code at 0, the notify's summary (per source [rows, flags], pending flags per
+    # source, rows in all, rows per local expert) at SUMMARY_OFFSET.
+    mapped = ctypes.create_string_buffer(layout.SUMMARY_OFFSET + 8 * layout.summary_len(R, L))
+    summary = (ctypes.c_int64 * layout.summary_len(R, L)).from_address(ctypes.addressof(mapped) +
+                                                                        layout.SUMMARY_OFFSET)
 
-    def check_layout_launch(name, p, a, n, stream):
-        assert (name, stream, p.rank) == ("layout", 1234, 1)
+    def crossing(data, scales, weights, do_expand, codes=(0, 0), sync=True, rows=0, expand_rows=0, alignment=1,
+                 p=params, w=words, topk=topk_idx, part=0):
+        return launcher.layout_dispatch(
+            ctypes.addressof(p), ctypes.addressof(args), ctypes.addressof(notify), ctypes.addressof(inputs),
+            ctypes.addressof(outputs), topk, data, scales, weights, w if isinstance(w, int) else ctypes.addressof(w),
+            ctypes.addressof(mapped) if sync else 0, alignment, rows, expand_rows, do_expand, *codes, 20, part, 99)
+
+    def synced(data, scales, weights, M, counts, do_expand, codes=(0, 0), flags=(0, 0), pending=(0, 0), **kwargs):
+        summary[:] = [M - M // 2, flags[0], M // 2, flags[1], *pending, M, *counts]
+        return crossing(data, scales, weights, do_expand, codes, **kwargs)
+
+    def check_layout_launch(call, base):
+        name, p, a, n, stream = call
+        at = lambda i: base + 8 * offsets[i]  # noqa: E731
+        assert (name, stream, p.rank) == ("layout", 99, 1)
         assert (a.topk_idx, a.clean_idx, a.send_pos, a.expert_rank) == (topk_idx.data_ptr(), base, at(0), at(3))
         assert (a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags) == (at(1), at(1) + 8 * R,
                                                                              at(1) + 8 * (R + E))
@@ -164,40 +184,18 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
             a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags, at(2))
         assert (n.pending_flags, n.summary, n.exchange_phase) == (64, 128, 1)  # the plan's, untouched
 
-    check_layout_launch(*fake.calls[-1])
-
-    q = torch.zeros(N, H, dtype=torch.float8_e4m3fn)
-    scales = torch.ones(N, H // 128)
-    weights = torch.rand(N, K)
-    inputs, outputs = layout.DispatchInputs(), layout.RecvOutputs()
-    # The host-mapped words: the error code at 0, the notify's summary (per source [rows, flags], pending flags per
-    # source, rows in all, rows per local expert) at SUMMARY_OFFSET.
-    mapped = ctypes.create_string_buffer(layout.SUMMARY_OFFSET + 8 * layout.summary_len(R, L))
-    summary = (ctypes.c_int64 * layout.summary_len(R, L)).from_address(ctypes.addressof(mapped) +
-                                                                        layout.SUMMARY_OFFSET)
-
-    def synced(data, scales, weights, M, counts, do_expand, codes, alignment=1, clean=clean_idx, p=params, w=words,
-               flags=(0, 0), pending=(0, 0), part=0):
-        summary[:] = [M - M // 2, flags[0], M // 2, flags[1], *pending, M, *counts]
-        return launcher.dispatch(ctypes.addressof(p), ctypes.addressof(inputs), ctypes.addressof(outputs), data,
-                                 scales, weights, clean, ctypes.addressof(w), ctypes.addressof(mapped), alignment,
-                                 do_expand, *codes, 20, part, 99)
-
-    def dispatch(data, scales, weights, M, P, do_expand, codes):  # P rows spread over the experts, no alignment
-        results, P_out, aligned = synced(data, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
-                                          do_expand, codes)
-        assert P_out == P and sum(aligned) == P
-        assert fake.calls[-2] == ("synchronize", 99)  # the notify waited for before anything is read
-        return results
-
-    def check_dispatch(results, M, P, do_expand, with_data=q):
+    def check_dispatch(results, clean, M, P, do_expand, with_data=q):
         x, out_scales, idx, src, psum_rank, psum_expert, w = results
+        base = clean.data_ptr()
+        at = lambda i: base + 8 * offsets[i]  # noqa: E731
+        assert clean.shape == (N, K) and clean.dtype == torch.int64 and clean.storage_offset() == 0
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((P, H), q.dtype, (P, 2), torch.float32)
         assert (idx.shape, src.shape, psum_rank.shape, psum_expert.shape) == ((M, K), (M,), (R,), (L,))
         assert w.shape == ((P,) if do_expand else (M, K)) and w.dtype == weights.dtype
         routing = idx.data_ptr()
         assert [t.data_ptr() for t in (src, psum_rank, psum_expert)] == [routing + 8 * M * K, routing + 8 * (M * K + M),
                                                                         routing + 8 * (M * K + M + R)]
+        check_layout_launch(fake.calls[0], base)
         name, p, i, o, blocks, with_barrier, part, stream = fake.calls[-1]
         assert (name, blocks, with_barrier, part, stream) == ("dispatch", 20, 0, 0, 99)
         assert (i.x, i.scales, i.clean_idx, i.weights, i.send_pos, i.expert_rank) == (
@@ -209,80 +207,93 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
             psum_rank.data_ptr(), psum_expert.data_ptr(), M, P, int(do_expand))
         return routing
 
-    for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
-        routing = check_dispatch(dispatch(q, scales, weights, M, P, do_expand, (0, 0)), M, P, do_expand)
-        assert routing != base + 8 * offsets[-1]  # its own allocation: M was read on the host after the layout
-
-    # A dispatch of no tokens: its clean [0, K] view has a null data_ptr(); the pointers still come from the workspace.
-    no_tokens, no_offsets = _params(num_tokens=0), layout.workspace_offsets(0, K, R, E, cap, False, 1)
-    no_words = (ctypes.c_int64 * len(no_offsets))(*no_offsets)
-    empty = launcher.layout(ctypes.addressof(no_tokens), ctypes.addressof(args), ctypes.addressof(notify),
-                            torch.zeros(0, K, dtype=torch.int64), ctypes.addressof(no_words), 1234)
-    empty_base = empty.untyped_storage().data_ptr()
-    assert empty.shape == (0, K) and empty_base and fake.calls[-1][2].clean_idx == empty_base
-    synced(torch.zeros(0, H, dtype=torch.bfloat16), None, None, 7, [7, 0, 0, 0], False, (0, 0), clean=empty,
-           p=no_tokens, w=no_words)
-    _, _, i, o, *_ = fake.calls[-1]
-    assert (i.clean_idx, i.send_pos, o.counts) == (empty_base, empty_base + 8 * no_offsets[0],
-                                                   empty_base + 8 * no_offsets[2])
-
-    # Without a CPU sync: one crossing, both launches, routing after the workspace; the sizes given reach the struct.
-    layout_dispatch = lambda topk, data, w, M, P, do_expand, codes=(0, 0), at=ctypes.addressof(words): (  # noqa: E731
-        launcher.layout_dispatch(ctypes.addressof(params), ctypes.addressof(args), ctypes.addressof(notify),
-                                 ctypes.addressof(inputs), ctypes.addressof(outputs), topk, data, scales, w, at, M, P,
-                                 do_expand, *codes, 20, 0, 99))
+    # With a CPU sync: layout, the wait, then the dispatch; P rows spread over the experts, no alignment.
     for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
         fake.calls.clear()
-        results, clean = layout_dispatch(topk_idx, q, weights, M, P, do_expand)
-        assert [c[0] for c in fake.calls] == ["layout", "dispatch"]
-        base = clean.data_ptr()
-        assert clean.shape == (N, K) and clean.untyped_storage().nbytes() == 8 * (offsets[-1] + M * K + M + R + L)
-        check_layout_launch(*fake.calls[0][:4], 1234)
-        assert fake.calls[0][4] == 99
-        assert check_dispatch(results, M, P, do_expand) == base + 8 * offsets[-1]
-    # No tokens: the routing and every pointer still from the workspace's storage.
-    fake.calls.clear()
-    _, clean = launcher.layout_dispatch(
-        ctypes.addressof(no_tokens), ctypes.addressof(args), ctypes.addressof(notify), ctypes.addressof(inputs),
-        ctypes.addressof(outputs), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, H, dtype=torch.bfloat16), None,
-        None, ctypes.addressof(no_words), 7, 7, False, 0, 0, 20, 0, 99)
-    storage = clean.untyped_storage().data_ptr()
-    (_, _, a, _, _), (_, _, i, o, *_) = fake.calls
-    assert clean.shape == (0, K) and (a.clean_idx, i.clean_idx, o.counts, o.topk_idx) == (
-        storage, storage, storage + 8 * no_offsets[2], storage + 8 * no_offsets[-1])
-    # Outputs that cannot be allocated (rows of 2**50 bytes): both launches still run, the dispatch with no outputs
-    # (the peers wait for this rank's notify and rows; its receivers skip every row), then the allocator's error.
+        results, clean, P_out, aligned = synced(q, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
+                                                do_expand)
+        assert [c[0] for c in fake.calls] == ["layout", "synchronize", "dispatch"] and fake.calls[1][1] == 99
+        assert P_out == P and sum(aligned) == P
+        assert clean.untyped_storage().nbytes() == 8 * offsets[-1]
+        routing = check_dispatch(results, clean, M, P, do_expand)
+        assert routing != clean.data_ptr() + 8 * offsets[-1]  # its own allocation: M was read after the layout
+
+    # Without a CPU sync: no wait, the sizes given reach the struct, the routing after the workspace.
+    for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
+        fake.calls.clear()
+        results, clean, P_out, aligned = crossing(q, scales, weights, do_expand, sync=False, rows=M, expand_rows=P)
+        assert [c[0] for c in fake.calls] == ["layout", "dispatch"] and (P_out, aligned) == (P, None)
+        assert clean.untyped_storage().nbytes() == 8 * (offsets[-1] + M * K + M + R + L)
+        assert check_dispatch(results, clean, M, P, do_expand) == clean.data_ptr() + 8 * offsets[-1]
+
+    # A dispatch of no tokens: its clean [0, K] view has a null data_ptr(); the pointers still come from the
+    # workspace's storage, with and without a CPU sync.
+    no_tokens, no_offsets = _params(num_tokens=0), layout.workspace_offsets(0, K, R, E, cap, False, 1)
+    no_words = (ctypes.c_int64 * len(no_offsets))(*no_offsets)
+    for sync in (True, False):
+        fake.calls.clear()
+        _, empty, *_ = synced(torch.zeros(0, H, dtype=torch.bfloat16), None, None, 7, [7, 0, 0, 0], False, rows=7,
+                              expand_rows=7, p=no_tokens, w=no_words, topk=torch.zeros(0, K, dtype=torch.int64),
+                              sync=sync)
+        storage = empty.untyped_storage().data_ptr()
+        (_, _, a, _, _), *_, (_, _, i, o, *_) = fake.calls
+        assert empty.shape == (0, K) and storage and (a.clean_idx, i.clean_idx, o.counts) == (
+            storage, storage, storage + 8 * no_offsets[2])
+        assert (o.topk_idx == storage + 8 * no_offsets[-1]) == (not sync)
+
+    # Outputs that cannot be allocated (rows of 2**50 bytes) without a CPU sync: both launches still run, the dispatch
+    # with no outputs (the peers wait for this rank's notify and rows; its receivers skip every row), then the
+    # allocator's error.
     fake.calls.clear()
     with pytest.raises(RuntimeError, match="can't allocate memory"):
-        layout_dispatch(topk_idx, q, weights, 2**42, 2**42, False)
+        crossing(q, scales, weights, False, sync=False, rows=2**42, expand_rows=2**42)
     check_without_outputs(fake.calls, ["layout", "dispatch"], q)
     # The rows fit (none: zero-width), the workspace with the routing words does not: the layout runs on a workspace
     # without them.
     fake.calls.clear()
     no_width = torch.zeros(N, 0, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="can't allocate memory"):
-        layout_dispatch(topk_idx, no_width, None, 2**42, 2**42, False)
+        crossing(no_width, None, None, False, sync=False, rows=2**42, expand_rows=2**42)
     check_without_outputs(fake.calls, ["layout", "dispatch"], no_width)
     assert fake.calls[-1][3].counts == fake.calls[0][2].clean_idx + 8 * offsets[2]
-    # Outputs refused, or offsets missing or out of order: nothing launched (the layout kernel is collective).
+    # With a CPU sync, outputs that cannot be allocated after the notify: the dispatch runs without outputs (whole,
+    # even when asked to send only: no hook will run), then the allocator's error.
     fake.calls.clear()
-    with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
-        layout_dispatch(topk_idx, q, weights, 7, 7, False, codes=(3, 3))
-    with pytest.raises(ValueError, match="workspace offsets: the address is 0"):
-        layout_dispatch(topk_idx, q, weights, 7, 7, False, at=0)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        synced(bf16, None, weights, 2**42, [2**40] * L, True, part=1)
+    check_without_outputs(fake.calls, ["layout", "synchronize", "dispatch"], bf16)
+
+    # Arguments refused, or offsets missing or out of order: nothing launched (the layout kernel is collective), with
+    # and without a CPU sync.
+    fake.calls.clear()
     backwards = (ctypes.c_int64 * len(offsets))(*reversed(offsets))
-    with pytest.raises(ValueError, match="workspace offsets must be non-negative and non-decreasing"):
-        layout_dispatch(topk_idx, q, weights, 7, 7, False, at=ctypes.addressof(backwards))
+    for sync in (True, False):
+        with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
+            crossing(q, scales, weights, False, (3, 3), sync=sync, rows=7, expand_rows=7)
+        with pytest.raises(ValueError, match="workspace offsets: the address is 0"):
+            crossing(q, scales, weights, False, sync=sync, rows=7, expand_rows=7, w=0)
+        with pytest.raises(ValueError, match="workspace offsets must be non-negative and non-decreasing"):
+            crossing(q, scales, weights, False, sync=sync, rows=7, expand_rows=7, w=backwards)
+        with pytest.raises(ValueError, match=r"alignment=0 \(at least 1\)"):
+            crossing(bf16, None, None, False, sync=sync, rows=7, expand_rows=7, alignment=0)
+        with pytest.raises(ValueError, match="topk_idx must be contiguous int64 of num_tokens x num_topk = 15"):
+            crossing(bf16, None, None, False, sync=sync, rows=7, expand_rows=7, topk=topk_idx[:4])
+        for data, scales_in, codes in ((bf16, None, (0, 1)), (q, torch.ones(N, H // 128), (0, 2)),
+                                       (bf16, None, (2, 1))):
+            with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):
+                crossing(data, scales_in, None, False, codes, sync=sync, rows=7, expand_rows=7)
+        with pytest.raises(ValueError, match="quantize casts bf16 rows of a multiple of 128 channels"):
+            crossing(torch.zeros(N, H, dtype=torch.float32), None, None, False, (1, 0), sync=sync, rows=7,
+                     expand_rows=7)
     assert not fake.calls
 
     # Without weights and FP8: no weight or scale outputs, null pointers.
-    x, out_scales, *_, w = dispatch(torch.zeros(N, H, dtype=torch.bfloat16), None, None, 7, 7, False, (0, 0))
+    (x, out_scales, *_, w), *_ = synced(bf16, None, None, 7, [7, 0, 0, 0], False)
     assert x.dtype == torch.bfloat16 and out_scales is None and w is None
     assert not (fake.calls[-1][3].scales or fake.calls[-1][3].weights or fake.calls[-1][2].weights)
     # `quantize=`: bf16 rows in, FP8 rows and the format's scales out (the senders cast), no input scales.
-    bf16 = torch.zeros(N, H, dtype=torch.bfloat16)
     for code, scale_dtype in ((1, torch.float32), (2, torch.int32)):
-        x, out_scales, *_ = dispatch(bf16, None, None, 7, 9, True, (code, 0))
+        (x, out_scales, *_), *_ = synced(bf16, None, None, 7, [3, 2, 2, 2], True, (code, 0))
         assert (x.shape, x.dtype, out_scales.shape, out_scales.dtype) == ((9, H), torch.float8_e4m3fn, (9, H // 128),
                                                                           scale_dtype)
         _, _, i, o, *_ = fake.calls[-1]
@@ -290,47 +301,32 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         # `dequantize`: bf16 outputs and no scales, whether the senders cast (quantize) or the rows came as FP8.
         fp8_scales = torch.ones(N, H // 128, dtype=torch.float32 if code == 1 else torch.int32)
         for data, scales_in in ((bf16, None), (q, fp8_scales)):
-            x, out_scales, *_ = dispatch(data, scales_in, None, 7, 9, True, (code if scales_in is None else 0, code))
+            (x, out_scales, *_), *_ = synced(data, scales_in, None, 7, [3, 2, 2, 2], True,
+                                             (code if scales_in is None else 0, code))
             assert (x.shape, x.dtype, out_scales, fake.calls[-1][3].dequantize) == ((9, H), torch.bfloat16, None,
                                                                                     code)
-    for data, scales_in, codes in ((bf16, None, (0, 1)), (q, torch.ones(N, H // 128), (0, 2)), (bf16, None, (2, 1))):
-        with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):
-            dispatch(data, scales_in, None, 7, 7, False, codes)
-    with pytest.raises(ValueError, match="quantize and dequantize must be 0, 1"):
-        dispatch(bf16, None, None, 7, 7, False, (3, 3))
-    with pytest.raises(ValueError, match="quantize casts bf16 rows of a multiple of 128 channels"):
-        dispatch(torch.zeros(N, H, dtype=torch.float32), None, None, 7, 7, False, (1, 0))
-    with pytest.raises(ValueError, match="clean_idx must be the view `layout` returned"):
-        synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0), clean=topk_idx)
-    with pytest.raises(ValueError, match=r"alignment=0 \(at least 1\)"):
-        synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0), alignment=0)
 
     # The per-expert counts aligned up to the alignment on the host side of the launch; P their sum (expand).
     for do_expand, P in ((True, 16), (False, 7)):
-        (x, *_, w), P_out, aligned = synced(bf16, None, weights, 7, [1, 0, 5, 2], do_expand, (0, 0), alignment=4)
+        (x, *_, w), _, P_out, aligned = synced(bf16, None, weights, 7, [1, 0, 5, 2], do_expand, alignment=4)
         assert (aligned, P_out, x.shape[0], fake.calls[-1][3].num_expand_rows) == ([4, 0, 8, 4], P, P, P)
-    # A problem recorded: nothing launched, None (the backend raises it): an error code, a rank's flags of this call,
-    # a rank's pending flags of an earlier call without CPU sync.
+    # A problem recorded: nothing launched after the layout, None (the backend raises it): an error code, a rank's
+    # flags of this call, a rank's pending flags of an earlier call without CPU sync.
     error_code = ctypes.c_int64.from_address(ctypes.addressof(mapped))
     for code, flags, pending in ((1, (0, 0), (0, 0)), (2, (0, 0), (0, 0)), (0, (0, 2), (0, 0)), (0, (1, 0), (0, 0)),
                                  (0, (0, 0), (4, 0)), (0, (0, 0), (0, 1))):
         fake.calls.clear()
         error_code.value = code
-        assert synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0), flags=flags, pending=pending) is None
-        assert [c[0] for c in fake.calls] == ["synchronize"]
+        assert synced(bf16, None, None, 7, [7, 0, 0, 0], False, flags=flags, pending=pending) is None
+        assert [c[0] for c in fake.calls] == ["layout", "synchronize"]
     error_code.value = 0
-    # Outputs that cannot be allocated after the notify: the dispatch runs without outputs (whole, even when asked to
-    # send only: no hook will run), then the allocator's error.
-    fake.calls.clear()
-    with pytest.raises(RuntimeError, match="can't allocate memory"):
-        synced(bf16, None, weights, 2**42, [2**40] * L, True, (0, 0), part=1)
-    check_without_outputs(fake.calls, ["synchronize", "dispatch"], bf16)
-    # The wait failed: the library's message, nothing launched.
+    # The wait failed: the library's message, nothing launched after the layout.
     fake.calls.clear()
     fake.result = 1
+    fake.fail_only = "synchronize"
     with pytest.raises(RuntimeError, match=r"wait for the dispatch notify failed on rank 1: fake launcher failed"):
-        synced(bf16, None, None, 7, [7, 0, 0, 0], False, (0, 0))
-    assert [c[0] for c in fake.calls] == ["synchronize"]
+        synced(bf16, None, None, 7, [7, 0, 0, 0], False)
+    assert [c[0] for c in fake.calls] == ["layout", "synchronize"]
 
 
 def check_without_outputs(calls, names, data):
@@ -458,8 +454,10 @@ def test_host_extension_raises_the_launchers_message(kernels):
     offsets = (ctypes.c_int64 * 7)(15, 25, 36, 100, 108, 108, 120)
     with pytest.raises(RuntimeError, match=r"dispatch layout and notify failed on rank 1: layout.cu:\d+: .*"
                                            r"num_ranks=0, kMaxRanks=32"):
-        kernels.launcher.layout(ctypes.addressof(bad), ctypes.addressof(args), ctypes.addressof(notify),
-                                torch.zeros(5, 3, dtype=torch.int64), ctypes.addressof(offsets), 0)
+        kernels.launcher.layout_dispatch(
+            ctypes.addressof(bad), ctypes.addressof(args), ctypes.addressof(notify), ctypes.addressof(inputs),
+            ctypes.addressof(outputs), torch.zeros(5, 3, dtype=torch.int64), torch.zeros(5, 16), None, None,
+            ctypes.addressof(offsets), 0, 1, 0, 0, False, 0, 0, 4, 0, 0)
     with pytest.raises(ValueError, match="a launcher address is 0"):
         cuda_kernels.host_extension().Launcher(0, 0, 0, 0, 0)
 

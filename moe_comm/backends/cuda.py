@@ -468,23 +468,19 @@ class CudaBackend(Backend):
         stream, part = current_stream(self._device_index), _part(c)
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
         # control slot and theirs into ours; then send and receive (with a hook: send now, the receivers in the hook).
-        # The handle's epoch: counted before the crossings, which launch on every rank even when this rank's outputs
-        # cannot be allocated (then they raise; only the routing workspace's failure launches nothing, leaving the
+        # The handle's epoch: counted before the crossing, which launches on every rank even when this rank's outputs
+        # cannot be allocated (then it raises; only the routing workspace's failure launches nothing, leaving the
         # peers to their timeout and the group broken); ranks that disagreed realign it (`_realign`).
         self.epoch += 1
-        if c.do_cpu_sync:  # two crossings: the second waits for the notify and sizes the outputs by its summary
-            clean_idx = self.launcher.layout(params, layout_args, notify, c.topk_idx, plan.offsets_address, stream)
-            sized = self.launcher.dispatch(params, inputs, outputs, data, scales, c.topk_weights, clean_idx,
-                                           plan.offsets_address, self._mapped_host, c.expert_alignment, c.do_expand,
-                                           quantize, dequantize, c.num_sms, part, stream)
-            if sized is None:
-                self._raise_summary(c)
-            outs, P, aligned_list = sized
-        else:  # one crossing, outputs of the worst case
-            aligned_list, M, P = None, plan.num_rows, plan.num_expand_rows
-            outs, clean_idx = self.launcher.layout_dispatch(
-                params, layout_args, notify, inputs, outputs, c.topk_idx, data, scales, c.topk_weights,
-                plan.offsets_address, M, P, c.do_expand, quantize, dequantize, c.num_sms, part, stream)
+        # One crossing: with a CPU sync it waits for the notify and sizes the outputs by its summary (None: a problem
+        # that this call raises), without one the outputs are sized for the worst case.
+        launched = self.launcher.layout_dispatch(
+            params, layout_args, notify, inputs, outputs, c.topk_idx, data, scales, c.topk_weights,
+            plan.offsets_address, self._mapped_host if c.do_cpu_sync else 0, c.expert_alignment, plan.num_rows,
+            plan.num_expand_rows, c.do_expand, quantize, dequantize, c.num_sms, part, stream)
+        if launched is None:
+            self._raise_summary(c)
+        outs, clean_idx, P, aligned_list = launched
         out_x, out_scales, out_idx, out_src, psum_rank, psum_expert, out_w = outs
         handle = EPHandle.make(
             group=self.group, backend=self.name, epoch=self.epoch,

@@ -120,7 +120,7 @@ class Kernels:
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, name[len("moe_comm_"):], fn)
         self._check_abi()
-        # Launches: `launcher.layout(...)`, `.dispatch`, `.layout_dispatch`, `.cached_dispatch`, `.combine`, and the
+        # Launches: `launcher.layout_dispatch(...)` (a fresh dispatch), `.cached_dispatch`, `.combine`, and the
         # receivers of a call with a hook, `.receive_dispatch`, `.receive_combine` (csrc/torch/ops.cpp).
         self.launcher = host_extension().Launcher(*(
             ctypes.cast(fn, ctypes.c_void_p).value

@@ -1,9 +1,9 @@
 // The host path of the CUDA backend's calls, as a Python extension built against the installed torch
-// (moe_comm.jit.load_extension): one crossing from Python per call (a fresh dispatch with a CPU sync: one per
-// launch, the second waits for the first and reads the counts it left for the host) allocates the outputs with
-// torch's caching allocator, sets the per-call pointers in the launch structs that moe_comm.backends.cuda built once
-// per shape, and launches through the kernel library. ctypes crossings and torch.empty from Python cost more host
-// time than the kernels run at small sizes (benchmarks/host-path_*.md).
+// (moe_comm.jit.load_extension): one crossing from Python per call (a fresh dispatch with a CPU sync waits inside it
+// for the counts its layout kernel left for the host) allocates the outputs with torch's caching allocator, sets the
+// per-call pointers in the launch structs that moe_comm.backends.cuda built once per shape, and launches through the
+// kernel library. ctypes crossings and torch.empty from Python cost more host time than the kernels run at small
+// sizes (benchmarks/host-path_*.md).
 //
 // The kernel library stays free of torch headers (the CPU CI machine compiles it; one build serves every torch):
 // this module reaches its launchers through the addresses given to `Launcher`, and shares only the generated
@@ -54,89 +54,46 @@ public:
           synchronize_(reinterpret_cast<SynchronizeFn>(synchronize)),
           last_error_(reinterpret_cast<LastErrorFn>(last_error)) {}
 
-    // A fresh dispatch with a CPU sync, first launch: the routing workspace (`offsets`: the address of its
-    // moe_comm.layout.workspace_offsets), then the layout kernel, whose last block runs the notify and writes the
-    // counts into the host-mapped summary that the second launch (`dispatch`) sizes its outputs by. Returns the
-    // clean topk_idx [N, K], a view at the workspace's start (the workspace is its storage). A workspace that cannot
-    // be allocated launches nothing: the peers wait for this rank's notify until their timeout.
-    at::Tensor layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
-                      uintptr_t offsets, uintptr_t stream) const {
+    // A fresh dispatch in one crossing: the routing workspace (`offsets`: the address of its
+    // moe_comm.layout.workspace_offsets), the layout kernel (its last block runs the notify: the barrier with the
+    // call's signature, then the counts exchanged), then the dispatch kernel, which sends and receives. The outputs
+    // are sized one of two ways:
+    // - without a CPU sync (`mapped` 0): for the worst case, `num_rows` received rows M and `num_expand_rows` output
+    //   rows P, all allocated before the layout kernel, which is collective, launches; the routing outputs at the end
+    //   of the workspace's allocation. Outputs that cannot be allocated: both launches still run, without outputs
+    //   (the receivers skip every row), then the error is raised; only a failure of the bare workspace too (a few
+    //   words per token) leaves the peers to their timeout.
+    // - with a CPU sync (`mapped`: the buffer's host-mapped words, the ErrorRecord at 0, the notify's summary at
+    //   kSummaryOffset, moe_comm.layout.summary_len): after the layout launch the stream is synchronized without the
+    //   GIL and the summary read: M, the per-expert counts aligned up to `alignment`, P (their sum with `do_expand`,
+    //   else M). Returns None, launching nothing more, when a kernel recorded an error or any rank's flags (or
+    //   pending flags) are set: the host raises them (moe_comm.backends.cuda). A workspace that cannot be allocated
+    //   launches nothing (the peers wait for this rank's notify until their timeout); outputs that cannot be
+    //   allocated after the notify: the dispatch runs without them (whole), then the error is raised.
+    // `quantize`: 0, or the FP8 format (1 fp8_block128, 2 mxfp8) the senders cast bf16 `data` to; `dequantize`: 0,
+    // or the FP8 format of the wire rows, cast back to bf16 on arrival; arguments that do not fit launch nothing.
+    // `part`: kPartWhole, or kPartSend (the receivers later: `receive_dispatch`). Returns ((x [P, H] in data's
+    // dtype, FP8 or bf16, scales [P, H / 128] or None, topk_idx [M, K], src_idx [M], psum per rank [R], psum per
+    // local expert [L], weights or None), the clean topk_idx [N, K] (a view at the workspace's start: the workspace
+    // is its storage), P, the aligned per-expert counts as a list or None without a CPU sync), the routing outputs
+    // views of one int64 allocation.
+    py::object layout_dispatch(uintptr_t params, uintptr_t args, uintptr_t notify, uintptr_t inputs,
+                               uintptr_t outputs, const at::Tensor& topk_idx, const at::Tensor& data,
+                               const OptionalTensor& scales, const OptionalTensor& weights, uintptr_t offsets,
+                               uintptr_t mapped, int64_t alignment, int64_t num_rows, int64_t num_expand_rows,
+                               bool do_expand, int quantize, int dequantize, int num_blocks, int part,
+                               uintptr_t stream) const {
         const int64_t* o = checked_offsets(offsets);
-        const at::Tensor workspace = at::empty({o[kWorkspaceLength]}, topk_idx.options());
-        launch_layout(params, args, notify, topk_idx, o, workspace, stream);
-        return clean_view(workspace, params);
-    }
-
-    // A fresh dispatch with a CPU sync, second launch, along the workspace of `layout` (`clean_idx`): waits for the
-    // layout's notify (the stream synchronized without the GIL), reads its summary in the buffer's host-mapped
-    // memory at `mapped` (the ErrorRecord at 0, the summary at kSummaryOffset, moe_comm.layout.summary_len), sizes
-    // the outputs by it and launches: M received rows, the per-expert counts aligned up to `alignment`, P output rows
-    // (their sum with `do_expand`, else M). `quantize`: 0, or the FP8 format (1 fp8_block128, 2 mxfp8) the senders
-    // cast bf16 `data` to; `dequantize`: 0, or the FP8 format of the wire rows, cast back to bf16 on arrival. `part`:
-    // kPartWhole, or kPartSend (the receivers later: `receive_dispatch`). Returns None, launching nothing, when a
-    // kernel recorded an error or any rank's flags (or pending flags) are set: the host raises them
-    // (moe_comm.backends.cuda); else ((x [P, H] in data's dtype, FP8 or bf16, scales [P, H / 128] or None,
-    // topk_idx [M, K], src_idx [M], psum per rank [R], psum per local expert [L], weights or None), P, the aligned
-    // per-expert counts as a list), the routing outputs as views of one int64 allocation. Raises what failed after
-    // launching the dispatch without outputs when the outputs cannot be made (the peers wait for this rank's rows).
-    py::object dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                        const OptionalTensor& scales, const OptionalTensor& weights, const at::Tensor& clean_idx,
-                        uintptr_t offsets, uintptr_t mapped, int64_t alignment, bool do_expand, int quantize,
-                        int dequantize, int num_blocks, int part, uintptr_t stream) const {
+        require(alignment >= 1, "alignment=" + std::to_string(alignment) + " (at least 1)");
         const EpParams* p = at_address<const EpParams>(params);
-        const int64_t* o = checked_offsets(offsets);
-        require(clean_idx.storage_offset() == 0 && clean_idx.storage().nbytes() >= 8 * o[kWorkspaceLength],
-                "clean_idx must be the view `layout` returned, at the start of the workspace");
-        require(mapped != 0 && alignment >= 1, "mapped=" + std::to_string(mapped) + " (the host-mapped words), "
-                "alignment=" + std::to_string(alignment) + " (at least 1)");
-        check(released(synchronize_, reinterpret_cast<Stream>(stream)), p, "wait for the dispatch notify");
-        // Mapped memory the device wrote: read through volatile (the stream is complete, the values are final).
-        const volatile int64_t* error_code = at_address<const volatile int64_t>(mapped);
-        const volatile int64_t* summary = at_address<const volatile int64_t>(mapped + kSummaryOffset);
-        const int R = p->num_ranks, L = p->num_local_experts;
-        bool problem = *error_code != 0;
-        for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
-        if (problem) return py::none();
-        const int64_t M = summary[3 * R];
-        py::list aligned(L);
-        int64_t aligned_sum = 0;
-        for (int e = 0; e < L; ++e) {
-            const int64_t n = (summary[3 * R + 1 + e] + alignment - 1) / alignment * alignment;
-            aligned_sum += n;
-            aligned[e] = n;
-        }
-        const Sizes sizes{M, do_expand ? aligned_sum : M, do_expand};
-        RowOutputs rows;
-        at::Tensor routing;
-        try {
-            rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
-            routing = at::empty({routing_words(params, M)}, clean_idx.options());
-        } catch (const c10::Error&) {  // an allocation failed (the argument checks throw std::invalid_argument)
-            // Every peer now waits for this rank's rows (the notify ran): the dispatch runs with no outputs (the
-            // senders send, the receivers skip every row: num_rows 0), so the peers finish theirs, then this rank
-            // raises (e.g. torch.OutOfMemoryError naming the bytes; moe_comm.backends.cuda counted the epoch). Whole,
-            // with or without a receive hook: no rows to receive later.
-            launch_dispatch(params, inputs, outputs, data, scales, weights, {}, Sizes{0, 0, do_expand}, clean_idx, o,
-                            quantize, dequantize, num_blocks, kPartWhole, stream);
-            throw;
-        }
-        launch_dispatch(params, inputs, outputs, data, scales, weights, pointers(rows, routing, 0), sizes, clean_idx,
-                        o, quantize, dequantize, num_blocks, part, stream);
-        return py::make_tuple(results_of(params, rows, routing, 0, M), sizes.num_expand_rows, aligned);
-    }
-
-    // A fresh dispatch without a CPU sync: both launches in one crossing, into outputs sized for the worst case
-    // (`num_rows`, `num_expand_rows`, `do_expand` as in `dispatch`), every output allocated and checked before the
-    // layout kernel, which is collective, launches (an allocation that fails: both launches still run, without
-    // outputs, then the error is raised); the routing outputs at the end of the workspace allocation.
-    // Other arguments as `layout` and `dispatch`. Returns (`dispatch`'s tuple of outputs, the clean topk_idx as
-    // `layout` returns it).
-    py::tuple layout_dispatch(uintptr_t params, uintptr_t args, uintptr_t notify, uintptr_t inputs, uintptr_t outputs,
-                              const at::Tensor& topk_idx, const at::Tensor& data, const OptionalTensor& scales,
-                              const OptionalTensor& weights, uintptr_t offsets, int64_t num_rows,
-                              int64_t num_expand_rows, bool do_expand, int quantize, int dequantize, int num_blocks,
-                              int part, uintptr_t stream) const {
-        const int64_t* o = checked_offsets(offsets);
+        require(topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
+                    topk_idx.numel() == p->num_tokens * p->num_topk,
+                "topk_idx must be contiguous int64 of num_tokens x num_topk = " +
+                    std::to_string(p->num_tokens * p->num_topk) + " values");
+        check_casts(data, scales, quantize, dequantize);
+        const Launch launch{params, args, notify, inputs, outputs, o, quantize, dequantize, num_blocks, stream};
+        if (mapped) return synchronized_dispatch(launch, topk_idx, data, scales, weights, mapped, alignment, do_expand,
+                                                 part);
         const Sizes sizes{num_rows, num_expand_rows, do_expand};
         const int64_t extra = routing_words(params, num_rows);
         RowOutputs rows;
@@ -144,27 +101,22 @@ public:
         try {
             rows = row_outputs(params, data, scales, weights, quantize, dequantize, sizes);
             workspace = at::empty({o[kWorkspaceLength] + extra}, topk_idx.options());
-        } catch (const c10::Error&) {  // an allocation failed (the argument checks throw std::invalid_argument
-                                       // before anything launches)
-            // The peers' layout waits for this rank's notify and their dispatch for its rows: both launches run, with
-            // no outputs (a workspace without the routing words; the receivers skip every row), then this rank raises.
-            // Only a failure of that workspace too (a few words per token) leaves the peers to their timeout.
+        } catch (const c10::Error&) {  // an allocation failed
             rows = {};  // the outputs that were allocated go back first
             const at::Tensor bare = at::empty({o[kWorkspaceLength]}, topk_idx.options());
-            launch_layout(params, args, notify, topk_idx, o, bare, stream);
-            launch_dispatch(params, inputs, outputs, data, scales, weights, {}, Sizes{0, 0, do_expand}, bare, o,
-                            quantize, dequantize, num_blocks, kPartWhole, stream);
+            launch_layout(launch, topk_idx, bare);
+            launch_dispatch(launch, data, scales, weights, {}, Sizes{0, 0, do_expand}, bare, kPartWhole);
             throw;
         }
-        launch_layout(params, args, notify, topk_idx, o, workspace, stream);
-        launch_dispatch(params, inputs, outputs, data, scales, weights, pointers(rows, workspace, o[kWorkspaceLength]),
-                        sizes, workspace, o, quantize, dequantize, num_blocks, part, stream);
+        launch_layout(launch, topk_idx, workspace);
+        launch_dispatch(launch, data, scales, weights, pointers(rows, workspace, o[kWorkspaceLength]), sizes,
+                        workspace, part);
         return py::make_tuple(results_of(params, rows, workspace, o[kWorkspaceLength], num_rows),
-                              clean_view(workspace, params));
+                              clean_view(workspace, params), num_expand_rows, py::none());
     }
 
     // A cached dispatch (the kernel runs the barrier itself) into `num_rows` new rows, `quantize` and `dequantize`
-    // and `part` as in `dispatch`. Returns (x, scales or None).
+    // and `part` as in `layout_dispatch`. Returns (x, scales or None).
     py::tuple cached_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
                               const OptionalTensor& scales, int quantize, int dequantize, int64_t num_rows,
                               int num_blocks, int part, uintptr_t stream) const {
@@ -246,6 +198,60 @@ public:
     }
 
 private:
+    // What every launch of a fresh dispatch shares (`layout_dispatch`'s arguments).
+    struct Launch {
+        uintptr_t params, args, notify, inputs, outputs;
+        const int64_t* offsets;
+        int quantize, dequantize, num_blocks;
+        uintptr_t stream;
+    };
+
+    // `layout_dispatch` with a CPU sync.
+    py::object synchronized_dispatch(const Launch& launch, const at::Tensor& topk_idx, const at::Tensor& data,
+                                     const OptionalTensor& scales, const OptionalTensor& weights, uintptr_t mapped,
+                                     int64_t alignment, bool do_expand, int part) const {
+        const EpParams* p = at_address<const EpParams>(launch.params);
+        const at::Tensor workspace = at::empty({launch.offsets[kWorkspaceLength]}, topk_idx.options());
+        launch_layout(launch, topk_idx, workspace);
+        check(released(synchronize_, reinterpret_cast<Stream>(launch.stream)), p, "wait for the dispatch notify");
+        // Mapped memory the device wrote: read through volatile (the stream is complete, the values are final).
+        const volatile int64_t* error_code = at_address<const volatile int64_t>(mapped);
+        const volatile int64_t* summary = at_address<const volatile int64_t>(mapped + kSummaryOffset);
+        const int R = p->num_ranks, L = p->num_local_experts;
+        bool problem = *error_code != 0;
+        for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
+        if (problem) return py::none();
+        const int64_t M = summary[3 * R];
+        // The list through the C API: pybind11's item assignment costs ~25 ns per expert (6 us at 256 experts).
+        py::list aligned = py::reinterpret_steal<py::list>(PyList_New(L));
+        if (!aligned) throw py::error_already_set();
+        int64_t aligned_sum = 0;
+        for (int e = 0; e < L; ++e) {
+            const int64_t n = (summary[3 * R + 1 + e] + alignment - 1) / alignment * alignment;
+            aligned_sum += n;
+            PyObject* item = PyLong_FromLongLong(n);
+            if (!item) throw py::error_already_set();
+            PyList_SET_ITEM(aligned.ptr(), e, item);
+        }
+        const Sizes sizes{M, do_expand ? aligned_sum : M, do_expand};
+        RowOutputs rows;
+        at::Tensor routing;
+        try {
+            rows = row_outputs(launch.params, data, scales, weights, launch.quantize, launch.dequantize, sizes);
+            routing = at::empty({routing_words(launch.params, M)}, topk_idx.options());
+        } catch (const c10::Error&) {  // an allocation failed
+            // Every peer now waits for this rank's rows (the notify ran): the dispatch runs with no outputs (the
+            // senders send, the receivers skip every row: num_rows 0), so the peers finish theirs, then this rank
+            // raises (e.g. torch.OutOfMemoryError naming the bytes; moe_comm.backends.cuda counted the epoch). Whole,
+            // with or without a receive hook: no rows to receive later.
+            launch_dispatch(launch, data, scales, weights, {}, Sizes{0, 0, do_expand}, workspace, kPartWhole);
+            throw;
+        }
+        launch_dispatch(launch, data, scales, weights, pointers(rows, routing, 0), sizes, workspace, part);
+        return py::make_tuple(results_of(launch.params, rows, routing, 0, M), clean_view(workspace, launch.params),
+                              sizes.num_expand_rows, aligned);
+    }
+
     // The routing outputs of M received rows, in int64 words: topk_idx [M, K], src_idx [M], psum per rank [R], psum
     // per local expert [L].
     static int64_t routing_words(uintptr_t params, int64_t num_rows) {
@@ -262,16 +268,12 @@ private:
 
     // Set the layout's and the notify's pointers into `workspace` (int64, at least offsets[kWorkspaceLength] words)
     // and launch the layout kernel.
-    void launch_layout(uintptr_t params, uintptr_t args, uintptr_t notify, const at::Tensor& topk_idx,
-                       const int64_t* offsets, const at::Tensor& workspace, uintptr_t stream) const {
-        const EpParams* p = at_address<const EpParams>(params);
-        require(topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
-                    topk_idx.numel() == p->num_tokens * p->num_topk,
-                "topk_idx must be contiguous int64 of num_tokens x num_topk = " +
-                    std::to_string(p->num_tokens * p->num_topk) + " values");
+    void launch_layout(const Launch& launch, const at::Tensor& topk_idx, const at::Tensor& workspace) const {
+        const EpParams* p = at_address<const EpParams>(launch.params);
+        const int64_t* offsets = launch.offsets;
         int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
         int64_t* counts = base + offsets[kWorkspaceCounts];  // rows per rank [R], rows per expert [E], error flags [1]
-        auto* a = at_address<LayoutArgs>(args);
+        auto* a = at_address<LayoutArgs>(launch.args);
         a->topk_idx = topk_idx.data_ptr<int64_t>();
         a->clean_idx = base;
         a->send_pos = base + offsets[kWorkspaceSendPos];
@@ -280,12 +282,12 @@ private:
         a->num_tokens_per_expert = counts + p->num_ranks;
         a->flags = counts + p->num_ranks + p->num_experts;
         a->scratch = reinterpret_cast<int32_t*>(base + offsets[kWorkspaceLayoutScratch]);
-        auto* n = at_address<NotifyArgs>(notify);
+        auto* n = at_address<NotifyArgs>(launch.notify);
         n->num_tokens_per_rank = a->num_tokens_per_rank;
         n->num_tokens_per_expert = a->num_tokens_per_expert;
         n->flags = a->flags;
         n->recv_slots = base + offsets[kWorkspaceRecvSlots];
-        check(released(layout_, p, a, n, reinterpret_cast<Stream>(stream)), p, "dispatch layout and notify");
+        check(released(layout_, p, a, n, reinterpret_cast<Stream>(launch.stream)), p, "dispatch layout and notify");
     }
 
     // A fresh dispatch's received rows M, output rows P (M without expand), and whether rows are expanded.
@@ -337,29 +339,29 @@ private:
                 static_cast<int64_t*>(words.storage().mutable_data()) + routing_offset};
     }
 
-    // Set a fresh dispatch's pointers (into the workspace at `offsets`, and `to`) and its sizes in the RecvOutputs
-    // struct, and launch the dispatch kernel.
-    void launch_dispatch(uintptr_t params, uintptr_t inputs, uintptr_t outputs, const at::Tensor& data,
-                         const OptionalTensor& scales, const OptionalTensor& weights, const OutputPointers& to,
-                         const Sizes& sizes, const at::Tensor& workspace, const int64_t* offsets, int quantize,
-                         int dequantize, int num_blocks, int part, uintptr_t stream) const {
-        const EpParams* p = at_address<const EpParams>(params);
+    // Set a fresh dispatch's pointers (into the workspace at `launch.offsets`, and `to`) and its sizes in the
+    // RecvOutputs struct, and launch the dispatch kernel.
+    void launch_dispatch(const Launch& launch, const at::Tensor& data, const OptionalTensor& scales,
+                         const OptionalTensor& weights, const OutputPointers& to, const Sizes& sizes,
+                         const at::Tensor& workspace, int part) const {
+        const EpParams* p = at_address<const EpParams>(launch.params);
+        const int64_t* offsets = launch.offsets;
         const int64_t M = sizes.num_rows, K = p->num_topk, R = p->num_ranks;
         int64_t* base = static_cast<int64_t*>(workspace.storage().mutable_data());
         int64_t* recv = to.routing;
-        auto* in = at_address<DispatchInputs>(inputs);
+        auto* in = at_address<DispatchInputs>(launch.inputs);
         in->x = bytes_of(data);
         in->scales = bytes_of(scales);
-        in->quantize = quantize;
+        in->quantize = launch.quantize;
         in->clean_idx = base;
         in->weights = bytes_of(weights);
         in->send_pos = base + offsets[kWorkspaceSendPos];
         in->expert_rank = reinterpret_cast<const int32_t*>(base + offsets[kWorkspaceExpertRank]);
-        auto* out = at_address<RecvOutputs>(outputs);
+        auto* out = at_address<RecvOutputs>(launch.outputs);
         out->counts = base + offsets[kWorkspaceRecvSlots];
         out->x = to.x;
         out->scales = to.scales;
-        out->dequantize = dequantize;
+        out->dequantize = launch.dequantize;
         out->topk_idx = recv;
         out->weights = to.weights;
         out->src_idx = recv ? recv + M * K : nullptr;
@@ -370,7 +372,8 @@ private:
         out->num_rows = M;
         out->num_expand_rows = sizes.num_expand_rows;
         out->do_expand = sizes.do_expand ? 1 : 0;
-        check(released(dispatch_, p, in, out, num_blocks, 0, part, reinterpret_cast<Stream>(stream)), p, "dispatch");
+        check(released(dispatch_, p, in, out, launch.num_blocks, 0, part, reinterpret_cast<Stream>(launch.stream)), p,
+              "dispatch");
     }
 
     // A fresh dispatch's outputs as `dispatch` returns them, the routing outputs views of `words` at word `at`.
@@ -383,15 +386,14 @@ private:
                               words.as_strided({L}, {1}, at + M * K + M + R), or_none(rows.weights));
     }
 
-    // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
-    // rows of bf16 `data` and their scales (float32 for fp8_block128, int32 words of UE8M0 bytes for mxfp8), or,
-    // with `dequantize`, bf16 rows and no scales.
-    static std::pair<at::Tensor, OptionalTensor> outputs_of(const at::Tensor& data, const OptionalTensor& scales,
-                                                            int quantize, int dequantize, int64_t rows) {
+    // The scales' dtype of an FP8 format (1 fp8_block128: float32, 2 mxfp8: int32 words of UE8M0 bytes).
+    static at::ScalarType scale_type(int format) { return format == 1 ? at::kFloat : at::kInt; }
+
+    // `quantize` and `dequantize` (0, 1 fp8_block128, 2 mxfp8) with rows `data` and `scales`: what outputs_of takes.
+    static void check_casts(const at::Tensor& data, const OptionalTensor& scales, int quantize, int dequantize) {
         require(quantize >= 0 && quantize <= 2 && dequantize >= 0 && dequantize <= 2,
                 "quantize and dequantize must be 0, 1 (fp8_block128) or 2 (mxfp8), got " + std::to_string(quantize) +
                     " and " + std::to_string(dequantize));
-        const auto scale_type = [](int format) { return format == 1 ? at::kFloat : at::kInt; };
         if (quantize)
             require(data.scalar_type() == at::kBFloat16 && data.size(1) % 128 == 0 && !scales,
                     "quantize casts bf16 rows of a multiple of 128 channels and takes no scales; got " +
@@ -403,6 +405,14 @@ private:
                     "dequantize must be 0 or the format of FP8 rows on the wire (quantize, or a pre-quantized tuple "
                     "whose scales' dtype names it), got dequantize=" + std::to_string(dequantize) + ", quantize=" +
                         std::to_string(quantize));
+    }
+
+    // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
+    // rows of bf16 `data` and their scales (float32 for fp8_block128, int32 words of UE8M0 bytes for mxfp8), or,
+    // with `dequantize`, bf16 rows and no scales.
+    static std::pair<at::Tensor, OptionalTensor> outputs_of(const at::Tensor& data, const OptionalTensor& scales,
+                                                            int quantize, int dequantize, int64_t rows) {
+        check_casts(data, scales, quantize, dequantize);
         if (dequantize) return {at::empty({rows, data.size(1)}, data.options().dtype(at::kBFloat16)), {}};
         if (!quantize) {
             OptionalTensor out_scales;
@@ -450,8 +460,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 throw std::invalid_argument("a launcher address is 0");
             return Launcher(layout, dispatch, combine, synchronize, last_error);
         }))
-        .def("layout", &Launcher::layout)
-        .def("dispatch", &Launcher::dispatch)
         .def("layout_dispatch", &Launcher::layout_dispatch)
         .def("cached_dispatch", &Launcher::cached_dispatch)
         .def("receive_dispatch", &Launcher::receive_dispatch)
