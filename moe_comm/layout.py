@@ -46,6 +46,8 @@ MAX_RANKS = 32                      # a destination per warp lane
 SIGNATURE_LEN = 16                  # int64 values of a call's signature (zero-padded), operation first
 MAX_ROUND_SLOTS = 32                # expand combine: slots per round, one reducer lane each
 RECV_TABLE_LIMIT = 48 * 1024 - 256  # bytes of count tables in a dispatch receiver block's shared memory
+MAX_DYNAMIC_SMEM = 220 * 1024       # dynamic shared memory per block (sm_90: 227 KB including static)
+LAYOUT_THREADS = 256                # threads of a layout block: the tokens of a pass, one each
 
 # Control region
 CONTROL_BYTES = 1 << 20
@@ -118,6 +120,13 @@ def layout_blocks(num_tokens: int, num_sms: int) -> int:
     """Blocks of a dispatch's layout kernel: one per SM at most (they meet at grid-wide barriers), each a chunk of
     at least LAYOUT_MIN_CHUNK tokens."""
     return max(1, min(num_sms, LAYOUT_MAX_BLOCKS, -(-num_tokens // LAYOUT_MIN_CHUNK)))
+
+
+def layout_smem_bytes(num_ranks: int, num_experts: int) -> int:
+    """Dynamic shared memory of a layout block (impls/layout.cuh LayoutShared): per column (ranks, then experts) a
+    hit mask and a first position per warp and a running count, and the flags."""
+    columns = num_ranks + num_experts
+    return 4 * (2 * (LAYOUT_THREADS // 32) * columns + columns + 1)
 
 
 def layout_scratch_ints(num_blocks: int, num_ranks: int, num_experts: int) -> int:
@@ -279,6 +288,7 @@ STRUCTS = {
 CONSTANTS = {  # name in C -> (value, C type)
     "kMaxRanks": (MAX_RANKS, "int"), "kSignatureLen": (SIGNATURE_LEN, "int"),
     "kMaxRoundSlots": (MAX_ROUND_SLOTS, "int"), "kRecvTableLimit": (RECV_TABLE_LIMIT, "int64_t"),
+    "kMaxDynamicSmem": (MAX_DYNAMIC_SMEM, "int64_t"), "kLayoutThreads": (LAYOUT_THREADS, "int"),
     "kLayoutMaxBlocks": (LAYOUT_MAX_BLOCKS, "int"),
     **{"kWorkspace" + piece.title().replace("_", ""): (i, "int") for i, piece in enumerate(WORKSPACE_PIECES)},
     "kWorkspaceLength": (len(WORKSPACE_PIECES), "int"),
@@ -351,7 +361,8 @@ def render_header() -> str:
     return "\n".join(out)
 
 
-__all__ = ["MAX_RANKS", "SIGNATURE_LEN", "MAX_ROUND_SLOTS", "RECV_TABLE_LIMIT", "CONTROL_BYTES", "SLOT_STRIDE",
-           "TAG_BYTES", "LAYOUT_MIN_CHUNK", "LAYOUT_MAX_BLOCKS", "RowFormat", "dispatch_row", "combine_row",
-           "layout_blocks", "layout_scratch_ints", "WORKSPACE_PIECES", "workspace_offsets", "summary_len",
-           "recv_table_bytes", "STRUCTS", "CTYPES_STRUCTS", "abi_table", "render_header"]
+__all__ = ["MAX_RANKS", "SIGNATURE_LEN", "MAX_ROUND_SLOTS", "RECV_TABLE_LIMIT", "MAX_DYNAMIC_SMEM", "LAYOUT_THREADS",
+           "CONTROL_BYTES", "SLOT_STRIDE", "TAG_BYTES", "LAYOUT_MIN_CHUNK", "LAYOUT_MAX_BLOCKS", "RowFormat",
+           "dispatch_row", "combine_row", "layout_blocks", "layout_smem_bytes", "layout_scratch_ints",
+           "WORKSPACE_PIECES", "workspace_offsets", "summary_len", "recv_table_bytes", "STRUCTS", "CTYPES_STRUCTS",
+           "abi_table", "render_header"]

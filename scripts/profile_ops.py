@@ -203,7 +203,7 @@ def host_breakdown(buf, x, idx, w, num_experts: int, handle, recv_x, iters: int)
                                                                                   stream),
         "cached dispatch: launcher alone (ctypes)": lambda: lib.dispatch(*dplan.structs, sms, 1, 0, stream),
         "fresh dispatch without CPU sync: host extension (allocations, both launches)": lambda: impl.launcher
-        .layout_dispatch(*fplan.addresses, idx, x, None, w, fplan.offsets_address, fplan.num_rows,
+        .layout_dispatch(*fplan.addresses, idx, x, None, w, fplan.offsets_address, 0, 1, fplan.num_rows,
                          fplan.num_expand_rows, False, 0, 0, sms, 0, stream),
         "fresh dispatch without CPU sync: whole call": lambda: buf.dispatch(x, idx, w, num_experts=num_experts,
                                                                             do_cpu_sync=False),
@@ -246,8 +246,7 @@ def host_pieces(impl, fn, iters: int) -> dict[str, float]:
 
     launcher, empty = impl.launcher, torch.empty
     impl.launcher = types.SimpleNamespace(**{name: timed(f"{name} (host extension)", getattr(launcher, name))
-                                             for name in ("layout", "dispatch", "layout_dispatch", "cached_dispatch",
-                                                          "combine")})
+                                             for name in ("layout_dispatch", "cached_dispatch", "combine")})
     torch.empty = timed("torch.empty", empty)
     try:
         torch.cuda.synchronize()

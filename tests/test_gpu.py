@@ -515,9 +515,9 @@ def layout_rank(rank: int, world_size: int, cases: list[Case]) -> int:
 
 
 def test_cuda_layout(nccl_pool):
-    """One layout block (128 tokens), a grid of them (4096), several passes of 256 tokens per block (40,000 tokens:
-    over 256 per block on a GPU of up to 156 SMs) with rows wider than the slots a layout thread keeps in registers
-    (top-20), half the slots dropped."""
+    """One layout block (128 tokens), a grid of them (4096), several passes of 256 tokens per block (40,000 tokens on
+    rank 0: over 256 per block on a GPU of up to 156 SMs) with rows wider than the slots a layout thread keeps in
+    registers (top-20), half the slots dropped."""
     cases = [Case(seed=221, num_ranks=WORLD_SIZE, num_experts=256, num_topk=8, hidden=64,
                   num_tokens=per_rank(128, 100), num_max_tokens_per_rank=128),
              Case(seed=222, num_ranks=WORLD_SIZE, num_experts=256, num_topk=8, hidden=64,

@@ -57,6 +57,30 @@ def test_abi_mismatch_is_a_runtime_error_naming_the_field(kernels, monkeypatch):
         kernels._check_abi()
 
 
+def test_layout_shared_memory_limit_agrees_with_the_launcher(kernels):
+    """The layout kernel's shared memory (moe_comm.layout.layout_smem_bytes) fits exactly where the launcher's own
+    check says it does: at the most experts that fit, the launcher gets past its check (then fails without a GPU);
+    one rank's worth more, both refuse it, the backend with a ValueError naming num_experts before any launch."""
+    import types
+
+    from moe_comm.backends.cuda import CudaBackend
+
+    R = 8
+    fits = max(E for E in range(R, 8192, R) if layout.layout_smem_bytes(R, E) <= layout.MAX_DYNAMIC_SMEM)
+    for E in (fits, fits + R):
+        params = layout.EpParams(num_ranks=R, num_experts=E, num_local_experts=E // R)
+        notify = layout.NotifyArgs(pending_flags=8)
+        args = layout.LayoutArgs(num_blocks=1, scratch=8)
+        assert kernels.layout(ctypes.byref(params), ctypes.byref(args), ctypes.byref(notify), None) == 1  # no GPU
+        refused = f"num_experts={E} needs {layout.layout_smem_bytes(R, E)} bytes of shared memory" in \
+            kernels.last_error().decode()
+        assert refused == (E > fits), kernels.last_error()
+    call = types.SimpleNamespace(num_topk=8, num_tokens=1, num_experts=fits + R, num_max_tokens_per_rank=1)
+    with pytest.raises(ValueError, match=f"num_experts={fits + R} over {R} ranks needs .* bytes of shared memory in "
+                                         f"the layout kernel .*use backend='torch'"):
+        CudaBackend._fresh_plan(types.SimpleNamespace(num_ranks=R), call, [])
+
+
 def test_launcher_failure_names_the_condition_and_values(kernels):
     """Checks run before any launch, so they answer on a machine without a GPU."""
     params = layout.EpParams(num_ranks=0, num_experts=8)

@@ -441,6 +441,10 @@ class CudaBackend(Backend):
         """A fresh dispatch's launch structs for this call signature (the host extension sets the pointers)."""
         R, K, N, E = self.num_ranks, c.num_topk, c.num_tokens, c.num_experts
         L, cap = E // R, c.num_max_tokens_per_rank
+        smem = lay.layout_smem_bytes(R, E)
+        if smem > lay.MAX_DYNAMIC_SMEM:
+            raise ValueError(f"num_experts={E} over {R} ranks needs {smem} bytes of shared memory in the layout kernel "
+                             f"(limit {lay.MAX_DYNAMIC_SMEM}); use backend='torch'")
         weight_bytes = 0 if c.topk_weights is None else c.topk_weights.element_size()
         params = self._dispatch_params(c, N, K, weight_bytes, signature)
         summary = self._mapped_dev + lay.SUMMARY_OFFSET if c.do_cpu_sync else 0

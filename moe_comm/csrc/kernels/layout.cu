@@ -29,7 +29,7 @@ extern "C" int moe_comm_layout(const EpParams* p, const LayoutArgs* a, const Not
                      "num_blocks=%d (at most %d), scratch=%p", a->num_blocks, kLayoutMaxBlocks,
                      static_cast<void*>(a->scratch));
     // Shared memory (LayoutShared): per column (ranks, experts) a hit mask and a position per warp, a running count;
-    // the flags.
+    // the flags (moe_comm.layout.layout_smem_bytes, which the host checks first).
     const int64_t columns = p->num_ranks + p->num_experts;
     const int64_t smem_bytes = 4 * (2 * kLayoutWarps * columns + columns + 1);
     MOE_COMM_REQUIRE(smem_bytes <= kMaxDynamicSmem, "num_experts=%d needs %lld bytes of shared memory (limit %lld)",

@@ -18,6 +18,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "moe_comm/abi.h"
 
@@ -222,16 +223,11 @@ private:
         for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
         if (problem) return py::none();
         const int64_t M = summary[3 * R];
-        // The list through the C API: pybind11's item assignment costs ~25 ns per expert (6 us at 256 experts).
-        py::list aligned = py::reinterpret_steal<py::list>(PyList_New(L));
-        if (!aligned) throw py::error_already_set();
+        std::vector<int64_t> aligned(L);
         int64_t aligned_sum = 0;
         for (int e = 0; e < L; ++e) {
-            const int64_t n = (summary[3 * R + 1 + e] + alignment - 1) / alignment * alignment;
-            aligned_sum += n;
-            PyObject* item = PyLong_FromLongLong(n);
-            if (!item) throw py::error_already_set();
-            PyList_SET_ITEM(aligned.ptr(), e, item);
+            aligned[e] = (summary[3 * R + 1 + e] + alignment - 1) / alignment * alignment;
+            aligned_sum += aligned[e];
         }
         const Sizes sizes{M, do_expand ? aligned_sum : M, do_expand};
         RowOutputs rows;
@@ -240,6 +236,7 @@ private:
             rows = row_outputs(launch.params, data, scales, weights, launch.quantize, launch.dequantize, sizes);
             routing = at::empty({routing_words(launch.params, M)}, topk_idx.options());
         } catch (const c10::Error&) {  // an allocation failed
+            rows = {};  // the outputs that were allocated go back first
             // Every peer now waits for this rank's rows (the notify ran): the dispatch runs with no outputs (the
             // senders send, the receivers skip every row: num_rows 0), so the peers finish theirs, then this rank
             // raises (e.g. torch.OutOfMemoryError naming the bytes; moe_comm.backends.cuda counted the epoch). Whole,
@@ -248,8 +245,17 @@ private:
             throw;
         }
         launch_dispatch(launch, data, scales, weights, pointers(rows, routing, 0), sizes, workspace, part);
+        // The list after the launch (a failure here leaves no peer waiting), through the C API: pybind11's item
+        // assignment costs ~25 ns per expert (6 us at 256 experts).
+        py::list counts = py::reinterpret_steal<py::list>(PyList_New(L));
+        if (!counts) throw py::error_already_set();
+        for (int e = 0; e < L; ++e) {
+            PyObject* item = PyLong_FromLongLong(aligned[e]);
+            if (!item) throw py::error_already_set();
+            PyList_SET_ITEM(counts.ptr(), e, item);
+        }
         return py::make_tuple(results_of(launch.params, rows, routing, 0, M), clean_view(workspace, launch.params),
-                              sizes.num_expand_rows, aligned);
+                              sizes.num_expand_rows, counts);
     }
 
     // The routing outputs of M received rows, in int64 words: topk_idx [M, K], src_idx [M], psum per rank [R], psum
@@ -376,7 +382,8 @@ private:
               "dispatch");
     }
 
-    // A fresh dispatch's outputs as `dispatch` returns them, the routing outputs views of `words` at word `at`.
+    // A fresh dispatch's outputs as `layout_dispatch` returns them, the routing outputs views of `words` at word
+    // `at`.
     static py::tuple results_of(uintptr_t params, const RowOutputs& rows, const at::Tensor& words, int64_t at,
                                 int64_t M) {
         const EpParams* p = at_address<const EpParams>(params);

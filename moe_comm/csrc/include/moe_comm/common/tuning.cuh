@@ -5,13 +5,14 @@
 
 #include <cstdint>
 
+#include "moe_comm/abi.h"
+
 namespace moe_comm {
 
 constexpr int kWarpSize = 32;
 constexpr int kMaxWarpsPerBlock = 16;        // dispatch_impl / combine_impl blocks: 512 threads
 constexpr int kThreadsPerBlock = kMaxWarpsPerBlock * kWarpSize;
-constexpr int kLayoutThreads = 256;          // threads of a layout block: tokens of a pass, one each
-constexpr int kLayoutWarps = kLayoutThreads / kWarpSize;  // hit masks per column of a layout pass
+constexpr int kLayoutWarps = kLayoutThreads / kWarpSize;  // hit masks per column of a layout pass (abi.h)
 constexpr int kMaxLayoutTopk = 16;           // slots a layout thread keeps in registers (more are re-read)
 constexpr int kMaxDevices = 64;              // devices one process may launch dispatches on
 
@@ -31,7 +32,6 @@ constexpr int kSendBatch = MOE_COMM_SEND_BATCH;
 constexpr int kCombineBatch = MOE_COMM_COMBINE_BATCH;
 
 // Dispatch receivers: chunk buffers in shared memory, filled by bulk copies.
-constexpr int64_t kMaxDynamicSmem = 220 * 1024;  // per block (sm_90: 227 KB including static shared memory)
 #ifndef MOE_COMM_RECV_STAGES
 #define MOE_COMM_RECV_STAGES 2               // chunk buffers per copying warp (loads in flight: stages - 1)
 #endif
