@@ -302,6 +302,11 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
             crossing(bf16, None, None, False, sync=sync, rows=7, expand_rows=7, alignment=0)
         with pytest.raises(ValueError, match="topk_idx must be contiguous int64 of num_tokens x num_topk = 15"):
             crossing(bf16, None, None, False, sync=sync, rows=7, expand_rows=7, topk=topk_idx[:4])
+        with pytest.raises(ValueError, match="data must be 2-D rows and num_rows, num_expand_rows >= 0; got 2-D data, "
+                                             "num_rows=-1"):
+            crossing(bf16, None, None, False, sync=sync, rows=-1, expand_rows=7)
+        with pytest.raises(ValueError, match="got 1-D data"):
+            crossing(bf16[0], None, None, False, sync=sync, rows=7, expand_rows=7)
         for data, scales_in, codes in ((bf16, None, (0, 1)), (q, torch.ones(N, H // 128), (0, 2)),
                                        (bf16, None, (2, 1))):
             with pytest.raises(ValueError, match="dequantize must be 0 or the format of FP8 rows on the wire"):

@@ -91,6 +91,10 @@ public:
                     topk_idx.numel() == p->num_tokens * p->num_topk,
                 "topk_idx must be contiguous int64 of num_tokens x num_topk = " +
                     std::to_string(p->num_tokens * p->num_topk) + " values");
+        require(data.dim() == 2 && num_rows >= 0 && num_expand_rows >= 0,
+                "data must be 2-D rows and num_rows, num_expand_rows >= 0; got " + std::to_string(data.dim()) +
+                    "-D data, num_rows=" + std::to_string(num_rows) + ", num_expand_rows=" +
+                    std::to_string(num_expand_rows));
         check_casts(data, scales, quantize, dequantize);
         const Launch launch{params, args, notify, inputs, outputs, o, quantize, dequantize, num_blocks, stream};
         if (mapped) return synchronized_dispatch(launch, topk_idx, data, scales, weights, mapped, alignment, do_expand,
