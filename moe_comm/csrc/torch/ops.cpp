@@ -126,6 +126,7 @@ public:
                               const OptionalTensor& scales, int quantize, int dequantize, int64_t num_rows,
                               int num_blocks, int part, uintptr_t stream) const {
         const EpParams* p = at_address<const EpParams>(params);
+        check_casts(data, scales, quantize, dequantize);
         auto [x, out_scales] = outputs_of(data, scales, quantize, dequantize, num_rows);
         auto* in = at_address<DispatchInputs>(inputs);
         in->x = bytes_of(data);
@@ -400,7 +401,8 @@ private:
     // The scales' dtype of an FP8 format (1 fp8_block128: float32, 2 mxfp8: int32 words of UE8M0 bytes).
     static at::ScalarType scale_type(int format) { return format == 1 ? at::kFloat : at::kInt; }
 
-    // `quantize` and `dequantize` (0, 1 fp8_block128, 2 mxfp8) with rows `data` and `scales`: what outputs_of takes.
+    // `quantize` and `dequantize` (0, 1 fp8_block128, 2 mxfp8) with rows `data` and `scales`, checked before
+    // anything is allocated or launched (outputs_of trusts them).
     static void check_casts(const at::Tensor& data, const OptionalTensor& scales, int quantize, int dequantize) {
         require(quantize >= 0 && quantize <= 2 && dequantize >= 0 && dequantize <= 2,
                 "quantize and dequantize must be 0, 1 (fp8_block128) or 2 (mxfp8), got " + std::to_string(quantize) +
@@ -420,10 +422,9 @@ private:
 
     // A dispatch's row outputs: [rows, H] in data's dtype with scales like the given ones, or, with `quantize`, FP8
     // rows of bf16 `data` and their scales (float32 for fp8_block128, int32 words of UE8M0 bytes for mxfp8), or,
-    // with `dequantize`, bf16 rows and no scales.
+    // with `dequantize`, bf16 rows and no scales (the casts as check_casts passed them).
     static std::pair<at::Tensor, OptionalTensor> outputs_of(const at::Tensor& data, const OptionalTensor& scales,
                                                             int quantize, int dequantize, int64_t rows) {
-        check_casts(data, scales, quantize, dequantize);
         if (dequantize) return {at::empty({rows, data.size(1)}, data.options().dtype(at::kBFloat16)), {}};
         if (!quantize) {
             OptionalTensor out_scales;
