@@ -59,8 +59,10 @@ def test_abi_mismatch_is_a_runtime_error_naming_the_field(kernels, monkeypatch):
 
 def test_layout_shared_memory_limit_agrees_with_the_launcher(kernels):
     """The layout kernel's shared memory (moe_comm.layout.layout_smem_bytes) fits exactly where the launcher's own
-    check says it does: at the most experts that fit, the launcher gets past its check (then fails without a GPU);
-    one rank's worth more, both refuse it, the backend with a ValueError naming num_experts before any launch."""
+    check says it does: at the most experts that fit, the launcher gets past its check (then fails: without a GPU,
+    or on one because so many blocks of that size cannot be co-resident, so nothing launches with these fake
+    pointers); one rank's worth more, both refuse it, the backend with a ValueError naming num_experts before any
+    launch."""
     import types
 
     from moe_comm.backends.cuda import CudaBackend
@@ -70,7 +72,7 @@ def test_layout_shared_memory_limit_agrees_with_the_launcher(kernels):
     for E in (fits, fits + R):
         params = layout.EpParams(num_ranks=R, num_experts=E, num_local_experts=E // R)
         notify = layout.NotifyArgs(pending_flags=8)
-        args = layout.LayoutArgs(num_blocks=1, scratch=8)
+        args = layout.LayoutArgs(num_blocks=layout.LAYOUT_MAX_BLOCKS, scratch=8)
         assert kernels.layout(ctypes.byref(params), ctypes.byref(args), ctypes.byref(notify), None) == 1  # no GPU
         refused = f"num_experts={E} needs {layout.layout_smem_bytes(R, E)} bytes of shared memory" in \
             kernels.last_error().decode()
