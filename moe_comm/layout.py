@@ -9,9 +9,7 @@ Buffer of every rank (identical layout on every rank; offsets in bytes from the 
 
     [0, CONTROL_BYTES)          control region
         BARRIER_FLAGS_OFFSET    [MAX_RANKS] int64 barrier flags, entry s written by rank s
-        EXCHANGE_FLAGS_OFFSET   [MAX_RANKS] int64 exchange flags, entry s written by rank s
         BARRIER_SEQ_OFFSET      int64 this rank's barrier counter (on the device, so CUDA graph replays advance it)
-        EXCHANGE_SEQ_OFFSET     int64 this rank's exchange counter
         KERNEL_DONE_OFFSET      int32 blocks of the running kernel that finished (the last one resets it and, in a
                                 kernel with the barrier fused in, advances the barrier counter)
         ABORT_OFFSET            int64 this rank's abort word: 0 while operations run, else the ErrorRecord code
@@ -20,8 +18,9 @@ Buffer of every rank (identical layout on every rank; offsets in bytes from the 
                                 before its barrier flag (every operation's barrier: ranks compare them after it).
                                 Two sets: a rank may start the next operation while a peer's block still reads
                                 this one's
-        SLOTS_OFFSET            [MAX_RANKS][SLOT_STRIDE] int64 control slots, slot s written by rank s:
-                                [rows sent to us][per-local-expert counts (L)][flags]
+        SLOTS_OFFSET            [2][MAX_RANKS][SLOT_STRIDE] int64 control slots, [seq % 2][s] written by rank s
+                                before its barrier flag (a fresh dispatch's notify; read after the barrier):
+                                [rows sent to us][per-local-expert counts (L)][flags]. Two sets, as the signatures
     [CONTROL_BYTES, num_bytes)  receive region. Dispatch: block s (num_max_tokens_per_rank rows) from rank s.
                                 Combine: a block (num_max_tokens_per_rank rows, or row groups of an expand round)
                                 per peer, the rank's own left out (its rows are read from its x): peer s at s, or
@@ -52,15 +51,13 @@ LAYOUT_THREADS = 256                # threads of a layout block: the tokens of a
 # Control region
 CONTROL_BYTES = 1 << 20
 BARRIER_FLAGS_OFFSET = 0
-EXCHANGE_FLAGS_OFFSET = 4096
 BARRIER_SEQ_OFFSET = 8192
-EXCHANGE_SEQ_OFFSET = 8200
 KERNEL_DONE_OFFSET = 8208
 ABORT_OFFSET = 8216
 SIGNATURES_OFFSET = 16384
 SLOTS_OFFSET = 24576
 # Fixed, so that ranks that disagree on sizes still read each other's signature where it was written.
-SLOT_STRIDE = (CONTROL_BYTES - SLOTS_OFFSET) // (8 * MAX_RANKS)
+SLOT_STRIDE = (CONTROL_BYTES - SLOTS_OFFSET) // (8 * 2 * MAX_RANKS)
 
 # Rows
 ROW_ALIGN = 16                      # rows move as 16-byte vectors
@@ -221,15 +218,13 @@ STRUCTS = {
         ("int32_t", "num_blocks", "co-resident blocks, each a chunk of tokens (layout_blocks)"),
         ("int32_t", "padding", ""),
     ],
-    "NotifyArgs": [  # notify kernel: barrier, counts into every peer's control slot, exchange, copies
+    "NotifyArgs": [  # notify (the layout kernel's last block): counts into every peer's control slot, barrier, copies
         ("const int64_t*", "num_tokens_per_rank", "[R] rows this rank sends to each rank"),
         ("const int64_t*", "num_tokens_per_expert", "[E]"),
         ("const int64_t*", "flags", "[1] error flags of this rank's routing"),
         ("int64_t*", "pending_flags", "[R] flags of no-sync dispatches: ORed in, copied to the summary"),
         ("int64_t*", "recv_slots", "[R][SLOT_STRIDE] copy of the slots, or null"),
         ("int64_t*", "summary", "host-mapped summary (summary_len values), or null: no CPU sync"),
-        ("int32_t", "exchange_phase", ""),
-        ("int32_t", "padding", ""),
     ],
     "DispatchInputs": [
         ("const uint8_t*", "x", "[N, data_bytes]"),
@@ -293,8 +288,7 @@ CONSTANTS = {  # name in C -> (value, C type)
     **{"kWorkspace" + piece.title().replace("_", ""): (i, "int") for i, piece in enumerate(WORKSPACE_PIECES)},
     "kWorkspaceLength": (len(WORKSPACE_PIECES), "int"),
     "kControlBytes": (CONTROL_BYTES, "int64_t"), "kBarrierFlagsOffset": (BARRIER_FLAGS_OFFSET, "int64_t"),
-    "kExchangeFlagsOffset": (EXCHANGE_FLAGS_OFFSET, "int64_t"), "kBarrierSeqOffset": (BARRIER_SEQ_OFFSET, "int64_t"),
-    "kExchangeSeqOffset": (EXCHANGE_SEQ_OFFSET, "int64_t"),
+    "kBarrierSeqOffset": (BARRIER_SEQ_OFFSET, "int64_t"),
     "kKernelDoneOffset": (KERNEL_DONE_OFFSET, "int64_t"), "kAbortOffset": (ABORT_OFFSET, "int64_t"),
     "kSignaturesOffset": (SIGNATURES_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
     "kMappedSignaturesOffset": (MAPPED_SIGNATURES_OFFSET, "int64_t"),

@@ -174,7 +174,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     params = _params()
     offsets = layout.workspace_offsets(N, K, R, E, cap, True, 3)
     words = (ctypes.c_int64 * len(offsets))(*offsets)
-    args, notify = layout.LayoutArgs(), layout.NotifyArgs(pending_flags=64, summary=128, exchange_phase=1)
+    args, notify = layout.LayoutArgs(), layout.NotifyArgs(pending_flags=64, summary=128)
     inputs, outputs = layout.DispatchInputs(), layout.RecvOutputs()
     topk_idx = torch.zeros(N, K, dtype=torch.int64)
     q = torch.zeros(N, H, dtype=torch.float8_e4m3fn)
@@ -208,7 +208,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         assert a.scratch == at(5) and offsets[6] - offsets[5] == -(-3 * (R + E + 1) // 2)
         assert (n.num_tokens_per_rank, n.num_tokens_per_expert, n.flags, n.recv_slots) == (
             a.num_tokens_per_rank, a.num_tokens_per_expert, a.flags, at(2))
-        assert (n.pending_flags, n.summary, n.exchange_phase) == (64, 128, 1)  # the plan's, untouched
+        assert (n.pending_flags, n.summary) == (64, 128)  # the plan's, untouched
 
     def check_dispatch(results, clean, M, P, do_expand, with_data=q):
         x, out_scales, idx, src, psum_rank, psum_expert, w = results
@@ -564,7 +564,7 @@ def synchronized_dispatch_rank(rank: int, world_size: int) -> list[str]:
         error = impl._error
 
         def notify_times_out(stream):  # the notify records a timed-out wait while the host waits for it
-            error.code, error.phase = layout.ERROR_TIMEOUT, PHASES.index("dispatch notify")
+            error.code, error.phase = layout.ERROR_TIMEOUT, PHASES.index("barrier before dispatch")
             error.rank, error.peer = 0, 3
             return 0
 
@@ -575,7 +575,7 @@ def synchronized_dispatch_rank(rank: int, world_size: int) -> list[str]:
         impl.launcher = cuda_kernels.host_extension().Launcher(
             address("layout"), address("dispatch"), address("combine"), ctypes.cast(wait, ctypes.c_void_p).value,
             address("last_error"))
-        with pytest.raises(TimeoutError, match="rank 0 timed out in dispatch notify waiting for peer 3"):
+        with pytest.raises(TimeoutError, match="rank 0 timed out in barrier before dispatch waiting for peer 3"):
             dispatch()
         with pytest.raises(RuntimeError, match="broken since an earlier error"):
             dispatch()

@@ -55,7 +55,7 @@ MAX_SHAPES = 64  # fresh-dispatch launch structs kept per buffer
 # Added to the recorded sequence number after ranks disagreed: the restarted counters and handle epochs are the same
 # on every rank and unlike any used before (row tags keep 48 bits: 65536 disagreements).
 REALIGN_JUMP = 1 << 32
-PHASES = ("barrier before dispatch", "dispatch notify", "dispatch", "barrier before combine", "combine",
+PHASES = ("barrier before dispatch", "dispatch", "barrier before combine", "combine",
           "pp_send (a free slot)", "pp_recv", "all_gather / reduce_scatter (a free slot)",
           "all_gather / reduce_scatter")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
@@ -331,12 +331,12 @@ class CudaBackend(Backend):
 
     def _realign(self) -> None:
         """After a disagreement: the ranks may have run different numbers of kernels since (each moving nothing), so
-        every rank restarts its barrier and exchange counters and its handle epoch from the values recorded where
-        they disagreed (the same on every rank) plus REALIGN_JUMP: later waits expect only flags written from now on.
+        every rank restarts its barrier counter and its handle epoch from the value recorded where they disagreed
+        (the same on every rank) plus REALIGN_JUMP: later waits expect only flags written from now on.
         No communication: ranks reach their synchronizing calls at different points when they disagree."""
         e = self._error
-        counters = self.buffer[lay.BARRIER_SEQ_OFFSET:lay.EXCHANGE_SEQ_OFFSET + 8].view(torch.int64)
-        counters.copy_(torch.tensor([e.observed + REALIGN_JUMP, e.expected + REALIGN_JUMP], dtype=torch.int64))
+        counter = self.buffer[lay.BARRIER_SEQ_OFFSET:lay.BARRIER_SEQ_OFFSET + 8].view(torch.int64)
+        counter.fill_(e.observed + REALIGN_JUMP)
         self.buffer[lay.ABORT_OFFSET:lay.ABORT_OFFSET + 8].zero_()
         # Handles made up to here may come from calls that moved nothing (their counts were never written).
         self._stale_epoch = self.epoch
@@ -448,8 +448,7 @@ class CudaBackend(Backend):
         weight_bytes = 0 if c.topk_weights is None else c.topk_weights.element_size()
         params = self._dispatch_params(c, N, K, weight_bytes, signature)
         summary = self._mapped_dev + lay.SUMMARY_OFFSET if c.do_cpu_sync else 0
-        notify = lay.NotifyArgs(pending_flags=self.pending_flags.data_ptr(), summary=summary,
-                                exchange_phase=_PHASE["dispatch notify"])
+        notify = lay.NotifyArgs(pending_flags=self.pending_flags.data_ptr(), summary=summary)
         M = R * cap  # the worst case, sizing the outputs of a call without CPU sync
         P = M * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
         blocks = lay.layout_blocks(N, self.num_device_sms)

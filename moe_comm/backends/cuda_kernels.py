@@ -62,7 +62,7 @@ BLOCK_TIME_SIGNATURES = {name: (_int, [ctypes.POINTER(ctypes.c_uint64), _int])
                          for name in ("moe_comm_dispatch_block_times", "moe_comm_combine_block_times",
                                       "moe_comm_layout_step_times")}
 LAYOUT_STEPS = ("counted", "grid barrier", "scanned", "grid barrier", "placed",  # after step 0, the block's start
-                "notify started", "notify barrier", "slots exchanged", "notify done")  # the last block only
+                "notify started", "slots written", "notify barrier", "notify done")  # the last block only
 
 
 def kernel_sources() -> list[Path]:

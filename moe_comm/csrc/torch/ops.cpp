@@ -56,9 +56,9 @@ public:
           last_error_(reinterpret_cast<LastErrorFn>(last_error)) {}
 
     // A fresh dispatch in one crossing: the routing workspace (`offsets`: the address of its
-    // moe_comm.layout.workspace_offsets), the layout kernel (its last block runs the notify: the barrier with the
-    // call's signature, then the counts exchanged), then the dispatch kernel, which sends and receives. The outputs
-    // are sized one of two ways:
+    // moe_comm.layout.workspace_offsets), the layout kernel (its last block runs the notify: the counts into every
+    // peer's control slot, published by the barrier with the call's signature), then the dispatch kernel, which sends
+    // and receives. The outputs are sized one of two ways:
     // - without a CPU sync (`mapped` 0): for the worst case, `num_rows` received rows M and `num_expand_rows` output
     //   rows P, all allocated before the layout kernel, which is collective, launches; the routing outputs at the end
     //   of the workspace's allocation. Outputs that cannot be allocated: both launches still run, without outputs

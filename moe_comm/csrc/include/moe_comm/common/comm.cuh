@@ -122,9 +122,9 @@ __device__ __forceinline__ int barrier_wait(const EpParams& p, int peer, int64_t
 // End of a block's barrier waits at sequence number `seq`, `verdict` from barrier_wait (1 for threads that waited
 // for nobody): true when every rank arrived with this call's signature. Ranks that disagree all see it (every rank
 // compares every rank's signature, at the same `seq`); the first block that sees it leaves every rank's signature in
-// host-mapped memory for the host's error message, with `seq` and the exchange counter (the host restarts both
-// counters past them, the same on every rank), and sets the abort word, so this operation and those after it move
-// nothing until the host, at its next synchronizing call, raises and clears it. Every thread must call it.
+// host-mapped memory for the host's error message, with `seq` (the host restarts the barrier counter past it, the
+// same on every rank), and sets the abort word, so this operation and those after it move nothing until the host,
+// at its next synchronizing call, raises and clears it. Every thread must call it.
 __device__ __forceinline__ bool barrier_agreed(const EpParams& p, int verdict, int phase, int64_t seq) {
     __shared__ int any_missing, any_differ, record;
     if (threadIdx.x == 0) any_missing = any_differ = record = 0;
@@ -150,45 +150,12 @@ __device__ __forceinline__ bool barrier_agreed(const EpParams& p, int verdict, i
                 p.error->rank = p.rank;
                 p.error->phase = phase;
                 p.error->observed = seq;
-                p.error->expected = *reinterpret_cast<volatile int64_t*>(p.local_base + kExchangeSeqOffset);
                 __threadfence_system();
             }
         }
     }
     __syncthreads();
     return !any_missing && !any_differ;
-}
-
-// The barrier of a notify block: tell every rank that this rank reached this point of a phase (with the call's
-// signature when `with_signature`), then wait until every rank told us the same: thread d of the block signals and
-// waits for rank d (every thread of the block must call this). The phase's flags are an int64 array [num_ranks] at
-// `flags_offset` of every buffer (written by peers); its sequence counter, at `seq_offset` of our buffer, lives on
-// the device so that CUDA graph replays advance it. True when every rank arrived (and agreed).
-__device__ __forceinline__ bool signal_wait_block(const EpParams& p, int64_t flags_offset, int64_t seq_offset,
-                                                  int phase, bool with_signature) {
-    __shared__ int64_t seq;
-    __syncthreads();  // a previous call's waiters are done with `seq`
-    if (threadIdx.x == 0) {
-        int64_t* counter = reinterpret_cast<int64_t*>(p.local_base + seq_offset);
-        seq = *counter + 1;
-        *counter = seq;
-    }
-    __syncthreads();
-    const int peer = threadIdx.x;
-    int verdict = 1;
-    if (peer < p.num_ranks) {
-        if (with_signature) {
-            __threadfence_system();  // whatever this stream wrote before, from any thread, goes before the flag
-            barrier_arrive(p, peer, flags_offset, seq);
-            verdict = barrier_wait(p, peer, flags_offset, seq, phase);
-        } else {
-            __threadfence_system();
-            st_release_sys(reinterpret_cast<int64_t*>(p.peer_bases[peer] + flags_offset) + p.rank, seq);
-            verdict = wait_flag_at_least(reinterpret_cast<const int64_t*>(p.local_base + flags_offset) + peer, seq,
-                                         p, phase, peer);
-        }
-    }
-    return barrier_agreed(p, verdict, phase, seq);
 }
 
 }  // namespace moe_comm

@@ -10,9 +10,10 @@
 
 namespace moe_comm {
 
-// Control slot `slot` of the buffer at `base`: [rows][per-local-expert counts][flags].
-__device__ __forceinline__ int64_t* control_slot(uint8_t* base, int slot) {
-    return reinterpret_cast<int64_t*>(base + kSlotsOffset) + static_cast<int64_t>(slot) * kSlotStride;
+// Control slot `slot` of the buffer at `base` for the operation with barrier sequence number `seq` (two sets by
+// parity, as the call signatures): [rows][per-local-expert counts][flags].
+__device__ __forceinline__ int64_t* control_slot(uint8_t* base, int64_t seq, int slot) {
+    return reinterpret_cast<int64_t*>(base + kSlotsOffset) + ((seq & 1) * kMaxRanks + slot) * kSlotStride;
 }
 
 // The sequence number of the running operation: the barrier before every operation advances the barrier counter

@@ -1,4 +1,4 @@
-// The dispatch notify: the handshake before a dispatch moves rows (barrier, counts, exchange). Device code only
+// The dispatch notify: the handshake before a dispatch moves rows (counts, barrier). Device code only
 // (run by the last block of the layout kernel, kernels/layout.cu); no torch headers.
 #pragma once
 
@@ -12,42 +12,61 @@
 namespace moe_comm {
 
 // Profiling build (-DMOE_COMM_BLOCK_TIMES): per layout block the global timer at its steps (layout.cuh), the last
-// block's row also at the notify's (started, barrier passed, slots exchanged, done); the others' notify steps 0.
+// block's row also at the notify's (started, slots written, barrier passed, done); the others' notify steps 0.
 constexpr int kLayoutSteps = 10;
 #ifdef MOE_COMM_BLOCK_TIMES
 __device__ uint64_t g_layout_step_times[kMaxTimedBlocks][kLayoutSteps];  // included by kernels/layout.cu only
 #endif
 
 // ------------------------------------------------------------------------------------------------------------
-// Dispatch notify, one block (thread d < num_ranks talks to rank d): the barrier before the dispatch (nobody
-// writes into a region its owner still reads; it advances the barrier counter that names the operation; it carries
-// the call's signature, and ranks that disagree stop there), this rank's control slot on every peer (rows,
-// per-expert counts, flags), the exchange (every peer's
-// slot has arrived here), then what arrived goes on: a copy of the slots for the receivers of this and later
-// cached dispatches; with a CPU sync a summary for the host, without one the flags into the pending flags that
-// the next synchronizing call raises.
+// Dispatch notify, one block (thread d < num_ranks talks to rank d): this rank's control slot on every peer (rows,
+// per-expert counts, flags), then the barrier before the dispatch, which publishes them (nobody writes into a region
+// its owner still reads; it advances the barrier counter that names the operation; it carries the call's signature,
+// and ranks that disagree stop there), then what arrived goes on: a copy of the slots for the receivers of this and
+// later cached dispatches; with a CPU sync a summary for the host, without one the flags into the pending flags
+// that the next synchronizing call raises.
+// NOTES: the slots used to travel after the barrier, behind a second flag of their own (an exchange): folded into
+// the barrier, one system fence and one wait fewer (benchmarks/NOTES.md, thirteenth session). Writing a peer's slot
+// before the barrier is safe because the slots come in two sets by the sequence number's parity, as the signatures:
+// this rank passed the barrier of the operation before (its earlier kernels are complete), so every peer had
+// reached it, and had finished reading the set of two operations ago.
 // ------------------------------------------------------------------------------------------------------------
+// The barrier at sequence number `seq` (the counter + 1; it advances the counter to `seq`): thread d tells rank d
+// that this rank reached the operation, with the call's signature, and waits until rank d did the same. What any
+// thread of the block wrote before it reaches the peers with the flags. True when every rank arrived and agreed.
+// Every thread of the block must call it.
+__device__ __forceinline__ bool notify_barrier(const EpParams& p, int64_t seq) {
+    __syncthreads();  // every thread's stores come before the flags (the fence below is cumulative)
+    if (threadIdx.x == 0) *reinterpret_cast<int64_t*>(p.local_base + kBarrierSeqOffset) = seq;
+    int verdict = 1;
+    if (threadIdx.x < p.num_ranks) {
+        __threadfence_system();
+        barrier_arrive(p, threadIdx.x, kBarrierFlagsOffset, seq);
+        verdict = barrier_wait(p, threadIdx.x, kBarrierFlagsOffset, seq, p.barrier_phase);
+    }
+    return barrier_agreed(p, verdict, p.barrier_phase, seq);
+}
+
 __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
     const int R = p.num_ranks, L = p.num_local_experts;
     STEP_TIME(g_layout_step_times, 6);
-    if (block_aborted(p) || !signal_wait_block(p, kBarrierFlagsOffset, kBarrierSeqOffset, p.barrier_phase, true))
-        return;  // the dispatch kernel after it sees the abort word too and moves nothing
-    STEP_TIME(g_layout_step_times, 7);
+    if (block_aborted(p)) return;  // the dispatch kernel after it sees the abort word too and moves nothing
+    const int64_t seq = *reinterpret_cast<volatile const int64_t*>(p.local_base + kBarrierSeqOffset) + 1;
     // Our slot on every peer d: rows for d, d's experts' counts, flags (every thread takes values).
-    // NOTES: the exchange's barrier (__syncthreads, then a system fence and release per peer) publishes them.
     const int width = L + 2;
     for (int i = threadIdx.x; i < R * width; i += blockDim.x) {
         const int d = i / width, c = i % width;
         // NOTES: __ldcg, as the counts may come from other blocks of the same kernel (layout_notify_impl).
         const int64_t value = c == 0 ? __ldcg(n.num_tokens_per_rank + d)
                               : c <= L ? __ldcg(n.num_tokens_per_expert + d * L + c - 1) : __ldcg(n.flags);
-        control_slot(p.peer_bases[d], p.rank)[c] = value;
+        control_slot(p.peer_bases[d], seq, p.rank)[c] = value;
     }
-    if (!signal_wait_block(p, kExchangeFlagsOffset, kExchangeSeqOffset, n.exchange_phase, false)) return;
+    STEP_TIME(g_layout_step_times, 7);
+    if (!notify_barrier(p, seq)) return;
     STEP_TIME(g_layout_step_times, 8);
     // Slots written by peers: volatile loads (not through L1).
     auto slot_value = [&](int s, int i) {
-        return *reinterpret_cast<volatile const int64_t*>(control_slot(p.local_base, s) + i);
+        return *reinterpret_cast<volatile const int64_t*>(control_slot(p.local_base, seq, s) + i);
     };
     if (n.recv_slots)
         for (int i = threadIdx.x; i < R * width; i += blockDim.x)
