@@ -110,7 +110,7 @@ def combine_row(data_bytes: int, weights_per_row: int, weight_bytes: int) -> Row
 # Tokens per layout block at least (a block takes 256 a pass, a token per thread): 128 measured best over 128-8192
 # tokens (benchmarks/NOTES.md, thirteenth session).
 LAYOUT_MIN_CHUNK = 128
-LAYOUT_MAX_BLOCKS = 256  # a column's scan holds at most 8 chunks per lane
+LAYOUT_MAX_BLOCKS = 256  # a block reads the counts of every block before it (and one per SM at most anyway)
 
 
 def layout_blocks(num_tokens: int, num_sms: int) -> int:
@@ -214,7 +214,7 @@ STRUCTS = {
         ("int64_t*", "num_tokens_per_rank", "[R]"),
         ("int64_t*", "num_tokens_per_expert", "[E]"),
         ("int64_t*", "flags", "[1] error flags: 1 out of range, 2 duplicate expert in a row"),
-        ("int32_t*", "scratch", "[num_blocks][R + E + 1] per-chunk counts, then their prefixes"),
+        ("int32_t*", "scratch", "[num_blocks][R + E + 1] per-chunk counts (each block sums those before it)"),
         ("int32_t", "num_blocks", "co-resident blocks, each a chunk of tokens (layout_blocks)"),
         ("int32_t", "padding", ""),
     ],

@@ -96,7 +96,7 @@ def layout_steps(buf, fresh) -> str:
     import ctypes
     import statistics
 
-    from moe_comm.backends.cuda_kernels import LAYOUT_STEPS
+    from moe_comm.backends.cuda_kernels import LAYOUT_BLOCK_STEPS, LAYOUT_STEPS
 
     impl, width = buf._impl, 1 + len(LAYOUT_STEPS)
     impl._shapes.clear()
@@ -111,8 +111,9 @@ def layout_steps(buf, fresh) -> str:
     (last,) = [row for row in rows if row[-1]]
     us = lambda t: (t - t0) / 1e3  # noqa: E731
     parts = [f"{name} {statistics.median(us(row[i]) for row in rows):.1f}"
-             for i, name in enumerate(LAYOUT_STEPS[:5], 1)]
-    parts += [f"{name} {us(last[i]):.1f}" for i, name in enumerate(LAYOUT_STEPS[5:], 6)]
+             for i, name in enumerate(LAYOUT_STEPS[:LAYOUT_BLOCK_STEPS], 1)]
+    parts += [f"{name} {us(last[i]):.1f}"
+              for i, name in enumerate(LAYOUT_STEPS[LAYOUT_BLOCK_STEPS:], 1 + LAYOUT_BLOCK_STEPS)]
     return f"        layout steps ({num_blocks} blocks, us, medians then the last block): " + ", ".join(parts)
 
 

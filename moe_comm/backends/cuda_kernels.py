@@ -61,8 +61,9 @@ SIGNATURES = {
 BLOCK_TIME_SIGNATURES = {name: (_int, [ctypes.POINTER(ctypes.c_uint64), _int])
                          for name in ("moe_comm_dispatch_block_times", "moe_comm_combine_block_times",
                                       "moe_comm_layout_step_times")}
-LAYOUT_STEPS = ("counted", "grid barrier", "scanned", "grid barrier", "placed",  # after step 0, the block's start
+LAYOUT_STEPS = ("counted", "grid barrier", "prefixed", "placed",  # after step 0, the block's start; every block's
                 "notify started", "slots written", "notify barrier", "notify done")  # the last block only
+LAYOUT_BLOCK_STEPS = 4  # LAYOUT_STEPS[:4] every block records
 
 
 def kernel_sources() -> list[Path]:

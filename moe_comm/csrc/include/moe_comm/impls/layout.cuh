@@ -13,8 +13,8 @@
 namespace moe_comm {
 
 // Layout: `a.num_blocks` co-resident blocks (a cooperative launch), block b owning a contiguous chunk of tokens
-// taken in passes of kLayoutThreads tokens (a token per thread), in three phases between grid-wide barriers (none
-// when there is one block); positions are deterministic (send_pos[t, d] = tokens before t that go to rank d;
+// taken in passes of kLayoutThreads tokens (a token per thread), in three phases, a grid-wide barrier after the
+// first (none when there is one block); positions are deterministic (send_pos[t, d] = tokens before t that go to rank d;
 // expert_rank[t, j] = tokens before t that chose slot j's expert). Columns: R destination ranks, then E experts,
 // then one for the error flags. Shared memory per column: a hit mask per warp of a pass (bit = lane: which tokens
 // of the pass hit the column), the position of each mask's first token in the column, the column's running count.
@@ -22,8 +22,8 @@ namespace moe_comm {
 //     out of range, 2 duplicate expert in a row) into clean_idx and registers, its columns' bits into the masks;
 //     tokens of later passes (chunks over kLayoutThreads tokens) counted by shared-memory atomics. The chunk's count
 //     per column (masks' popcounts + atomics) into scratch[b][column], or with one block straight into the totals.
-//  2. scan (more than one block): a group of lanes per column: the exclusive prefix over the chunks, in place, and
-//     the column's total into num_tokens_per_rank / num_tokens_per_expert (the flags column: ORed into flags).
+//  2. prefix (more than one block): each block sums the counts of the chunks before it per column; the last block
+//     writes the totals into num_tokens_per_rank / num_tokens_per_expert (the flags column: ORed into flags).
 //  3. place, per pass: each column's masks turned into positions (its running count, from the prefix, plus the
 //     bits of the masks before), then each thread's token's position in a column is its mask's position plus the
 //     bits of the lanes before it. The first pass's masks and rows are still there from phase 1; a later pass marks
@@ -114,75 +114,64 @@ __device__ void layout_count(const EpParams& p, const LayoutArgs& a, int64_t beg
     }
     if (flags) atomicOr(&sh.running[columns], flags);
     __syncthreads();
-    // The chunk's count per column: into scratch for the scan, or with one block the totals themselves.
+    // The chunk's count per column: into scratch for phase 2, or with one block the totals themselves (and its
+    // prefixes, all 0, into the running counts; with more blocks phase 2 sets them, the same thread per column).
     int* counts = a.scratch + static_cast<int64_t>(blockIdx.x) * (columns + 1);
     for (int c = threadIdx.x; c <= columns; c += blockDim.x) {
         int total = sh.running[c];
         if (c < columns)
             for (int w = 0; w < kLayoutWarps; ++w) total += __popc(sh.hits[c * kLayoutWarps + w]);
-        if (gridDim.x > 1) counts[c] = total;
-        else if (c < R) a.num_tokens_per_rank[c] = total;
-        else if (c < columns) a.num_tokens_per_expert[c - R] = total;
-        else a.flags[0] = total;
-    }
-}
-
-__device__ void layout_scan(const EpParams& p, const LayoutArgs& a) {
-    // A group of `width` lanes per column (a power of two covering the chunks, at most a warp), each lane holding
-    // up to kMaxScanPerLane chunks' counts in registers; groups of a warp take consecutive columns, so every lane
-    // runs the same iterations (the shuffles need the whole warp).
-    constexpr int kMaxScanPerLane = kLayoutMaxBlocks / kWarpSize;  // gridDim.x <= kLayoutMaxBlocks (the launcher)
-    const int columns = p.num_ranks + p.num_experts, stride = columns + 1, G = gridDim.x;
-    int width = 1;
-    while (width < kWarpSize && width < G) width *= 2;
-    const int per_lane = (G + width - 1) / width;
-    const int lane = threadIdx.x % kWarpSize, sub = lane % width, groups_per_warp = kWarpSize / width;
-    const int warps = blockDim.x / kWarpSize, warp = blockIdx.x * warps + threadIdx.x / kWarpSize;
-    for (int first = warp * groups_per_warp; first <= columns; first += G * warps * groups_per_warp) {
-        const int c = first + lane / width;
-        int v[kMaxScanPerLane];
-        int sum = 0, bits = 0;
-#pragma unroll
-        for (int i = 0; i < kMaxScanPerLane; ++i) {
-            const int b = sub * per_lane + i;
-            v[i] = i < per_lane && b < G && c <= columns ? __ldcg(a.scratch + static_cast<int64_t>(b) * stride + c) : 0;
-            sum += v[i];
-            bits |= v[i];
-        }
-        int inclusive = sum;
-#pragma unroll
-        for (int o = 1; o < kWarpSize; o *= 2) {
-            const int up = __shfl_up_sync(0xffffffffu, inclusive, o, width);
-            if (o < width && sub >= o) inclusive += up;
-        }
-#pragma unroll
-        for (int o = 1; o < kWarpSize; o *= 2) bits |= o < width ? __shfl_xor_sync(0xffffffffu, bits, o, width) : 0;
-        if (c > columns) continue;
-        if (c == columns) {  // the flags column
-            if (sub == 0) a.flags[0] = bits;
+        if (gridDim.x > 1) {
+            counts[c] = total;
             continue;
         }
-        int running = inclusive - sum;  // exclusive prefix of this lane's first chunk
-#pragma unroll
-        for (int i = 0; i < kMaxScanPerLane; ++i) {
-            const int b = sub * per_lane + i;
-            if (i < per_lane && b < G) a.scratch[static_cast<int64_t>(b) * stride + c] = running;
-            running += v[i];
-        }
-        if (sub == width - 1) {  // the group's last lane holds the column's total
-            if (c < p.num_ranks) a.num_tokens_per_rank[c] = inclusive;
-            else a.num_tokens_per_expert[c - p.num_ranks] = inclusive;
-        }
+        if (c < R) a.num_tokens_per_rank[c] = total;
+        else if (c < columns) a.num_tokens_per_expert[c - R] = total;
+        else a.flags[0] = total;
+        if (c < columns) sh.running[c] = 0;
     }
 }
 
-// Phase 3: `row` is the thread's token of the first pass from phase 1 (whose masks are still in `sh`).
+// Phase 2 (more than one block, after the grid barrier): the block's prefix per column, the counts of the chunks
+// before it, into the running counts; the last block also writes the totals (every chunk's counts; the flags
+// column ORed). Every block reads the counts it needs itself: no scan phase, no second grid barrier.
+// NOTES: a scan by warps over all chunks then a second grid barrier cost ~3.5 us at 4096 tokens (32 blocks) with
+// the prefix load after it (benchmarks/NOTES.md, thirteenth session).
+__device__ void layout_prefix(const EpParams& p, const LayoutArgs& a, const LayoutShared& sh) {
+    constexpr int kInFlight = 8;  // independent loads per thread at a time
+    const int R = p.num_ranks, columns = R + p.num_experts, stride = columns + 1;
+    const int b = blockIdx.x, G = gridDim.x;
+    const bool last = b == G - 1;
+    const int upto = last ? G : b;  // the last block reads its own chunk too: the totals
+    for (int c = threadIdx.x; c <= columns; c += blockDim.x) {
+        int sum[kInFlight] = {}, own = 0, bits = 0;
+        for (int first = 0; first < upto; first += kInFlight) {
+#pragma unroll
+            for (int k = 0; k < kInFlight; ++k) {
+                const int chunk = first + k;
+                const int v = chunk < upto ? __ldcg(a.scratch + static_cast<int64_t>(chunk) * stride + c) : 0;
+                if (chunk < b) sum[k] += v;  // the prefix
+                else own += v;               // the last block's own chunk (0 past `upto`)
+                bits |= v;
+            }
+        }
+        int before = 0;
+#pragma unroll
+        for (int k = 0; k < kInFlight; ++k) before += sum[k];
+        if (c < columns) sh.running[c] = before;
+        if (!last) continue;
+        const int total = before + own;
+        if (c < R) a.num_tokens_per_rank[c] = total;
+        else if (c < columns) a.num_tokens_per_expert[c - R] = total;
+        else a.flags[0] = bits;
+    }
+}
+
+// Phase 3: `row` is the thread's token of the first pass from phase 1 (whose masks are still in `sh`); the
+// running counts hold the block's prefixes (phase 2, or phase 1 with one block).
 __device__ void layout_place(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end,
                              const LayoutShared& sh, LayoutRow row) {
     const int K = p.num_topk, R = p.num_ranks, L = p.num_local_experts, columns = R + p.num_experts;
-    const int* prefix = a.scratch + static_cast<int64_t>(blockIdx.x) * (columns + 1);
-    // The thread that owns column c here owned it in phase 1's totals: no barrier between them.
-    for (int c = threadIdx.x; c < columns; c += blockDim.x) sh.running[c] = gridDim.x > 1 ? __ldcg(prefix + c) : 0;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const uint32_t before = (1u << lane) - 1;
     for (int64_t pass = begin; pass < end; pass += kLayoutThreads) {
@@ -249,17 +238,15 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_notify_impl(EpParams p,
     const bool grid = gridDim.x > 1;  // one block: phase 1 wrote the totals, every prefix is 0
     if (grid) cg::this_grid().sync();
     STEP_TIME(g_layout_step_times, 2);
-    if (grid) layout_scan(p, a);
+    if (grid) layout_prefix(p, a, sh);
     STEP_TIME(g_layout_step_times, 3);
-    if (grid) cg::this_grid().sync();
-    STEP_TIME(g_layout_step_times, 4);
     layout_place(p, a, begin, end, sh, row);
-    STEP_TIME(g_layout_step_times, 5);
+    STEP_TIME(g_layout_step_times, 4);
     if (kernel_done(p)) {
         notify_block(p, n);
 #ifdef MOE_COMM_BLOCK_TIMES
         __syncthreads();
-        STEP_TIME(g_layout_step_times, 9);
+        STEP_TIME(g_layout_step_times, 8);
 #endif
     }
 }

@@ -13,7 +13,7 @@ namespace moe_comm {
 
 // Profiling build (-DMOE_COMM_BLOCK_TIMES): per layout block the global timer at its steps (layout.cuh), the last
 // block's row also at the notify's (started, slots written, barrier passed, done); the others' notify steps 0.
-constexpr int kLayoutSteps = 10;
+constexpr int kLayoutSteps = 9;
 #ifdef MOE_COMM_BLOCK_TIMES
 __device__ uint64_t g_layout_step_times[kMaxTimedBlocks][kLayoutSteps];  // included by kernels/layout.cu only
 #endif
@@ -49,7 +49,7 @@ __device__ __forceinline__ bool notify_barrier(const EpParams& p, int64_t seq) {
 
 __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
     const int R = p.num_ranks, L = p.num_local_experts;
-    STEP_TIME(g_layout_step_times, 6);
+    STEP_TIME(g_layout_step_times, 5);
     if (block_aborted(p)) return;  // the dispatch kernel after it sees the abort word too and moves nothing
     const int64_t seq = *reinterpret_cast<volatile const int64_t*>(p.local_base + kBarrierSeqOffset) + 1;
     // Our slot on every peer d: rows for d, d's experts' counts, flags (every thread takes values).
@@ -61,9 +61,9 @@ __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
                               : c <= L ? __ldcg(n.num_tokens_per_expert + d * L + c - 1) : __ldcg(n.flags);
         control_slot(p.peer_bases[d], seq, p.rank)[c] = value;
     }
-    STEP_TIME(g_layout_step_times, 7);
+    STEP_TIME(g_layout_step_times, 6);
     if (!notify_barrier(p, seq)) return;
-    STEP_TIME(g_layout_step_times, 8);
+    STEP_TIME(g_layout_step_times, 7);
     // Slots written by peers: volatile loads (not through L1).
     auto slot_value = [&](int s, int i) {
         return *reinterpret_cast<volatile const int64_t*>(control_slot(p.local_base, seq, s) + i);
