@@ -16,8 +16,9 @@ namespace moe_comm {
 // taken in passes of kLayoutThreads tokens (a token per thread), in three phases, a grid-wide barrier after the
 // first (none when there is one block); positions are deterministic (send_pos[t, d] = tokens before t that go to
 // rank d; expert_rank[t, j] = tokens before t that chose slot j's expert). Columns: R destination ranks, then E
-// experts, then one for the error flags. Shared memory per column: a hit mask per warp of a pass (bit = lane: which tokens
-// of the pass hit the column), the position of each mask's first token in the column, the column's running count.
+// experts, then one for the error flags. Shared memory per column: a hit mask per warp of a pass (bit = lane:
+// which tokens of the pass hit the column), the position of each mask's first token in the column, the column's
+// running count.
 //  1. count: each thread its token of the first pass: the row cleaned (invalid slots -> -1, expert_rank -1; flags 1
 //     out of range, 2 duplicate expert in a row) into clean_idx and registers, its columns' bits into the masks;
 //     tokens of later passes (chunks over kLayoutThreads tokens) counted by shared-memory atomics. The chunk's count
