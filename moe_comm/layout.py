@@ -32,7 +32,8 @@ token among its source's tokens of that expert, a weight (0, 4 or 8 bytes). Comb
 or one per row in expand mode). Tag: `(TAG_MAGIC << 48) | barrier sequence number`, released after the row.
 
 Host-mapped memory of a CUDA buffer: the `ErrorRecord` at 0, at MAPPED_SIGNATURES_OFFSET every rank's signature of
-the operation whose ranks disagreed (written with ERROR_DISAGREE), the notify summary at SUMMARY_OFFSET.
+the operation whose ranks disagreed (written with ERROR_DISAGREE), at NOTIFY_DONE_OFFSET the word a synchronized
+dispatch's notify sets to 1 once its summary (at SUMMARY_OFFSET) is final, which the host zeroes before each launch.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ TAG_MAGIC = 0x6D63                  # top 16 bits of a tag: left-over row data n
 
 # Host-mapped memory
 MAPPED_SIGNATURES_OFFSET = 64       # after the ErrorRecord: [MAX_RANKS][SIGNATURE_LEN] int64
-SUMMARY_OFFSET = MAPPED_SIGNATURES_OFFSET + 8 * MAX_RANKS * SIGNATURE_LEN
+NOTIFY_DONE_OFFSET = MAPPED_SIGNATURES_OFFSET + 8 * MAX_RANKS * SIGNATURE_LEN  # int64: 1 once the summary is final
+SUMMARY_OFFSET = NOTIFY_DONE_OFFSET + 8
 ERROR_TIMEOUT = 1                   # ErrorRecord.code of a timed-out wait
 ERROR_DISAGREE = 2                  # ErrorRecord.code of an operation whose ranks' signatures differ
 
@@ -225,6 +227,7 @@ STRUCTS = {
         ("int64_t*", "pending_flags", "[R] flags of no-sync dispatches: ORed in, copied to the summary"),
         ("int64_t*", "recv_slots", "[R][SLOT_STRIDE] copy of the slots, or null"),
         ("int64_t*", "summary", "host-mapped summary (summary_len values), or null: no CPU sync"),
+        ("int64_t*", "summary_done", "host-mapped word set to 1 after the summary (NOTIFY_DONE_OFFSET), or null"),
     ],
     "DispatchInputs": [
         ("const uint8_t*", "x", "[N, data_bytes]"),
@@ -292,7 +295,7 @@ CONSTANTS = {  # name in C -> (value, C type)
     "kKernelDoneOffset": (KERNEL_DONE_OFFSET, "int64_t"), "kAbortOffset": (ABORT_OFFSET, "int64_t"),
     "kSignaturesOffset": (SIGNATURES_OFFSET, "int64_t"), "kSlotsOffset": (SLOTS_OFFSET, "int64_t"),
     "kMappedSignaturesOffset": (MAPPED_SIGNATURES_OFFSET, "int64_t"),
-    "kSummaryOffset": (SUMMARY_OFFSET, "int64_t"),
+    "kNotifyDoneOffset": (NOTIFY_DONE_OFFSET, "int64_t"), "kSummaryOffset": (SUMMARY_OFFSET, "int64_t"),
     "kSlotStride": (SLOT_STRIDE, "int64_t"), "kTagMagic": (TAG_MAGIC, "int64_t"),
     "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"), "kErrorDisagree": (ERROR_DISAGREE, "int64_t"),
     "kPartWhole": (PART_WHOLE, "int"), "kPartSend": (PART_SEND, "int"), "kPartReceive": (PART_RECEIVE, "int"),

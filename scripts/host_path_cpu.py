@@ -41,7 +41,7 @@ NO_OP_LAUNCHERS = """
 int layout(void* p, void* a, void* n, void* s) { return 0; }
 int dispatch(void* p, void* i, void* o, int b, int w, int part, void* s) { return 0; }
 int combine(void* p, void* a, int d, int b, int part, void* s) { return 0; }
-int synchronize(void* s) { return 0; }
+int wait_notify(long long* done, void* s) { *done = 1; return 0; }  /* the notify's summary is final */
 const char* last_error(void) { return "no error"; }
 """
 HIDDEN, TOPK, EXPERTS, CAP = 512, 8, 256, 256
@@ -68,7 +68,7 @@ def cpu_backend(buf: moe_comm.Buffer, library: ctypes.CDLL) -> cuda.CudaBackend:
     impl.tuning, impl.kernels, impl.timeout_ns = cuda.CudaTuning(), None, 10 ** 10
     impl.region_bytes, impl.num_device_sms, impl._device_index = 1 << 34, 132, -1
     impl.launcher = cuda_kernels.host_extension().Launcher(*(address(n) for n in ("layout", "dispatch", "combine",
-                                                                                    "synchronize", "last_error")))
+                                                                                    "wait_notify", "last_error")))
     impl._shapes, impl._stale_epoch, impl._plans, impl._ipc = {}, 0, weakref.WeakKeyDictionary(), None
     impl.buffer, impl.symm, impl._peer_bases = torch.zeros(64, dtype=torch.uint8), None, 0
     impl._mapped_words = ctypes.create_string_buffer(lay.SUMMARY_OFFSET + 8 * lay.summary_len(lay.MAX_RANKS,

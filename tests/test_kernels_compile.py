@@ -129,16 +129,17 @@ _DISPATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), c
                                 ctypes.c_void_p)
 _COMBINE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.CombineArgs),
                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
-_SYNCHRONIZE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_WAIT_NOTIFY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)
 
 
 class FakeLaunchers:
     """Launchers that record a copy of every struct they are given (and the ints), returning `result` (settable;
-    with `fail_only` set to a launcher's name, only that one returns it, the others 0)."""
+    with `fail_only` set to a launcher's name, only that one returns it, the others 0). The wait for the notify sets
+    the done word it is given, as a notify that wrote its summary would, unless `notify_done` is False."""
 
     def __init__(self, result: int = 0) -> None:
-        self.calls, self.result, self.fail_only = [], result, None
+        self.calls, self.result, self.fail_only, self.notify_done = [], result, None, True
         self.message = ctypes.create_string_buffer(b"fake launcher failed (values)")
         copy = lambda p: type(p.contents).from_buffer_copy(p.contents)  # noqa: E731
 
@@ -150,8 +151,13 @@ class FakeLaunchers:
         self.fns = (_LAYOUT_FN(lambda p, a, n, s: record("layout", p, a, n, s)),
                     _DISPATCH_FN(lambda p, i, o, b, w, part, s: record("dispatch", p, i, o, b, w, part, s)),
                     _COMBINE_FN(lambda p, a, d, b, part, s: record("combine", p, a, d, b, part, s)),
-                    _SYNCHRONIZE_FN(lambda s: record("synchronize", s)),
+                    _WAIT_NOTIFY_FN(self._wait_notify),
                     _LAST_ERROR_FN(lambda: ctypes.addressof(self.message)))
+
+    def _wait_notify(self, done: int, stream: int) -> int:
+        ctypes.c_int64.from_address(done).value = int(self.notify_done)
+        self.calls.append(("wait_notify", done, stream))
+        return self.result if self.fail_only in (None, "wait_notify") else 0
 
     def launcher(self):
         return cuda_kernels.host_extension().Launcher(*(ctypes.cast(f, ctypes.c_void_p).value for f in self.fns))
@@ -238,7 +244,8 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         fake.calls.clear()
         results, clean, P_out, aligned = synced(q, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
                                                 do_expand)
-        assert [c[0] for c in fake.calls] == ["layout", "synchronize", "dispatch"] and fake.calls[1][1] == 99
+        assert [c[0] for c in fake.calls] == ["layout", "wait_notify", "dispatch"]
+        assert fake.calls[1][1:] == (ctypes.addressof(mapped) + layout.NOTIFY_DONE_OFFSET, 99)
         assert P_out == P and sum(aligned) == P
         assert clean.untyped_storage().nbytes() == 8 * offsets[-1]
         routing = check_dispatch(results, clean, M, P, do_expand)
@@ -287,7 +294,7 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     fake.calls.clear()
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         synced(bf16, None, weights, 2**42, [2**40] * L, True, part=1)
-    check_without_outputs(fake.calls, ["layout", "synchronize", "dispatch"], bf16)
+    check_without_outputs(fake.calls, ["layout", "wait_notify", "dispatch"], bf16)
 
     # Arguments refused, or offsets missing or out of order: nothing launched (the layout kernel is collective), with
     # and without a CPU sync.
@@ -349,15 +356,22 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         fake.calls.clear()
         error_code.value = code
         assert synced(bf16, None, None, 7, [7, 0, 0, 0], False, flags=flags, pending=pending) is None
-        assert [c[0] for c in fake.calls] == ["layout", "synchronize"]
+        assert [c[0] for c in fake.calls] == ["layout", "wait_notify"]
     error_code.value = 0
+    # The kernel stopped before its summary (the wait returned when the stream ran dry, the done word still 0): the
+    # summary is an earlier call's, so nothing is launched either (the backend raises what the kernel recorded).
+    fake.calls.clear()
+    fake.notify_done = False
+    assert synced(bf16, None, None, 7, [7, 0, 0, 0], False) is None
+    assert [c[0] for c in fake.calls] == ["layout", "wait_notify"]
+    fake.notify_done = True
     # The wait failed: the library's message, nothing launched after the layout.
     fake.calls.clear()
     fake.result = 1
-    fake.fail_only = "synchronize"
+    fake.fail_only = "wait_notify"
     with pytest.raises(RuntimeError, match=r"wait for the dispatch notify failed on rank 1: fake launcher failed"):
         synced(bf16, None, None, 7, [7, 0, 0, 0], False)
-    assert [c[0] for c in fake.calls] == ["layout", "synchronize"]
+    assert [c[0] for c in fake.calls] == ["layout", "wait_notify"]
 
 
 def check_without_outputs(calls, names, data):
@@ -563,12 +577,12 @@ def synchronized_dispatch_rank(rank: int, world_size: int) -> list[str]:
         seen.append("unnamed")
         error = impl._error
 
-        def notify_times_out(stream):  # the notify records a timed-out wait while the host waits for it
+        def notify_times_out(done, stream):  # the notify times out (no summary) while the host waits for it
             error.code, error.phase = layout.ERROR_TIMEOUT, PHASES.index("barrier before dispatch")
             error.rank, error.peer = 0, 3
             return 0
 
-        wait = _SYNCHRONIZE_FN(notify_times_out)
+        wait = _WAIT_NOTIFY_FN(notify_times_out)
         os.mkdir(os.path.join(folder, "again"))
         lib = script.no_op_library(os.path.join(folder, "again"))
         address = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # noqa: E731

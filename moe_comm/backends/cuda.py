@@ -447,8 +447,10 @@ class CudaBackend(Backend):
                              f"(limit {lay.MAX_DYNAMIC_SMEM}); use backend='torch'")
         weight_bytes = 0 if c.topk_weights is None else c.topk_weights.element_size()
         params = self._dispatch_params(c, N, K, weight_bytes, signature)
-        summary = self._mapped_dev + lay.SUMMARY_OFFSET if c.do_cpu_sync else 0
-        notify = lay.NotifyArgs(pending_flags=self.pending_flags.data_ptr(), summary=summary)
+        sync = c.do_cpu_sync
+        notify = lay.NotifyArgs(pending_flags=self.pending_flags.data_ptr(),
+                                summary=self._mapped_dev + lay.SUMMARY_OFFSET if sync else 0,
+                                summary_done=self._mapped_dev + lay.NOTIFY_DONE_OFFSET if sync else 0)
         M = R * cap  # the worst case, sizing the outputs of a call without CPU sync
         P = M * min(K, L) + L * (c.expert_alignment - 1) if c.do_expand else M
         blocks = lay.layout_blocks(N, self.num_device_sms)

@@ -40,7 +40,7 @@ SIGNATURES = {
     "moe_comm_abi": (_int, [ctypes.POINTER(_i64), _int]),
     "moe_comm_alloc_mapped": (_int, [_i64, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)]),
     "moe_comm_free_mapped": (_int, [_ptr]),
-    "moe_comm_stream_synchronize": (_int, [_ptr]),
+    "moe_comm_wait_notify": (_int, [_ptr, _ptr]),
     "moe_comm_ipc_alloc": (_int, [_i64, ctypes.POINTER(_ptr), _ptr]),
     "moe_comm_ipc_open": (_int, [_ptr, ctypes.POINTER(_ptr)]),
     "moe_comm_ipc_close": (_int, [_ptr]),
@@ -93,7 +93,7 @@ def extension_check() -> float:
 def host_extension() -> ModuleType:
     """The host extension (csrc/torch/ops.cpp), built at first use and loaded once per process: its `Launcher`
     takes the addresses of the kernel library's moe_comm_layout, moe_comm_dispatch, moe_comm_combine,
-    moe_comm_stream_synchronize and moe_comm_last_error."""
+    moe_comm_wait_notify and moe_comm_last_error."""
     return load_extension(EXTENSION, extension_sources(), include_dirs=[INCLUDE_DIR], generated=generated_headers())
 
 
@@ -125,7 +125,7 @@ class Kernels:
         # receivers of a call with a hook, `.receive_dispatch`, `.receive_combine` (csrc/torch/ops.cpp).
         self.launcher = host_extension().Launcher(*(
             ctypes.cast(fn, ctypes.c_void_p).value
-            for fn in (self.layout, self.dispatch, self.combine, self.stream_synchronize, self.last_error)))
+            for fn in (self.layout, self.dispatch, self.combine, self.wait_notify, self.last_error)))
 
     def _check_abi(self) -> None:
         expected = layout.abi_table()

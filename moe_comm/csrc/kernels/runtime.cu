@@ -44,12 +44,20 @@ int moe_comm_free_mapped(void* host) {
     return 0;
 }
 
-// Wait for everything queued on `stream`: a synchronized dispatch's notify, before the host extension reads its
-// summary (csrc/torch/ops.cpp, without the GIL).
-int moe_comm_stream_synchronize(cudaStream_t stream) {
-    const cudaError_t err = cudaStreamSynchronize(stream);
-    MOE_COMM_REQUIRE(err == cudaSuccess, "cudaStreamSynchronize: %s (%s)", cudaGetErrorName(err),
-                     cudaGetErrorString(err));
+// Wait for a synchronized dispatch's notify before the host extension reads its summary (csrc/torch/ops.cpp, without
+// the GIL): until the notify sets `*done` (host-mapped, zeroed by the host before the launch), or until `stream` has
+// nothing left to run (a kernel that stopped before its summary: what it recorded in the ErrorRecord says why).
+// NOTES: polling the word instead of cudaStreamSynchronize leaves out the layout kernel's exit and the stream's
+// completion signal (benchmarks/NOTES.md, fourteenth session).
+int moe_comm_wait_notify(const volatile int64_t* done, cudaStream_t stream) {
+    for (uint32_t spin = 1; *done == 0; ++spin) {
+        if (spin % 4096) continue;  // the stream now and then: a query costs more than a read of the word
+        const cudaError_t err = cudaStreamQuery(stream);
+        if (err == cudaErrorNotReady) continue;
+        MOE_COMM_REQUIRE(err == cudaSuccess, "cudaStreamQuery: %s (%s)", cudaGetErrorName(err),
+                         cudaGetErrorString(err));
+        return 0;
+    }
     return 0;
 }
 

@@ -31,7 +31,7 @@ using Stream = void*;  // cudaStream_t, an opaque pointer
 using LayoutFn = int (*)(const EpParams*, const LayoutArgs*, const NotifyArgs*, Stream);
 using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOutputs*, int, int, int, Stream);
 using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, int, Stream);
-using SynchronizeFn = int (*)(Stream);
+using WaitNotifyFn = int (*)(const volatile int64_t*, Stream);
 using LastErrorFn = const char* (*)();
 using OptionalTensor = std::optional<at::Tensor>;
 
@@ -46,13 +46,13 @@ py::object or_none(const OptionalTensor& t) { return t ? py::cast(*t) : py::none
 
 class Launcher {
 public:
-    // Addresses of the kernel library's moe_comm_layout, moe_comm_dispatch, moe_comm_combine,
-    // moe_comm_stream_synchronize and moe_comm_last_error (kernels/*.cu; moe_comm.backends.cuda_kernels.SIGNATURES).
-    Launcher(uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t synchronize, uintptr_t last_error)
+    // Addresses of the kernel library's moe_comm_layout, moe_comm_dispatch, moe_comm_combine, moe_comm_wait_notify
+    // and moe_comm_last_error (kernels/*.cu; moe_comm.backends.cuda_kernels.SIGNATURES).
+    Launcher(uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t wait_notify, uintptr_t last_error)
         : layout_(reinterpret_cast<LayoutFn>(layout)),
           dispatch_(reinterpret_cast<DispatchFn>(dispatch)),
           combine_(reinterpret_cast<CombineFn>(combine)),
-          synchronize_(reinterpret_cast<SynchronizeFn>(synchronize)),
+          wait_notify_(reinterpret_cast<WaitNotifyFn>(wait_notify)),
           last_error_(reinterpret_cast<LastErrorFn>(last_error)) {}
 
     // A fresh dispatch in one crossing: the routing workspace (`offsets`: the address of its
@@ -64,11 +64,12 @@ public:
     //   of the workspace's allocation. Outputs that cannot be allocated: both launches still run, without outputs
     //   (the receivers skip every row), then the error is raised; only a failure of the bare workspace too (a few
     //   words per token) leaves the peers to their timeout.
-    // - with a CPU sync (`mapped`: the buffer's host-mapped words, the ErrorRecord at 0, the notify's summary at
-    //   kSummaryOffset, moe_comm.layout.summary_len): after the layout launch the stream is synchronized without the
-    //   GIL and the summary read: M, the per-expert counts aligned up to `alignment`, P (their sum with `do_expand`,
-    //   else M). Returns None, launching nothing more, when a kernel recorded an error or any rank's flags (or
-    //   pending flags) are set: the host raises them (moe_comm.backends.cuda). A workspace that cannot be allocated
+    // - with a CPU sync (`mapped`: the buffer's host-mapped words, the ErrorRecord at 0, the notify's done word at
+    //   kNotifyDoneOffset and summary at kSummaryOffset, moe_comm.layout.summary_len): after the layout launch the
+    //   host waits without the GIL for the notify to mark its summary done and reads it: M, the per-expert counts
+    //   aligned up to `alignment`, P (their sum with `do_expand`, else M). Returns None, launching nothing more, when
+    //   the kernel stopped before its summary, a kernel recorded an error or any rank's flags (or pending flags) are
+    //   set: the host raises them (moe_comm.backends.cuda). A workspace that cannot be allocated
     //   launches nothing (the peers wait for this rank's notify until their timeout); outputs that cannot be
     //   allocated after the notify: the dispatch runs without them (whole), then the error is raised.
     // `quantize`: 0, or the FP8 format (1 fp8_block128, 2 mxfp8) the senders cast bf16 `data` to; `dequantize`: 0,
@@ -218,13 +219,16 @@ private:
                                      int64_t alignment, bool do_expand, int part) const {
         const EpParams* p = at_address<const EpParams>(launch.params);
         const at::Tensor workspace = at::empty({launch.offsets[kWorkspaceLength]}, topk_idx.options());
+        // Mapped memory the device writes: through volatile. The notify sets `done` once the summary is final; a
+        // kernel that stopped before (the stream ran dry) left the reason in the ErrorRecord at `mapped`.
+        volatile int64_t* done = at_address<volatile int64_t>(mapped + kNotifyDoneOffset);
+        *done = 0;
         launch_layout(launch, topk_idx, workspace);
-        check(released(synchronize_, reinterpret_cast<Stream>(launch.stream)), p, "wait for the dispatch notify");
-        // Mapped memory the device wrote: read through volatile (the stream is complete, the values are final).
+        check(released(wait_notify_, done, reinterpret_cast<Stream>(launch.stream)), p, "wait for the dispatch notify");
         const volatile int64_t* error_code = at_address<const volatile int64_t>(mapped);
         const volatile int64_t* summary = at_address<const volatile int64_t>(mapped + kSummaryOffset);
         const int R = p->num_ranks, L = p->num_local_experts;
-        bool problem = *error_code != 0;
+        bool problem = *done == 0 || *error_code != 0;
         for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
         if (problem) return py::none();
         const int64_t M = summary[3 * R];
@@ -457,7 +461,7 @@ private:
     LayoutFn layout_;
     DispatchFn dispatch_;
     CombineFn combine_;
-    SynchronizeFn synchronize_;
+    WaitNotifyFn wait_notify_;
     LastErrorFn last_error_;
 };
 
@@ -466,11 +470,11 @@ private:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "moe_comm's host path: allocate, set the per-call pointers, launch (moe_comm/csrc/torch/ops.cpp)";
     py::class_<Launcher>(m, "Launcher", py::module_local())
-        .def(py::init([](uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t synchronize,
+        .def(py::init([](uintptr_t layout, uintptr_t dispatch, uintptr_t combine, uintptr_t wait_notify,
                          uintptr_t last_error) {
-            if (!layout || !dispatch || !combine || !synchronize || !last_error)
+            if (!layout || !dispatch || !combine || !wait_notify || !last_error)
                 throw std::invalid_argument("a launcher address is 0");
-            return Launcher(layout, dispatch, combine, synchronize, last_error);
+            return Launcher(layout, dispatch, combine, wait_notify, last_error);
         }))
         .def("layout_dispatch", &Launcher::layout_dispatch)
         .def("cached_dispatch", &Launcher::cached_dispatch)

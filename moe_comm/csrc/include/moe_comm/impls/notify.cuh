@@ -86,6 +86,13 @@ __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
         for (int s = 0; s < R; ++s) rows += slot_value(s, i);
         totals[i] = rows;
     }
+    // The host polls this word, not the stream: it allocates the outputs and queues the dispatch while the layout
+    // kernel's blocks still exit. The fence is cumulative: every thread's summary values reach the host before it.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        *reinterpret_cast<volatile int64_t*>(n.summary_done) = 1;
+    }
 }
 
 }  // namespace moe_comm
