@@ -33,7 +33,8 @@ or one per row in expand mode). Tag: `(TAG_MAGIC << 48) | barrier sequence numbe
 
 Host-mapped memory of a CUDA buffer: the `ErrorRecord` at 0, at MAPPED_SIGNATURES_OFFSET every rank's signature of
 the operation whose ranks disagreed (written with ERROR_DISAGREE), at NOTIFY_DONE_OFFSET the word a synchronized
-dispatch's notify sets to 1 once its summary (at SUMMARY_OFFSET) is final, which the host zeroes before each launch.
+dispatch's notify sets to its call's NotifyArgs.done_value (a number the host extension never gives twice) once its
+summary (at SUMMARY_OFFSET) is final.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ TAG_MAGIC = 0x6D63                  # top 16 bits of a tag: left-over row data n
 
 # Host-mapped memory
 MAPPED_SIGNATURES_OFFSET = 64       # after the ErrorRecord: [MAX_RANKS][SIGNATURE_LEN] int64
-NOTIFY_DONE_OFFSET = MAPPED_SIGNATURES_OFFSET + 8 * MAX_RANKS * SIGNATURE_LEN  # int64: 1 once the summary is final
+NOTIFY_DONE_OFFSET = MAPPED_SIGNATURES_OFFSET + 8 * MAX_RANKS * SIGNATURE_LEN  # int64: the summary's call, once final
 SUMMARY_OFFSET = NOTIFY_DONE_OFFSET + 8
 ERROR_TIMEOUT = 1                   # ErrorRecord.code of a timed-out wait
 ERROR_DISAGREE = 2                  # ErrorRecord.code of an operation whose ranks' signatures differ
@@ -227,7 +228,8 @@ STRUCTS = {
         ("int64_t*", "pending_flags", "[R] flags of no-sync dispatches: ORed in, copied to the summary"),
         ("int64_t*", "recv_slots", "[R][SLOT_STRIDE] copy of the slots, or null"),
         ("int64_t*", "summary", "host-mapped summary (summary_len values), or null: no CPU sync"),
-        ("int64_t*", "summary_done", "host-mapped word set to 1 after the summary (NOTIFY_DONE_OFFSET), or null"),
+        ("int64_t*", "summary_done", "host-mapped word (NOTIFY_DONE_OFFSET) set after the summary, null with it"),
+        ("int64_t", "done_value", "what the notify writes there: this call's number (the host extension's count)"),
     ],
     "DispatchInputs": [
         ("const uint8_t*", "x", "[N, data_bytes]"),

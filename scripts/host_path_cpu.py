@@ -41,7 +41,7 @@ NO_OP_LAUNCHERS = """
 int layout(void* p, void* a, void* n, void* s) { return 0; }
 int dispatch(void* p, void* i, void* o, int b, int w, int part, void* s) { return 0; }
 int combine(void* p, void* a, int d, int b, int part, void* s) { return 0; }
-int wait_notify(long long* done, void* s) { *done = 1; return 0; }  /* the notify's summary is final */
+int wait_notify(long long* done, long long value, void* s) { *done = value; return 0; }  /* the summary is final */
 const char* last_error(void) { return "no error"; }
 """
 HIDDEN, TOPK, EXPERTS, CAP = 512, 8, 256, 256

@@ -129,35 +129,36 @@ _DISPATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), c
                                 ctypes.c_void_p)
 _COMBINE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.CombineArgs),
                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
-_WAIT_NOTIFY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT_NOTIFY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
 _LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)
 
 
 class FakeLaunchers:
     """Launchers that record a copy of every struct they are given (and the ints), returning `result` (settable;
-    with `fail_only` set to a launcher's name, only that one returns it, the others 0). The wait for the notify sets
-    the done word it is given, as a notify that wrote its summary would, unless `notify_done` is False."""
+    with `fail_only` set to a launcher's name, only that one returns it, the others 0). The wait for the notify
+    writes the call's number into the done word, as a notify that wrote its summary would, unless `notify_done` is
+    False."""
 
     def __init__(self, result: int = 0) -> None:
         self.calls, self.result, self.fail_only, self.notify_done = [], result, None, True
         self.message = ctypes.create_string_buffer(b"fake launcher failed (values)")
-        copy = lambda p: type(p.contents).from_buffer_copy(p.contents)  # noqa: E731
-
-        def record(name, *args):
-            self.calls.append((name, *(copy(a) if isinstance(a, ctypes._Pointer) else a for a in args)))
-            return self.result if self.fail_only in (None, name) else 0
-
         # Kept on self: the C function pointers live as long as these objects.
+        record = self._record
         self.fns = (_LAYOUT_FN(lambda p, a, n, s: record("layout", p, a, n, s)),
                     _DISPATCH_FN(lambda p, i, o, b, w, part, s: record("dispatch", p, i, o, b, w, part, s)),
                     _COMBINE_FN(lambda p, a, d, b, part, s: record("combine", p, a, d, b, part, s)),
                     _WAIT_NOTIFY_FN(self._wait_notify),
                     _LAST_ERROR_FN(lambda: ctypes.addressof(self.message)))
 
-    def _wait_notify(self, done: int, stream: int) -> int:
-        ctypes.c_int64.from_address(done).value = int(self.notify_done)
-        self.calls.append(("wait_notify", done, stream))
-        return self.result if self.fail_only in (None, "wait_notify") else 0
+    def _record(self, name, *args) -> int:
+        copy = lambda p: type(p.contents).from_buffer_copy(p.contents)  # noqa: E731
+        self.calls.append((name, *(copy(a) if isinstance(a, ctypes._Pointer) else a for a in args)))
+        return self.result if self.fail_only in (None, name) else 0
+
+    def _wait_notify(self, done: int, value: int, stream: int) -> int:
+        if self.notify_done:
+            ctypes.c_int64.from_address(done).value = value
+        return self._record("wait_notify", done, value, stream)
 
     def launcher(self):
         return cuda_kernels.host_extension().Launcher(*(ctypes.cast(f, ctypes.c_void_p).value for f in self.fns))
@@ -187,8 +188,8 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
     scales = torch.ones(N, H // 128)
     weights = torch.rand(N, K)
     bf16 = torch.zeros(N, H, dtype=torch.bfloat16)
-    # The host-mapped words: the error code at 0, the notify's summary (per source [rows, flags], pending flags per
-    # source, rows in all, rows per local expert) at SUMMARY_OFFSET.
+    # The host-mapped words: the error code at 0, the notify's done word at NOTIFY_DONE_OFFSET, its summary (per source
+    # [rows, flags], pending flags per source, rows in all, rows per local expert) at SUMMARY_OFFSET.
     mapped = ctypes.create_string_buffer(layout.SUMMARY_OFFSET + 8 * layout.summary_len(R, L))
     summary = (ctypes.c_int64 * layout.summary_len(R, L)).from_address(ctypes.addressof(mapped) +
                                                                         layout.SUMMARY_OFFSET)
@@ -240,12 +241,17 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         return routing
 
     # With a CPU sync: layout, the wait, then the dispatch; P rows spread over the experts, no alignment.
+    values = []
     for do_expand, M, P in ((True, 7, 11), (False, 7, 7)):
         fake.calls.clear()
         results, clean, P_out, aligned = synced(q, scales, weights, M, [P // L + (e < P % L) for e in range(L)],
                                                 do_expand)
+        (_, _, _, n, _), (_, done, value, stream), _ = fake.calls
         assert [c[0] for c in fake.calls] == ["layout", "wait_notify", "dispatch"]
-        assert fake.calls[1][1:] == (ctypes.addressof(mapped) + layout.NOTIFY_DONE_OFFSET, 99)
+        # The wait is for this call's number, which the notify writes: never one an earlier call waited for.
+        assert (done, stream) == (ctypes.addressof(mapped) + layout.NOTIFY_DONE_OFFSET, 99)
+        assert n.done_value == value and value not in values
+        values.append(value)
         assert P_out == P and sum(aligned) == P
         assert clean.untyped_storage().nbytes() == 8 * offsets[-1]
         routing = check_dispatch(results, clean, M, P, do_expand)
@@ -358,12 +364,20 @@ def test_host_extension_fresh_dispatch_allocates_and_points_into_one_workspace(k
         assert synced(bf16, None, None, 7, [7, 0, 0, 0], False, flags=flags, pending=pending) is None
         assert [c[0] for c in fake.calls] == ["layout", "wait_notify"]
     error_code.value = 0
-    # The kernel stopped before its summary (the wait returned when the stream ran dry, the done word still 0): the
-    # summary is an earlier call's, so nothing is launched either (the backend raises what the kernel recorded).
-    fake.calls.clear()
+    # The kernel stopped before its summary (the wait returned when the stream ran dry; the done word holds an
+    # earlier call's number, the summary is that call's): nothing launched either; the backend raises what the kernel
+    # recorded, and a kernel that recorded nothing is named a bug.
     fake.notify_done = False
-    assert synced(bf16, None, None, 7, [7, 0, 0, 0], False) is None
-    assert [c[0] for c in fake.calls] == ["layout", "wait_notify"]
+    for code in (1, 0):
+        fake.calls.clear()
+        error_code.value = code
+        if code:
+            assert synced(bf16, None, None, 7, [7, 0, 0, 0], False) is None
+        else:
+            with pytest.raises(RuntimeError, match="dispatch notify on rank 1 ended before its summary and recorded "
+                                                   "no error: a bug"):
+                synced(bf16, None, None, 7, [7, 0, 0, 0], False)
+        assert [c[0] for c in fake.calls] == ["layout", "wait_notify"]
     fake.notify_done = True
     # The wait failed: the library's message, nothing launched after the layout.
     fake.calls.clear()
@@ -577,7 +591,7 @@ def synchronized_dispatch_rank(rank: int, world_size: int) -> list[str]:
         seen.append("unnamed")
         error = impl._error
 
-        def notify_times_out(done, stream):  # the notify times out (no summary) while the host waits for it
+        def notify_times_out(done, value, stream):  # the notify times out (no summary) while the host waits for it
             error.code, error.phase = layout.ERROR_TIMEOUT, PHASES.index("barrier before dispatch")
             error.rank, error.peer = 0, 3
             return 0

@@ -29,8 +29,8 @@ the next call). After a timeout the buffer refuses work.
 Host path: the launch structs of a call are built once per shape and kept on the backend (a cached dispatch's and
 a combine's per handle, a fresh dispatch's per call signature); a call hands their addresses with its tensors to
 the host extension (`cuda_kernels`), which allocates the outputs, sets the per-call pointers and launches, one
-crossing per call (a fresh dispatch with a CPU sync: two). A fresh dispatch's routing state lives in one or two
-int64 allocations.
+crossing per call (a fresh dispatch with a CPU sync waits inside it for the notify's summary). A fresh dispatch's
+routing state lives in one or two int64 allocations.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ class CudaBackend(Backend):
         self.symm = None
         self._peer_bases = 0  # device address of every rank's buffer base (`connect()`)
         # Host-mapped memory: the ErrorRecord at 0, the signatures of ranks that disagreed at MAPPED_SIGNATURES_OFFSET,
-        # the dispatch notify's summary at SUMMARY_OFFSET.
+        # the dispatch notify's done word at NOTIFY_DONE_OFFSET and its summary at SUMMARY_OFFSET.
         host, dev = ctypes.c_void_p(), ctypes.c_void_p()
         mapped_bytes = lay.SUMMARY_OFFSET + 8 * lay.summary_len(lay.MAX_RANKS, lay.SLOT_STRIDE)
         if self.kernels.alloc_mapped(mapped_bytes, ctypes.byref(host), ctypes.byref(dev)):
@@ -544,9 +544,10 @@ class CudaBackend(Backend):
         return [receive]
 
     def _raise_summary(self, c) -> NoReturn:
-        """A synchronized dispatch's notify summary reported a problem (the launcher waited for it and launched
-        nothing): raise what the kernels recorded (a disagreement, a timeout), then the flags of earlier dispatches
-        without CPU sync, then every rank's flags of this call (every rank sees the same flags and raises alike)."""
+        """A synchronized dispatch's notify reported a problem (the launcher waited for it and launched nothing):
+        raise what the kernels recorded (a disagreement, a timeout; a notify that stopped before its summary always
+        recorded one, else the extension raised), then the flags of earlier dispatches without CPU sync, then every
+        rank's flags of this call (every rank sees the same flags and raises alike)."""
         R = self.num_ranks
         self.after_host_sync(synchronized=True)
         values = (ctypes.c_int64 * (3 * R)).from_address(self._mapped_host + lay.SUMMARY_OFFSET)[:]

@@ -40,7 +40,7 @@ SIGNATURES = {
     "moe_comm_abi": (_int, [ctypes.POINTER(_i64), _int]),
     "moe_comm_alloc_mapped": (_int, [_i64, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)]),
     "moe_comm_free_mapped": (_int, [_ptr]),
-    "moe_comm_wait_notify": (_int, [_ptr, _ptr]),
+    "moe_comm_wait_notify": (_int, [_ptr, _i64, _ptr]),
     "moe_comm_ipc_alloc": (_int, [_i64, ctypes.POINTER(_ptr), _ptr]),
     "moe_comm_ipc_open": (_int, [_ptr, ctypes.POINTER(_ptr)]),
     "moe_comm_ipc_close": (_int, [_ptr]),

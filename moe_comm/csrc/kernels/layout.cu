@@ -15,6 +15,8 @@ int check_notify(const EpParams* p, const NotifyArgs* n) {
                      static_cast<long long>(kSlotStride));
     MOE_COMM_REQUIRE(n->summary != nullptr || n->pending_flags != nullptr, "summary=%p, pending_flags=%p",
                      static_cast<void*>(n->summary), static_cast<void*>(n->pending_flags));
+    MOE_COMM_REQUIRE((n->summary == nullptr) == (n->summary_done == nullptr), "summary=%p, summary_done=%p",
+                     static_cast<void*>(n->summary), static_cast<void*>(n->summary_done));
     return 0;
 }
 

@@ -1,5 +1,7 @@
-// What the host needs besides kernels: host-mapped memory (the ErrorRecord and the notify summary), the message of
-// the last failure, and the ABI table that the host compares with its ctypes structs (moe_comm/layout.py).
+// What the host needs besides kernels: host-mapped memory (the ErrorRecord and the notify summary), the wait for a
+// synchronized dispatch's notify, the message of the last failure, and the ABI table that the host compares with its
+// ctypes structs (moe_comm/layout.py).
+#include <atomic>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -45,19 +47,21 @@ int moe_comm_free_mapped(void* host) {
 }
 
 // Wait for a synchronized dispatch's notify before the host extension reads its summary (csrc/torch/ops.cpp, without
-// the GIL): until the notify sets `*done` (host-mapped, zeroed by the host before the launch), or until `stream` has
-// nothing left to run (a kernel that stopped before its summary: what it recorded in the ErrorRecord says why).
+// the GIL): until the notify writes `value` (this call's number) into `*done` (host-mapped), or until `stream` has
+// nothing left to run (a kernel that stopped before its summary: what it recorded in the ErrorRecord says why). The
+// acquire fence orders the caller's reads of the summary after the read that saw `value` (needed on ARM hosts).
 // NOTES: polling the word instead of cudaStreamSynchronize leaves out the layout kernel's exit and the stream's
 // completion signal (benchmarks/NOTES.md, fourteenth session).
-int moe_comm_wait_notify(const volatile int64_t* done, cudaStream_t stream) {
-    for (uint32_t spin = 1; *done == 0; ++spin) {
+int moe_comm_wait_notify(const volatile int64_t* done, int64_t value, cudaStream_t stream) {
+    for (uint32_t spin = 1; *done != value; ++spin) {
         if (spin % 4096) continue;  // the stream now and then: a query costs more than a read of the word
         const cudaError_t err = cudaStreamQuery(stream);
         if (err == cudaErrorNotReady) continue;
         MOE_COMM_REQUIRE(err == cudaSuccess, "cudaStreamQuery: %s (%s)", cudaGetErrorName(err),
                          cudaGetErrorString(err));
-        return 0;
+        break;
     }
+    std::atomic_thread_fence(std::memory_order_acquire);
     return 0;
 }
 

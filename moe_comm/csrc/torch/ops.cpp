@@ -31,7 +31,7 @@ using Stream = void*;  // cudaStream_t, an opaque pointer
 using LayoutFn = int (*)(const EpParams*, const LayoutArgs*, const NotifyArgs*, Stream);
 using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOutputs*, int, int, int, Stream);
 using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, int, Stream);
-using WaitNotifyFn = int (*)(const volatile int64_t*, Stream);
+using WaitNotifyFn = int (*)(const volatile int64_t*, int64_t, Stream);
 using LastErrorFn = const char* (*)();
 using OptionalTensor = std::optional<at::Tensor>;
 
@@ -84,7 +84,7 @@ public:
                                const OptionalTensor& scales, const OptionalTensor& weights, uintptr_t offsets,
                                uintptr_t mapped, int64_t alignment, int64_t num_rows, int64_t num_expand_rows,
                                bool do_expand, int quantize, int dequantize, int num_blocks, int part,
-                               uintptr_t stream) const {
+                               uintptr_t stream) {
         const int64_t* o = checked_offsets(offsets);
         require(alignment >= 1, "alignment=" + std::to_string(alignment) + " (at least 1)");
         const EpParams* p = at_address<const EpParams>(params);
@@ -216,19 +216,26 @@ private:
     // `layout_dispatch` with a CPU sync.
     py::object synchronized_dispatch(const Launch& launch, const at::Tensor& topk_idx, const at::Tensor& data,
                                      const OptionalTensor& scales, const OptionalTensor& weights, uintptr_t mapped,
-                                     int64_t alignment, bool do_expand, int part) const {
+                                     int64_t alignment, bool do_expand, int part) {
         const EpParams* p = at_address<const EpParams>(launch.params);
         const at::Tensor workspace = at::empty({launch.offsets[kWorkspaceLength]}, topk_idx.options());
-        // Mapped memory the device writes: through volatile. The notify sets `done` once the summary is final; a
-        // kernel that stopped before (the stream ran dry) left the reason in the ErrorRecord at `mapped`.
-        volatile int64_t* done = at_address<volatile int64_t>(mapped + kNotifyDoneOffset);
-        *done = 0;
+        // Mapped memory the device writes, read through volatile. The notify writes this call's number into `done`
+        // once the summary is final (a kernel of an earlier call, still running after its wait failed, cannot pass
+        // for it); a kernel that stopped before (the stream ran dry) left the reason in the ErrorRecord at `mapped`.
+        const int64_t value = ++notify_calls_;
+        at_address<NotifyArgs>(launch.notify)->done_value = value;
+        const volatile int64_t* done = at_address<const volatile int64_t>(mapped + kNotifyDoneOffset);
         launch_layout(launch, topk_idx, workspace);
-        check(released(wait_notify_, done, reinterpret_cast<Stream>(launch.stream)), p, "wait for the dispatch notify");
+        check(released(wait_notify_, done, value, reinterpret_cast<Stream>(launch.stream)), p,
+              "wait for the dispatch notify");
         const volatile int64_t* error_code = at_address<const volatile int64_t>(mapped);
         const volatile int64_t* summary = at_address<const volatile int64_t>(mapped + kSummaryOffset);
         const int R = p->num_ranks, L = p->num_local_experts;
-        bool problem = *done == 0 || *error_code != 0;
+        if (*done != value && *error_code == 0) {
+            throw std::runtime_error("moe_comm: the dispatch notify on rank " + std::to_string(p->rank) +
+                                     " ended before its summary and recorded no error: a bug in moe_comm");
+        }
+        bool problem = *done != value || *error_code != 0;
         for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
         if (problem) return py::none();
         const int64_t M = summary[3 * R];
@@ -463,6 +470,7 @@ private:
     CombineFn combine_;
     WaitNotifyFn wait_notify_;
     LastErrorFn last_error_;
+    int64_t notify_calls_ = 0;  // synchronized dispatches so far: each one's number for its notify's done word
 };
 
 }  // namespace

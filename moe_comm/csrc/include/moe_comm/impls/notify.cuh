@@ -91,7 +91,7 @@ __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        *reinterpret_cast<volatile int64_t*>(n.summary_done) = 1;
+        *reinterpret_cast<volatile int64_t*>(n.summary_done) = n.done_value;
     }
 }
 
