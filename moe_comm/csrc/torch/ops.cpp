@@ -231,11 +231,12 @@ private:
         const volatile int64_t* error_code = at_address<const volatile int64_t>(mapped);
         const volatile int64_t* summary = at_address<const volatile int64_t>(mapped + kSummaryOffset);
         const int R = p->num_ranks, L = p->num_local_experts;
-        if (*done != value && *error_code == 0) {
+        const bool finished = *done == value, recorded = *error_code != 0;
+        if (!finished && !recorded) {
             throw std::runtime_error("moe_comm: the dispatch notify on rank " + std::to_string(p->rank) +
                                      " ended before its summary and recorded no error: a bug in moe_comm");
         }
-        bool problem = *done != value || *error_code != 0;
+        bool problem = !finished || recorded;
         for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
         if (problem) return py::none();
         const int64_t M = summary[3 * R];
