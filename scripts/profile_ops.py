@@ -1,8 +1,10 @@
 """Where the time of a dispatch/combine goes: host issue time, device time per kernel, Python hot spots.
 
 For each token count and op (dispatch with and without CPU sync, cached dispatch, combine) on the CUDA backend:
-- host us/call: wall time of issuing calls back to back, divided by the count, the least of five loops of
-  `--iters / 5` (the GPU is not waited for, so for ops without a host sync this is the Python + launch cost alone);
+- host us/call: wall time of issuing calls back to back, divided by the count, the least of `--host-loops` loops
+  of `--iters / --host-loops` calls (the GPU is not waited for, so for ops without a host sync this is the Python +
+  launch cost alone; the lent hosts have slow spells of tens of milliseconds: for an A/B take many short loops, e.g.
+  `--iters 2000 --host-loops 100`);
 - stream us/call: CUDA-event time of the same loop per call (what the stream spends when the host is ahead);
 - per kernel: mean device time from `torch.profiler` (CUPTI), with its share of the stream time.
 At the smallest size also the host time of the pieces of a cached dispatch and a combine (checks, allocation, the
@@ -17,8 +19,8 @@ token count.
 
 The per-SM copy floor the kernels are measured against is benchmarks/microbench/copy_bench.cu.
 
-    python scripts/profile_ops.py [--num-ranks 2] [--tokens 128 4096] [--iters 50] [--out DIR] [--json FILE]
-                                  [--ops-only] [--variants unroll=8,send=0.6 ...]
+    python scripts/profile_ops.py [--num-ranks 2] [--tokens 128 4096] [--iters 50] [--host-loops 5] [--out DIR]
+                                  [--json FILE] [--ops-only] [--variants unroll=8,send=0.6 ...]
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def profile_rank(rank: int, world_size: int, args: dict) -> tuple[str, list[dict
         for name, fn in ops.items():
             for _ in range(3):
                 fn()
-            host, stream = loop_times(fn, iters, device)
+            host, stream = loop_times(fn, iters, device, args["host_loops"])
             lines.append(f"\n{num_tokens} tokens, {name}: host {host:.1f} us/call, stream {stream:.1f} us/call")
             kernels = kernel_times(fn, iters)
             for kernel, us in kernels.items():
@@ -320,6 +322,7 @@ def main() -> None:
     parser.add_argument("--num-ranks", type=int, default=2, help="ranks, one GPU each")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--host-loops", type=int, default=5, help="host us: the least of this many loops")
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile.txt")
     parser.add_argument("--variants", nargs="*", default=None, help="kernel build variants to compare")
     parser.add_argument("--json", default=None, help="write the op rows and the run's metadata to this file")
@@ -327,7 +330,8 @@ def main() -> None:
                         help="only the public-API op timings (no host breakdown): runs against an older moe_comm "
                              "too (PYTHONPATH), for before/after comparisons in one sitting")
     args = parser.parse_args()
-    options = {"tokens": args.tokens, "iters": args.iters, "variants": args.variants, "ops_only": args.ops_only}
+    options = {"tokens": args.tokens, "iters": args.iters, "host_loops": args.host_loops, "variants": args.variants,
+               "ops_only": args.ops_only}
     if args.variants:
         report = parallel_launch(args.num_ranks, variants_rank, options, backend="nccl", timeout_s=600)[0]
     else:

@@ -102,12 +102,13 @@ def median_time_us(fn: Callable[[], object], device: torch.device, num_warmups: 
     return statistics.median(times)
 
 
-def least_host_us(fn: Callable[[], object], iters: int) -> float:
-    """Host wall time per call of `fn` issued back to back, the least over five loops of `iters // 5` calls (at least
-    one): the lent machines' host speed drifts by up to 1.5x within a minute (other tenants), the least loop is the
-    cost of the path itself."""
-    per_loop, least = max(1, iters // 5), float("inf")
-    for _ in range(5):
+def least_host_us(fn: Callable[[], object], iters: int, loops: int = 5) -> float:
+    """Host wall time per call of `fn` issued back to back, the least over `loops` loops of `iters // loops` calls (at
+    least one): the lent machines' host speed drifts by up to 1.5x within a minute (other tenants; slow spells of tens
+    of milliseconds), the least loop is the cost of the path itself. More, shorter loops over more calls find a quiet
+    spell more surely."""
+    per_loop, least = max(1, iters // loops), float("inf")
+    for _ in range(loops):
         t0 = time.perf_counter()
         for _ in range(per_loop):
             fn()
@@ -115,15 +116,16 @@ def least_host_us(fn: Callable[[], object], iters: int) -> float:
     return least
 
 
-def loop_times(fn: Callable[[], object], iters: int, device: torch.device) -> tuple[float, float]:
+def loop_times(fn: Callable[[], object], iters: int, device: torch.device,
+               host_loops: int = 5) -> tuple[float, float]:
     """(host us per call, stream us per call) of `iters` back-to-back calls on CUDA.
 
-    Host: `least_host_us` (the GPU is not waited for). Stream: CUDA-event time of one loop of `iters` with the stream
-    kept busy first for longer than the host needs to issue it, so it is the device's time per call (what DeepEP's
-    benchmark reports), host gaps left only where a call waits for the GPU (a CPU sync).
+    Host: `least_host_us` over `host_loops` loops (the GPU is not waited for). Stream: CUDA-event time of one loop of
+    `iters` with the stream kept busy first for longer than the host needs to issue it, so it is the device's time
+    per call (what DeepEP's benchmark reports), host gaps left only where a call waits for the GPU (a CPU sync).
     """
     torch.cuda.synchronize(device)
-    host = least_host_us(fn, iters)
+    host = least_host_us(fn, iters, host_loops)
     # Every rank sleeps as long as the slowest host needs: with sleeps of their own lengths, the rank that woke
     # first would count the wait for the other in its first call.
     slowest = torch.tensor([host], dtype=torch.float64, device=device)

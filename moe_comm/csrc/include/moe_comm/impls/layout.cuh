@@ -73,6 +73,13 @@ struct LayoutRow {
     uint32_t ranks;
 };
 
+// Column c's total into the layout's outputs: a rank's rows, an expert's rows, or (c == columns) the error flags.
+__device__ __forceinline__ void write_total(const LayoutArgs& a, int R, int columns, int c, int total) {
+    if (c < R) a.num_tokens_per_rank[c] = total;
+    else if (c < columns) a.num_tokens_per_expert[c - R] = total;
+    else a.flags[0] = total;
+}
+
 // Phase 1 into `sh` and `row` (the thread's token of the first pass, kept for phase 3).
 __device__ void layout_count(const EpParams& p, const LayoutArgs& a, int64_t begin, int64_t end,
                              const LayoutShared& sh, LayoutRow& row) {
@@ -126,9 +133,7 @@ __device__ void layout_count(const EpParams& p, const LayoutArgs& a, int64_t beg
             counts[c] = total;
             continue;
         }
-        if (c < R) a.num_tokens_per_rank[c] = total;
-        else if (c < columns) a.num_tokens_per_expert[c - R] = total;
-        else a.flags[0] = total;
+        write_total(a, R, columns, c, total);
         if (c < columns) sh.running[c] = 0;
     }
 }
@@ -160,11 +165,7 @@ __device__ void layout_prefix(const EpParams& p, const LayoutArgs& a, const Layo
 #pragma unroll
         for (int k = 0; k < kInFlight; ++k) before += sum[k];
         if (c < columns) sh.running[c] = before;
-        if (!last) continue;
-        const int total = before + own;
-        if (c < R) a.num_tokens_per_rank[c] = total;
-        else if (c < columns) a.num_tokens_per_expert[c - R] = total;
-        else a.flags[0] = bits;
+        if (last) write_total(a, R, columns, c, c < columns ? before + own : bits);
     }
 }
 
