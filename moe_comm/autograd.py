@@ -99,6 +99,7 @@ class Combine(torch.autograd.Function):
         return (grad_y, grad_combined if need_b0 else None, grad_combined if need_b1 else None, None, None, None)
 
 
+@torch.compiler.disable
 def dispatch(buffer, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
              **dispatch_kwargs: Any):
     """Differentiable `buffer.dispatch(x, topk_idx, topk_weights, **dispatch_kwargs)`.
@@ -120,6 +121,7 @@ def dispatch(buffer, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: O
     return ((recv_x if recv_scales is None else (recv_x, recv_scales)), recv_idx, recv_w, handle, event, *hook)
 
 
+@torch.compiler.disable
 def combine(buffer, y: torch.Tensor, handle: EPHandle, bias=None, **combine_kwargs: Any):
     """Differentiable `buffer.combine(y, handle, bias=bias, **combine_kwargs)`.
 

@@ -476,6 +476,7 @@ class Buffer(PrimitivesMixin):
     # ------------------------------------------------------------------------------------------------
     # Dispatch
     # ------------------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def dispatch(self, x: Union[torch.Tensor, FP8Tuple], topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
                  num_max_tokens_per_rank: Optional[int] = None, expert_alignment: int = 1, num_sms: int = 0,
@@ -652,6 +653,7 @@ class Buffer(PrimitivesMixin):
     # ------------------------------------------------------------------------------------------------
     # Combine
     # ------------------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Sequence[torch.Tensor]] = None, num_sms: int = 0,
                 previous_event: Optional[EventOverlap] = None, async_with_compute_stream: bool = False,
@@ -732,6 +734,7 @@ class Buffer(PrimitivesMixin):
     # ------------------------------------------------------------------------------------------------
     # Lifetime
     # ------------------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def barrier(self) -> None:
         """Wait for every rank of the group; raise errors that calls without a CPU sync deferred (invalid routing,
         ranks that disagreed in a call the CUDA kernels checked)."""

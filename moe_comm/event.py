@@ -48,6 +48,7 @@ class EventOverlap:
             return False
         return not self._works and not self._finalizers
 
+    @torch.compiler.disable
     def current_stream_wait(self) -> None:
         """Make the current stream (CUDA) or the caller (CPU) wait for the communication to finish."""
         if self.event is not None:
@@ -105,6 +106,7 @@ class RecvHook:
         """True once the hook was called."""
         return self._receive is None
 
+    @torch.compiler.disable
     def __call__(self) -> None:
         receive = self._receive
         if receive is None:

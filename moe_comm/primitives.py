@@ -61,6 +61,7 @@ class PrimitivesMixin:
     # ------------------------------------------------------------------------------------------------
     # Pipeline send/recv
     # ------------------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
         """Configure pipeline send/recv (collective: every rank calls it with the same values; ValueError on every
         rank when they differ). Call it when no send waits for its receive: the CUDA backend makes new slots (what
@@ -84,6 +85,7 @@ class PrimitivesMixin:
             error = exc
         self._prims.pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors, error)
 
+    @torch.compiler.disable
     def pp_send(self, t: torch.Tensor, dst: int, previous_event: Optional[EventOverlap] = None,
                 async_with_compute_stream: bool = False) -> EventOverlap:
         """Send `t` to ring neighbour `dst` (`(rank + 1) % R` or `(rank - 1) % R`); the call copies `t` into a slot,
@@ -102,6 +104,7 @@ class PrimitivesMixin:
         return self._run_primitive("pp_send", lambda: self._prims.pp_send(t, dst), previous_event,
                                    async_with_compute_stream, [t])[1]
 
+    @torch.compiler.disable
     def pp_recv(self, t: torch.Tensor, src: int, previous_event: Optional[EventOverlap] = None,
                 async_with_compute_stream: bool = False) -> EventOverlap:
         """Receive into `t` the oldest tensor ring neighbour `src` sent that this rank has not received yet.
@@ -137,6 +140,7 @@ class PrimitivesMixin:
     # ------------------------------------------------------------------------------------------------
     # All-gather, reduce-scatter
     # ------------------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def all_gather(self, t: torch.Tensor, previous_event: Optional[EventOverlap] = None,
                    async_with_compute_stream: bool = False) -> tuple[torch.Tensor, EventOverlap]:
         """Every rank's `t`, stacked (collective).
@@ -153,6 +157,7 @@ class PrimitivesMixin:
                                              async_with_compute_stream, [t])
         return outputs[0], event
 
+    @torch.compiler.disable
     def reduce_scatter(self, t: torch.Tensor, previous_event: Optional[EventOverlap] = None,
                        async_with_compute_stream: bool = False) -> tuple[torch.Tensor, EventOverlap]:
         """Block `rank` of the sum of every rank's `t` (collective): `t` is R blocks of `t.shape[0] // R` rows; the
@@ -203,6 +208,7 @@ class PrimitivesMixin:
     # ------------------------------------------------------------------------------------------------
     # Engram
     # ------------------------------------------------------------------------------------------------
+    @torch.compiler.disable
     def engram_write(self, storage: torch.Tensor) -> None:
         """Keep this rank's part of a table (collective): global row g is row `g - offset_r` of the rank r whose
         rows hold it, ranks in order (`offset_r` = rows of the ranks before r). Replaces the previous table.
@@ -219,6 +225,7 @@ class PrimitivesMixin:
             error = exc
         self._prims.engram_write(storage, error)
 
+    @torch.compiler.disable
     def engram_fetch(self, indices: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Fetch rows of the table by global index (collective: every rank calls it, with its own indices, possibly
         none). Bad indices on any rank raise the same ValueError on every rank before any row moves.

@@ -8,6 +8,7 @@ import torch
 
 import moe_comm
 from moe_comm import autograd as moe_autograd
+from moe_comm.testing.checks import compile_recording
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, rank_inputs
 
@@ -51,9 +52,10 @@ def test_gradcheck_through_recv_hooks(pools):
     assert all(all(r) for r in results)
 
 
-def grads_rank(rank: int, world_size: int, mode: str, do_expand: bool) -> dict:
+def grads_rank(rank: int, world_size: int, mode: str, do_expand: bool, compiled: bool = False) -> dict:
     """Gradients of a small bf16 pipeline; `mode` "async": every call returns early and waits on its event, "hook":
-    every call receives in its hook (called before the outputs are used), "sync": neither."""
+    every call receives in its hook (called before the outputs are used), "sync": neither. `compiled`: the pipeline
+    under `torch.compile` (backend "eager": Dynamo's graphs, run by torch), with the number of graph breaks."""
     use_async = mode == "async"
     hook = {"return_recv_hook": True} if mode == "hook" else {}
     case = Case(seed=21, num_ranks=world_size, num_experts=4, num_topk=2, hidden=16, num_tokens=(5, 3),
@@ -65,27 +67,36 @@ def grads_rank(rank: int, world_size: int, mode: str, do_expand: bool) -> dict:
     w.requires_grad_()
     bias = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
     bias = bias.to(torch.bfloat16).requires_grad_()
-    recv_x, _, recv_w, handle, event, *receive = moe_autograd.dispatch(
-        buf, x, idx, w, num_experts=4, do_expand=do_expand, expert_alignment=2,
-        async_with_compute_stream=use_async, **hook)
-    assert len(receive) == len(hook)
-    for received in receive:
-        received()
-    if use_async:
-        assert not event.done
-        event.current_stream_wait()
-    gate = recv_w if do_expand else recv_w.sum(1)
-    y = (recv_x.float() * (1 + gate)[:, None]).to(torch.bfloat16)
-    combined, event, *receive = moe_autograd.combine(buf, y, handle, bias=bias, async_with_compute_stream=use_async,
-                                                     **hook)
-    for received in receive:
-        received()
-    with event:
-        pass
+
+    def pipeline(x, idx, w, bias):
+        recv_x, _, recv_w, handle, event, *receive = moe_autograd.dispatch(
+            buf, x, idx, w, num_experts=4, do_expand=do_expand, expert_alignment=2,
+            async_with_compute_stream=use_async, **hook)
+        assert len(receive) == len(hook)
+        if receive:  # not a loop: Dynamo cannot resume a frame after a graph break inside one (it runs it all eagerly)
+            receive[0]()
+        if use_async:
+            assert not event.done
+            event.current_stream_wait()
+        gate = recv_w if do_expand else recv_w.sum(1)
+        y = (recv_x.float() * (1 + gate)[:, None]).to(torch.bfloat16)
+        combined, event, *receive = moe_autograd.combine(buf, y, handle, bias=bias,
+                                                         async_with_compute_stream=use_async, **hook)
+        if receive:
+            receive[0]()
+        with event:
+            pass
+        return combined
+
+    traced = None
+    if compiled:
+        pipeline, traced = compile_recording(pipeline)
+    combined = pipeline(x, idx, w, bias)
     grad_out = torch.randn(combined.shape, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)
     combined.backward(grad_out)
     return {"x": x.grad.float().tolist(), "w": w.grad.tolist(), "bias": bias.grad.float().tolist(),
-            "bias_is_grad_out": torch.equal(bias.grad, grad_out), "out": combined.float().tolist()}
+            "bias_is_grad_out": torch.equal(bias.grad, grad_out), "out": combined.float().tolist(),
+            "traced": traced and traced()}
 
 
 @pytest.mark.parametrize("do_expand", [False, True])
@@ -94,6 +105,20 @@ def test_async_and_hook_patterns_match_sync(pools, do_expand):
     assert pools(2).run(grads_rank, "async", do_expand) == sync
     assert pools(2).run(grads_rank, "hook", do_expand) == sync
     assert all(r["bias_is_grad_out"] for r in sync)
+
+
+def test_torch_compile_runs_each_call_eagerly(pools):
+    """Under torch.compile every moe_comm call runs as in eager mode, the graph broken around it (the entry points
+    are `torch.compiler.disable`d): Dynamo captures the pipeline's own ops and none of moe_comm's code (it traced
+    the validation, the backends and the launchers before, breaking this pipeline's graph 17 times); the outputs
+    and gradients equal the eager ones bitwise."""
+    expected = pools(2).run(grads_rank, "sync", False)
+    for mode in ("sync", "async", "hook"):
+        results = pools(2).run(grads_rank, mode, False, True)
+        for r in results:
+            graphs, traced = r.pop("traced")
+            assert graphs >= 1 and traced == 0, (mode, graphs, traced)
+        assert results == [{k: v for k, v in r.items() if k != "traced"} for r in expected]
 
 
 def fp8_straight_through_rank(rank: int, world_size: int, fmt: str) -> bool:

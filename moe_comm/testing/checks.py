@@ -7,13 +7,14 @@ CPU sync only the rows up to the true count are compared (the reference backend 
 leave them unspecified). Used by the CPU tier (reference over gloo) and the GPU tier.
 
 `skip_one_call(buffer, case, rank, missing_rank, phase)` has one rank sleep through a call the others make, for
-the timeout tests.
+the timeout tests. `compile_recording(fn)` compiles a function around moe_comm calls and counts what Dynamo traced.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -142,3 +143,22 @@ def skip_one_call(buffer, case: Case, rank: int, missing_rank: int, phase: str, 
     except (TimeoutError, ConnectionError) as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     raise AssertionError(f"rank {rank}: the {phase} completed while rank {missing_rank} skipped it")
+
+
+def compile_recording(fn: Callable) -> tuple[Callable, Callable[[], tuple[int, int]]]:
+    """`fn` under `torch.compile` (Dynamo's graphs run as captured, no code generated) and a function returning what
+    Dynamo captured so far: `(graphs, nodes traced from moe_comm's own files)`. moe_comm's calls are
+    `torch.compiler.disable`d, so the second count is 0 unless Dynamo traced into one."""
+    graphs = []
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+    def record(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    def counts() -> tuple[int, int]:
+        nodes = [node for gm in graphs for node in gm.graph.nodes]
+        return len(graphs), sum(package in (node.meta.get("stack_trace") or "") for node in nodes)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=record), counts
