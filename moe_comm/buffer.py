@@ -146,6 +146,7 @@ class Buffer(PrimitivesMixin):
             (`scripts/profile_ops.py`); None: the defaults.
     """
 
+    @torch.compiler.disable
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_max_tokens_per_rank: int = 4096,
                  hidden: int = 7168, num_topk: int = 8, use_fp8_dispatch: bool = False, backend: str = "auto",
                  deterministic: bool = False, num_gpu_timeout_secs: float = 100,
@@ -753,6 +754,7 @@ class Buffer(PrimitivesMixin):
         self._impl.after_host_sync(synchronized=True)
         self._impl.check_pending_errors()
 
+    @torch.compiler.disable
     def destroy(self) -> None:
         """Release the buffer once its communication has finished; later calls raise.
 

@@ -250,7 +250,8 @@ class PrimitivesMixin:
         self._impl.after_host_sync()
         if error is None:
             self._prims.before_call("engram_fetch")
-        return self._prims.engram_fetch(indices, error)
+        # The callable waits for the rows (the reference backend: for the exchange), eager under torch.compile too.
+        return torch.compiler.disable(self._prims.engram_fetch(indices, error))
 
     # ------------------------------------------------------------------------------------------------
     # Shared

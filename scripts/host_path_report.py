@@ -44,6 +44,12 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a paragraph for the markdown (what changed, the machine)")
     args = parser.parse_args()
     runs = {side: [json.loads(Path(f).read_text()) for f in getattr(args, side)] for side in ("before", "after")}
+    started: dict[str, str] = {}  # a run's start time -> its file: the same run given twice would weigh double
+    for f, run in zip(args.before + args.after, runs["before"] + runs["after"]):
+        date = run["metadata"]["date_utc"]
+        if date in started:
+            parser.error(f"{f} and {started[date]} are the same run (metadata.date_utc {date})")
+        started[date] = f
     summary = {side: summarize(r) for side, r in runs.items()}
     keys = sorted(set(summary["before"]) & set(summary["after"]), key=lambda k: (k[1], k[0]))
     table = [{"tokens": t, "op": op, **{f"{side}_{what}": summary[side][(t, op)][what] for side in summary

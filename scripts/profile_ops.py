@@ -172,15 +172,15 @@ def variants_rank(rank: int, world_size: int, args: dict) -> str:
     return "\n".join(lines)
 
 
-def host_us(fn, iters: int) -> float:
+def host_us(fn, iters: int, loops: int) -> float:
     """`least_host_us` of `fn` from an idle device (the GPU is not waited for inside the loops)."""
     torch.cuda.synchronize()
-    least = least_host_us(fn, iters)
+    least = least_host_us(fn, iters, loops)
     torch.cuda.synchronize()
     return least
 
 
-def host_breakdown(buf, x, idx, w, num_experts: int, handle, recv_x, iters: int) -> list[str]:
+def host_breakdown(buf, x, idx, w, num_experts: int, handle, recv_x, iters: int, loops: int) -> list[str]:
     """Host us per call of the pieces of a fresh dispatch without CPU sync, a cached dispatch and a combine: argument
     checks, the kernel library's launchers called alone through ctypes (a launch without allocations or views), the
     host extension's crossing (allocations, views, launches), the whole call; torch baselines beside them."""
@@ -226,9 +226,9 @@ def host_breakdown(buf, x, idx, w, num_experts: int, handle, recv_x, iters: int)
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
         "a small torch kernel from Python (t.add_(1))": lambda: recv_x[:1].add_(1),
     }
-    lines = [f"\nhost us per call, {x.shape[0]} tokens (the least of five loops of {iters // 5} calls each):"]
+    lines = [f"\nhost us per call, {x.shape[0]} tokens (the least of {loops} loops of {iters // loops} calls each):"]
     for name, fn in pieces.items():
-        lines.append(f"    {host_us(fn, iters):8.1f}  {name}")
+        lines.append(f"    {host_us(fn, iters, loops):8.1f}  {name}")
     del fresh, cached
     return lines
 
@@ -306,7 +306,8 @@ def profile_rank(rank: int, world_size: int, args: dict) -> tuple[str, list[dict
             rows.append({"tokens": num_tokens, "op": name, "host_us": round(host, 2), "stream_us": round(stream, 2),
                          "kernel_us": {kernel.split("(")[0]: round(us, 2) for kernel, us in kernels.items()}})
         if num_tokens == min(args["tokens"]) and not args["ops_only"]:
-            lines += host_breakdown(buf, x, idx, w, E, handle, recv_x, 200)
+            lines += host_breakdown(buf, x, idx, w, E, handle, recv_x, max(200, 4 * args["host_loops"]),
+                                    args["host_loops"])
             for name, fn in ops.items():
                 pieces = host_pieces(buf._impl, fn, iters)
                 lines.append(f"\nhost us per call inside, {name} at {num_tokens} tokens: " +
@@ -330,6 +331,8 @@ def main() -> None:
                         help="only the public-API op timings (no host breakdown): runs against an older moe_comm "
                              "too (PYTHONPATH), for before/after comparisons in one sitting")
     args = parser.parse_args()
+    if args.host_loops < 1 or args.iters < args.host_loops:
+        parser.error(f"--host-loops={args.host_loops} must be >= 1 and at most --iters={args.iters}")
     options = {"tokens": args.tokens, "iters": args.iters, "host_loops": args.host_loops, "variants": args.variants,
                "ops_only": args.ops_only}
     if args.variants:

@@ -258,14 +258,13 @@ def autograd_async_rank(rank: int, world_size: int, backend: str) -> list:
                 event.current_stream_wait()
                 return combined
 
-            compiled, traced = compile_recording(pipeline)
+            compiled, check_compiled = compile_recording(pipeline)
             for fn in (pipeline, compiled):
                 x, idx, w = rank_inputs(case, rank, buf.device)
                 x.requires_grad_()
                 fn(x, idx, w).float().square().sum().backward()
                 out.append(x.grad.float().cpu().tolist())
-            graphs, nodes = traced()
-            assert graphs >= 1 and nodes == 0, f"torch.compile traced {nodes} nodes of moe_comm in {graphs} graphs"
+            check_compiled()
         return out
 
 

@@ -107,6 +107,8 @@ def least_host_us(fn: Callable[[], object], iters: int, loops: int = 5) -> float
     least one): the lent machines' host speed drifts by up to 1.5x within a minute (other tenants; slow spells of tens
     of milliseconds), the least loop is the cost of the path itself. More, shorter loops over more calls find a quiet
     spell more surely."""
+    if loops < 1:
+        raise ValueError(f"loops={loops} must be >= 1")
     per_loop, least = max(1, iters // loops), float("inf")
     for _ in range(loops):
         t0 = time.perf_counter()

@@ -145,10 +145,10 @@ def skip_one_call(buffer, case: Case, rank: int, missing_rank: int, phase: str, 
     raise AssertionError(f"rank {rank}: the {phase} completed while rank {missing_rank} skipped it")
 
 
-def compile_recording(fn: Callable) -> tuple[Callable, Callable[[], tuple[int, int]]]:
-    """`fn` under `torch.compile` (Dynamo's graphs run as captured, no code generated) and a function returning what
-    Dynamo captured so far: `(graphs, nodes traced from moe_comm's own files)`. moe_comm's calls are
-    `torch.compiler.disable`d, so the second count is 0 unless Dynamo traced into one."""
+def compile_recording(fn: Callable) -> tuple[Callable, Callable[[], None]]:
+    """`fn` under `torch.compile` (Dynamo's graphs run as captured, no code generated) and a check to call once it
+    ran: Dynamo captured operations, each with the stack trace that names the file it came from, and none came from
+    moe_comm's own files (its calls are `torch.compiler.disable`d: they run eagerly between the graphs)."""
     graphs = []
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -156,9 +156,13 @@ def compile_recording(fn: Callable) -> tuple[Callable, Callable[[], tuple[int, i
         graphs.append(gm)
         return gm.forward
 
-    def counts() -> tuple[int, int]:
-        nodes = [node for gm in graphs for node in gm.graph.nodes]
-        return len(graphs), sum(package in (node.meta.get("stack_trace") or "") for node in nodes)
+    def check() -> None:
+        traces = [node.meta.get("stack_trace") for gm in graphs for node in gm.graph.nodes
+                  if node.op in ("call_function", "call_method")]
+        assert traces, "torch.compile captured no operation"
+        assert all(traces), "Dynamo's operations carry no stack trace: where they came from cannot be told"
+        inside = [trace for trace in traces if package in trace]
+        assert not inside, f"torch.compile traced {len(inside)} operations of moe_comm, e.g.\n{inside[0]}"
 
     torch._dynamo.reset()
-    return torch.compile(fn, backend=record), counts
+    return torch.compile(fn, backend=record), check

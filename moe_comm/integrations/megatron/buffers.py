@@ -23,6 +23,7 @@ def _max_over_ranks(group: dist.ProcessGroup, value: int) -> int:
     return int(t.item())
 
 
+@torch.compiler.disable  # collective (a buffer made or grown, an all-reduce): eager under torch.compile
 def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size: int, num_topk: int,
                options: MoECommConfig) -> Buffer:
     """The cached `moe_comm.Buffer` for `group`, created or grown to fit this call.
