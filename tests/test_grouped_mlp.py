@@ -184,7 +184,9 @@ def _counts(case: Case):
 
 
 def _run(module, x, counts, probs, grad) -> dict:
-    """Forward + backward: output, input and probability gradients, parameter gradients."""
+    """Forward + backward: output, input and probability gradients, parameter gradients (this run's alone: a second
+    run of the same module would otherwise add into, and so change, the tensors the first one returned)."""
+    module.zero_grad(set_to_none=True)
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
     out, out_bias = module(x, counts, probs)
     assert out_bias is None

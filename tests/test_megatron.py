@@ -347,14 +347,62 @@ def async_overlap_rank(rank: int, world_size: int, case: Case, dims: ModelDims) 
     h, p = layer.preprocess(x, probs, routing_map)
     h, p = layer.dispatch(h, p)
     disp = layer.token_dispatcher
-    pending_after_dispatch = disp.dispatch_event is not None and not disp.dispatch_event.done
+    event = disp.dispatch_event
+    pending_after_dispatch = event is not None and not event.done
     out, _ = layer.routed_experts_compute(h, p)
-    waited = disp.dispatch_event is None
+    waited = event is not None and event.done and disp.dispatch_event is None
     out = layer.combine(out)
     pending_after_combine = disp.combine_event is not None and not disp.combine_event.done
     layer.postprocess(out, None)
     return dict(pending_after_dispatch=pending_after_dispatch, waited=waited,
                 pending_after_combine=pending_after_combine, num_sms=disp.last_num_sms)
+
+
+def graph_attrs_rank(rank: int, world_size: int, case: Case, dims: ModelDims, overrides: dict) -> list:
+    """Megatron's partial CUDA graph of the router and dispatch_preprocess, emulated: after a replay the Python of
+    dispatch_preprocess has not run, and Megatron sets back only the dispatcher attributes that `cudagraph_attrs`
+    names (tensors, dotted names through submodules; transformer_layer's restore). The layer's output must equal a
+    plain run's."""
+    from moe_comm.integrations.megatron import MoECommConfig
+
+    device = setup_worker(case.seed)
+    dims = dataclasses.replace(dims, moe_router_topk=case.topk)
+    config = transformer_config(dims, "alltoall", EP_SIZE, **overrides)
+    layer = build_moe_layer(config, dims, "moe_comm", MoECommConfig(backend=case.backend)).to(device)
+    disp = layer.token_dispatcher
+    x = torch.randn(16, 2, dims.hidden_size, generator=torch.Generator().manual_seed(rank)).to(device)
+    outputs = []
+    for replay in (False, True):
+        probs, routing_map = layer.route(x)
+        h, p = layer.preprocess(x, probs, routing_map)
+        if replay:
+            def owner_of(name: str):
+                *parents, last = name.split(".")
+                owner = disp
+                for part in parents:
+                    owner = getattr(owner, part)
+                return owner, last
+
+            saved = {name: getattr(*owner_of(name), None) for name in disp.cudagraph_attrs}
+            saved = {name: value.clone() for name, value in saved.items() if torch.is_tensor(value)}
+            # What dispatch_preprocess sets, as the previous forward's later steps left it (consumed: None); the
+            # replay does not run dispatch_preprocess's Python.
+            disp.topk_idx = None
+            if disp.shared_experts is not None:
+                disp.shared_experts.cached_fc1_input = None
+            for name, value in saved.items():
+                setattr(*owner_of(name), value)
+        h, p = layer.dispatch(h, p)
+        out, shared = layer.routed_experts_compute(h, p)
+        outputs.append(layer.postprocess(layer.combine(out), shared).tolist())
+    return outputs
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_partial_cuda_graph_attributes_restore_the_dispatch(mcore_pool, shared):
+    overrides = SHARED_EXPERT_OVERLAP if shared else {}
+    for plain, replayed in mcore_pool.run(graph_attrs_rank, Case("A", 2), LAYER_DIMS, overrides):
+        assert replayed == plain
 
 
 def hybrid_parity_rank(rank: int, world_size: int, ranks_per_node: int, parity, *args) -> tuple:
@@ -419,6 +467,13 @@ def buffer_cache_rank(rank: int, world_size: int) -> dict:
     other = get_buffer(other_group, 8, 64, 4, 2, options)
     result = dict(reused=reused, grown_is_new=grown is not small, old_destroyed=_is_destroyed(small),
                   grown_alive=not _is_destroyed(grown), other_is_new=other not in (small, grown))
+    # Options that the shared buffer was not made with: every rank raises, naming them.
+    for name, value in (("num_cpu_timeout_secs", 60.0), ("num_max_tokens_per_rank", 16)):
+        try:
+            get_buffer(group, 8, 64, 4, 2, dataclasses.replace(options, **{name: value}))
+            result[name] = False  # no error
+        except ValueError as exc:
+            result[name] = name in str(exc) and str(value) in str(exc)
     clear_buffers()
     result["cleared"] = _is_destroyed(grown) and _is_destroyed(other)
     return result
@@ -664,7 +719,8 @@ def test_install_flex_dispatcher_twice_restores_megatron_originals():
     originals = {name: getattr(token_dispatcher, name) for name in names}
     restore_first = install_flex_dispatcher(backend="torch")
     try:
-        restore_second = install_flex_dispatcher(backend="torch", num_sms=8)
+        restore_second = install_flex_dispatcher(backend="torch", num_sms=8, num_max_tokens_per_rank=64)
+        assert flex_route._flex.options.num_max_tokens_per_rank == 64  # the buffer's size, not the first call's
         assert all(getattr(token_dispatcher, name) is getattr(flex_route, name) for name in names)
         restore_second()
         assert all(getattr(token_dispatcher, name) is fn for name, fn in originals.items())

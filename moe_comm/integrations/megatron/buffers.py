@@ -53,11 +53,20 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
     use_fp8 = options.quantize is not None
     buf = _buffers.get(key)
     if buf is not None:
+        made = {"num_max_tokens_per_rank": buf.num_max_tokens_per_rank, "sl_idx": buf.sl_idx,
+                "num_cpu_timeout_secs": buf.num_cpu_timeout_secs}
+        asked = {"num_max_tokens_per_rank": options.num_max_tokens_per_rank or buf.num_max_tokens_per_rank,
+                 "sl_idx": options.sl_idx, "num_cpu_timeout_secs": float(options.num_cpu_timeout_secs)}
+        if asked != made:  # the same on every rank (model options): every rank raises
+            differ = {name: (made[name], asked[name]) for name in made if made[name] != asked[name]}
+            raise ValueError(f"the MoE layers on one expert-parallel group share a moe_comm buffer, made with "
+                             f"{made}; this layer's MoECommConfig asks for other values (made, asked): {differ}")
         if num_tokens > buf.num_max_tokens_per_rank:
             raise ValueError(
                 f"num_tokens={num_tokens} exceeds the moe_comm buffer's num_max_tokens_per_rank="
                 f"{buf.num_max_tokens_per_rank} (sized at the first call); set "
-                f"MoECommConfig(num_max_tokens_per_rank=...) to the largest micro-batch's tokens per rank")
+                f"MoECommConfig(num_max_tokens_per_rank=...) (route B: install_flex_dispatcher("
+                f"num_max_tokens_per_rank=...)) to the largest micro-batch's tokens per rank")
         if hidden_bf16 <= buf.hidden and num_topk <= buf.num_topk and (buf.use_fp8_dispatch or not use_fp8):
             return buf
         num_max_tokens = buf.num_max_tokens_per_rank

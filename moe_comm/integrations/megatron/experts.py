@@ -43,6 +43,14 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what grouped_mm accepts (no float64)
 
 
+def host_to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host integers as a tensor on `device`; to a GPU through pinned memory, without blocking: `.to(device)` of a
+    pageable tensor waits for the whole stream (the dispatch and everything queued before it), so the host would
+    stop issuing work until the GPU ran dry."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 class _GroupedLinear(torch.autograd.Function):
     """`out[r] = x[r] @ weight[l].T` for the rows r of group l (groups end at `offs`), one grouped GEMM each way.
 
@@ -255,7 +263,7 @@ class MoECommGroupedMLP(MegatronModule):
             torch's fallback, which copies the offsets to the host.
         """
         x, probs = permuted_local_hidden_states, permuted_probs
-        use_grouped_mm = self._use_grouped_mm(x.dtype)
+        use_grouped_mm = self.uses_grouped_mm(x.dtype)
         offs, host_counts, invalid = self._layout(tokens_per_expert, x.shape[0], x.device, use_grouped_mm)
         if invalid is not None:  # NaN/inf probabilities past the end would otherwise leak into gradients
             probs = probs.masked_fill(invalid.squeeze(-1), 0)
@@ -266,7 +274,8 @@ class MoECommGroupedMLP(MegatronModule):
             return self._grouped_forward(x, probs, offs, invalid), None
         return self._loop_forward(x, probs, host_counts), None
 
-    def _use_grouped_mm(self, dtype: torch.dtype) -> bool:
+    def uses_grouped_mm(self, dtype: torch.dtype) -> bool:
+        """Whether rows of `dtype` take the grouped path (device counts read on the device only), else the loop."""
         if self.use_grouped_mm is None:
             return hasattr(F, "grouped_mm") and dtype in GROUPED_MM_DTYPES
         if self.use_grouped_mm and dtype not in GROUPED_MM_DTYPES:
@@ -299,7 +308,7 @@ class MoECommGroupedMLP(MegatronModule):
             invalid = (torch.arange(num_rows, device=device) >= num_used).unsqueeze(-1)
         offs = None
         if use_grouped_mm:
-            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(device)
+            offs = host_to_device(list(itertools.accumulate(counts)), torch.int32, device)
         return offs, counts, invalid
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:

@@ -103,8 +103,8 @@ _REPLACEMENTS = {"fused_dispatch": fused_dispatch, "fused_combine": fused_combin
 
 def install_flex_dispatcher(backend: str = "auto", num_sms: Union[int, str, None] = None,
                             quantize: Optional[str] = None, deterministic: bool = True,
-                            num_cpu_timeout_secs: float = 300.0, sl_idx: Optional[int] = None
-                            ) -> Callable[[], None]:
+                            num_cpu_timeout_secs: float = 300.0, sl_idx: Optional[int] = None,
+                            num_max_tokens_per_rank: Optional[int] = None) -> Callable[[], None]:
     """Make Megatron's flex dispatcher with backend "deepep" run on moe_comm (route B).
 
     Replaces `fused_dispatch`, `fused_combine` and `set_deepep_num_sms` in
@@ -118,7 +118,8 @@ def install_flex_dispatcher(backend: str = "auto", num_sms: Union[int, str, None
         num_sms: None: the analytical model (Megatron's `--moe-deepep-num-sms` is DeepEP's tuning and is
             ignored); "megatron": use that flag's value; an int: that many SMs.
         quantize: None, "fp8_block128" or "mxfp8": FP8 on the wire, dequantized to bf16 on arrival.
-        deterministic, num_cpu_timeout_secs, sl_idx: as `MoECommConfig`.
+        deterministic, num_cpu_timeout_secs, sl_idx, num_max_tokens_per_rank: as `MoECommConfig` (set the last
+            when the first forward is not the largest, e.g. a small warm-up or evaluation batch).
 
     Returns:
         `restore()`, which puts Megatron's original functions back (whichever install returned it; a second
@@ -128,7 +129,8 @@ def install_flex_dispatcher(backend: str = "auto", num_sms: Union[int, str, None
     if not (num_sms is None or num_sms == "megatron" or (isinstance(num_sms, int) and num_sms > 0)):
         raise ValueError(f"num_sms={num_sms!r} must be None, 'megatron' or a positive int")
     options = MoECommConfig(backend=backend, quantize=quantize, deterministic=deterministic,
-                            num_cpu_timeout_secs=num_cpu_timeout_secs, sl_idx=sl_idx)
+                            num_cpu_timeout_secs=num_cpu_timeout_secs, sl_idx=sl_idx,
+                            num_max_tokens_per_rank=num_max_tokens_per_rank)
     if _originals is None:
         _originals = {name: getattr(mcore_token_dispatcher, name) for name in _REPLACEMENTS}
     _flex = _FlexSettings(options=options, num_sms=num_sms)

@@ -23,7 +23,7 @@ from ... import autograd as moe_autograd
 from ...buffer import Buffer
 from ...handle import EPHandle
 from .buffers import get_buffer
-from .experts import MoECommGroupedMLP
+from .experts import MoECommGroupedMLP, host_to_device
 from .options import MoECommConfig
 
 
@@ -117,7 +117,9 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         self.local_expert_indices = list(local_expert_indices)
         self.options = options
         self.expert_alignment = expert_alignment_for(config, options)
-        self.cudagraph_attrs = []
+        # Megatron's partial CUDA graphs (`cuda_graph_scope` with moe_router / moe_preprocess) replay
+        # dispatch_preprocess without running its Python: what it leaves for token_dispatch is restored from these.
+        self.cudagraph_attrs = ["topk_idx"]
         # NOTES: Megatron's EP-overlap schedule (`overlap_moe_expert_parallel_comm`) runs a layer as separate
         # schedule nodes and frees the storage of the "moe_dispatch" and "mlp" nodes' inputs after their forward
         # (`should_free_input`: it expects alltoall's dispatch_preprocess / dispatch_postprocess to return
@@ -177,6 +179,14 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(recv_x)
         return recv_x, recv_weights
 
+    def set_shared_experts(self, shared_experts) -> None:
+        """As Megatron's alltoall dispatcher: the shared experts' state that dispatch_preprocess leaves (their fc1
+        input, the gate score) is restored after a partial CUDA graph's replay too."""
+        super().set_shared_experts(shared_experts)
+        if shared_experts.use_shared_expert_gate:
+            self.cudagraph_attrs.append("shared_experts.gate_score")
+        self.cudagraph_attrs.append("shared_experts.cached_fc1_input")
+
     def wait_dispatch(self) -> None:
         """Make the current stream wait for the dispatch in flight (no-op if done)."""
         if self.dispatch_event is not None:
@@ -191,6 +201,10 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         if self.options.do_cpu_sync:
             tokens_per_expert = torch.tensor(self.handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
         else:
+            if hidden_states.is_cuda and hidden_states.dtype != torch.bfloat16:
+                raise ValueError(f"MoECommConfig(do_cpu_sync=False) on CUDA needs bf16 rows, got "
+                                 f"{hidden_states.dtype}: torch's grouped GEMM of other dtypes copies the "
+                                 f"offsets to the host (a host sync per layer)")
             psum = self.handle.psum_num_recv_tokens_per_expert
             tokens_per_expert = torch.diff(psum, prepend=psum.new_zeros(1))
         if self.options.do_expand:
@@ -214,7 +228,7 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         weights_ML = recv_weights.new_zeros(num_rows, L + 1).scatter(
             1, torch.where(idx_MK < 0, L, idx_MK), recv_weights)[:, :L]
         # Position of each (row, expert) pair in the output: block start + rank inside the expert's block.
-        counts_L = torch.tensor(counts, dtype=torch.int64).to(device)
+        counts_L = host_to_device(counts, torch.int64, device)
         block_start_L = torch.cumsum(counts_L, 0) - counts_L
         num_out = sum(counts)
         pos_ML = block_start_L + torch.cumsum(is_local_ML.long(), dim=0) - 1
@@ -296,6 +310,11 @@ class MoECommMoELayer(MoELayer):
                 raise ValueError(f"MoECommConfig(do_cpu_sync=False) needs experts that take tokens_per_expert on "
                                  f"the device, got {type(self.experts).__name__}: build the spec with "
                                  f"moe_comm_layer_spec(..., grouped_experts=True) (MoECommGroupedMLP)")
+            if not self.experts.uses_grouped_mm(config.params_dtype):
+                raise ValueError(f"MoECommConfig(do_cpu_sync=False) needs the experts' grouped path, which reads "
+                                 f"tokens_per_expert on the device only; with use_grouped_mm="
+                                 f"{self.experts.use_grouped_mm} and params_dtype={config.params_dtype} they loop "
+                                 f"over host counts (a host sync per layer)")
             # The worst-case rows past the counts are never read (the combine and the dispatch's backward read
             # the rows of tokens' slots only): the experts need not zero them.
             self.experts.zero_tail = False
