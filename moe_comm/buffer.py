@@ -336,9 +336,11 @@ class Buffer(PrimitivesMixin):
 
     def _inner_buffer(self, host_group: dist.ProcessGroup, backend: str) -> "Buffer":
         """The scale-up leg of the hybrid path: a direct Buffer on this rank's host, sized for a forwarder's space
-        (`S * num_max_tokens_per_rank` tokens) and for FP32 combine rows (the partial sums), deterministic order."""
+        (`S * num_max_tokens_per_rank` tokens) and, with partial sums, for FP32 combine rows (twice a bf16 row; each
+        term unsummed travels in the rows' own dtype), deterministic order."""
         S, _ = self.get_logical_domain_size()
-        return Buffer(host_group, num_max_tokens_per_rank=S * self.num_max_tokens_per_rank, hidden=2 * self.hidden,
+        hidden = (2 if self._partial_sums() else 1) * self.hidden
+        return Buffer(host_group, num_max_tokens_per_rank=S * self.num_max_tokens_per_rank, hidden=hidden,
                       num_topk=self.num_topk, use_fp8_dispatch=self.use_fp8_dispatch, backend=backend,
                       deterministic=True, num_gpu_timeout_secs=self.num_gpu_timeout_secs,
                       num_cpu_timeout_secs=self.num_cpu_timeout_secs, allow_hybrid_mode=False,

@@ -51,6 +51,7 @@ timeout of the leg's subgroup, `num_gpu_timeout_secs` (NCCL's watchdog then ends
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -423,7 +424,8 @@ class HybridBackend(Backend):
         # Back along the scale-out leg, one row per arrived row (rows that hold none send any row: never read):
         # the rows' bytes, then the weights' bytes padded to 16 (so both parts view as their dtypes).
         rows = None if lay.fwd_row is None else lay.fwd_row.clamp(min=0)
-        parts = [_gather(out, rows).view(out.shape[0] if rows is None else rows.shape[0], -1).view(torch.uint8)]
+        width = math.prod(out.shape[1:])  # not -1: a forwarder that received no row sends back zero rows
+        parts = [_gather(out, rows).view(out.shape[0] if rows is None else rows.shape[0], width).view(torch.uint8)]
         if out_w is not None:
             w_bytes = _gather(out_w, rows).view(torch.uint8)
             parts.append(torch.nn.functional.pad(w_bytes, (0, -w_bytes.shape[1] % 16)))
