@@ -215,6 +215,35 @@ def test_value_errors_raise_on_every_rank(pools):
     assert all("topk_idx is invalid: entries outside [-1, 8) on rank(s) [3]" in m for m in messages), messages
 
 
+def unchecked_disagreement_rank(rank: int, world_size: int) -> list[str]:
+    """Host 0 calls with num_experts=8, host 1 with 16 (each host agrees inside), without a CPU sync and without
+    the per-call host check (as on GPUs): the blocks that cross have equal sizes, so the dispatch goes through; the
+    next barrier raises on every rank naming the field, and the one after it passes."""
+    with ranks_per_node("2"):
+        buf = over_reference(moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2,
+                                             backend="torch", num_cpu_timeout_secs=20))
+    buf._impl.checks_every_call = buf._impl.inner._impl.checks_every_call = False
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 16, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)])
+    buf.dispatch(x, idx, num_experts=8 if rank < 2 else 16, do_cpu_sync=False)
+    seen = []
+    for _ in range(2):
+        try:
+            buf.barrier()
+            seen.append("passed")
+        except ValueError as exc:
+            seen.append(str(exc))
+    buf.destroy()
+    return seen
+
+
+def test_disagreement_without_cpu_sync_raises_at_the_next_barrier(pools):
+    for first, second in pools(4).run(unchecked_disagreement_rank):
+        assert "num_experts: [8, 8, 16, 16]" in first and "without CPU sync" in first, first
+        assert second == "passed"
+
+
 def probes_rank(rank: int, world_size: int) -> list[str]:
     def make() -> moe_comm.Buffer:
         with ranks_per_node("1"):

@@ -42,10 +42,12 @@ of it per combine (without one, none: the blocks are the space); with `U > 1` on
 received rows per dispatch and combine; partial sums move FP32 rows on the inner leg and across; terms move U (expand
 K) rows per (token, host) across, present or not, and the source adds them in one pass each.
 Ranks that disagree: checked with the counts in a dispatch with a CPU sync, on the CPU at every call, and inside a
-host by the inner backend; a call without a CPU sync is not checked across hosts (the scale-out exchange's sizes
-would differ first): `MOE_COMM_CHECK_INPUTS=1` checks every call. A scale-out wait that never ends: on GPUs NCCL's
-timeout of the leg's subgroup, `num_gpu_timeout_secs` (NCCL's watchdog then ends the process); on the CPU
-`num_cpu_timeout_secs`, naming rank, phase and rail.
+host by the inner backend; a dispatch without a CPU sync compares the signatures its count exchange carries on the
+device, and the next synchronizing call (a dispatch with a sync, `barrier()`) raises; `MOE_COMM_CHECK_INPUTS=1`
+checks every call before anything moves. A scale-out wait that never ends: on GPUs NCCL's
+timeout of the leg's subgroup, `num_gpu_timeout_secs` (NCCL's watchdog then ends the process), except a fresh
+dispatch's count exchange and the agreement checks, which run on the caller's group under its own timeout (set at
+`init_process_group` / `new_group`); on the CPU `num_cpu_timeout_secs`, naming rank, phase and rail.
 """
 
 from __future__ import annotations
@@ -153,6 +155,10 @@ class HybridBackend(Backend):
         # A fresh dispatch's signature on the device, per call shape: made once, so later calls copy nothing from
         # the host (no sync, and capturable in a CUDA graph after a first call).
         self._signatures: dict[tuple[int, ...], torch.Tensor] = {}
+        # Ranks that disagreed in a dispatch without CPU sync (their signatures crossed with its counts): a flag and
+        # the first such call's signatures, on the device until a synchronizing call raises them.
+        self._pending_disagree = torch.zeros(1, dtype=torch.int64, device=device)
+        self._pending_signatures: Optional[torch.Tensor] = None
 
     def connect(self) -> None:
         """Nothing left to map: the inner Buffer connected when it was made."""
@@ -250,6 +256,7 @@ class HybridBackend(Backend):
             rows_NS = torch.where(in_host_NS, send_starts + in_host_NS.long().cumsum(0) - 1, sum(rail_send))
         else:
             torch.bitwise_or(self.pending_flags, table[:, 0], out=self.pending_flags)
+            self._note_disagreement(table[:, S + 1:])
             rail_send = rail_recv = [cap] * S
             send_starts = recv_starts = torch.arange(S, **i64) * cap
             rows_NS = torch.where(in_host_NS, send_starts + torch.arange(N, **i64)[:, None], S * cap)
@@ -286,11 +293,32 @@ class HybridBackend(Backend):
             self._signatures[key] = torch.tensor(signature, dtype=torch.int64, device=self.device)
         return self._signatures[key]
 
+    def _note_disagreement(self, signatures: torch.Tensor) -> None:
+        """A dispatch without CPU sync: whether its ranks' `signatures` (`[R, words]`) differ, kept on the device
+        (the first such call's rows too) for the next synchronizing call (`check_pending_errors`). Calls whose
+        ranks disagree may exchange blocks of equal sizes and return wrong rows; nothing else would notice."""
+        differ = (signatures != signatures[:1]).any().view(1).long()
+        if self._pending_signatures is None:
+            self._pending_signatures = torch.zeros_like(signatures)
+        first = (differ > self._pending_disagree).view(1, 1)
+        torch.where(first, signatures, self._pending_signatures, out=self._pending_signatures)
+        torch.bitwise_or(self._pending_disagree, differ, out=self._pending_disagree)
+
+    def check_pending_errors(self) -> None:
+        """At a synchronizing call: ranks that disagreed in an earlier dispatch without CPU sync, then the slots
+        such dispatches dropped (the same error on every rank)."""
+        if self._pending_disagree.item():
+            rows = self._pending_signatures.tolist()
+            self._pending_disagree.zero_()
+            raise ValueError(f"{disagreement(rows)} (in an earlier dispatch without CPU sync, across hosts: its "
+                             f"outputs and those of the calls after it are not valid)")
+        super().check_pending_errors()
+
     def _read_table(self, c, table: torch.Tensor) -> tuple[list[int], list[int]]:
         """With a CPU sync: read the count exchange, raise for ranks that disagree and for bad routing (the same
         error on every rank), and return the rows this rank sends each host and receives from each."""
         R, S, U = self.num_ranks, self.num_hosts, self.ranks_per_host
-        values = torch.cat([table.flatten(), self.pending_flags]).tolist()
+        values = torch.cat([table.flatten(), self.pending_flags, self._pending_disagree]).tolist()
         self.after_host_sync(synchronized=True)
         width = table.shape[1]
         rows_R = [values[r * width:(r + 1) * width] for r in range(R)]
