@@ -6,7 +6,7 @@ requested rows one-sided with one small kernel (peer loads; the owners take no p
 raises the same error on every rank (one exchange).
 
 All-gather / reduce-scatter: one region per rank, made at the first such call with slots of the largest size any
-rank asks for (a later call needing more raises ValueError), flags arrived[R] and released[R] (call numbers), and
+rank asks for (a later call needing more makes a larger one), flags arrived[R] and released[R] (call numbers), and
 2 parities x R slots. Call s (the same number on every rank) uses parity s % 2: wait until every peer released its
 slots of call s - 2, copy into every rank's slot `me` (own included: the reduce-scatter sums its own block from
 there), release `arrived[me] = s` on every peer, wait for every peer's arrival, read the slots (all-gather: copy
