@@ -32,6 +32,7 @@ def run_tiny(tmp_path, num_ranks: int, **env_vars: str) -> tuple[str, dict]:
     assert re.search(r"^step +4/4 \| loss [0-9.]+ \|.*\| moe_comm$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^SUMMARY preset=tiny dispatcher=moe_comm steps=4 ", proc.stdout, re.M), proc.stdout
     data = json.loads(metrics.read_text())
+    assert "train.py" in data["metadata"]["command"] and data["metadata"]["torch"], data["metadata"]
     assert [h["step"] for h in data["history"]] == [1, 2, 3, 4]
     for h in data["history"]:
         assert math.isfinite(h["loss"]) and h["tokens_per_s"] > 0 and h["dispatch_ms"] > 0 and h["combine_ms"] > 0, h
