@@ -58,8 +58,9 @@ def test_pipeline_ring(pools, world_size):
 
 def pipeline_slots_rank(rank: int, world_size: int) -> bool:
     """Rank 0 sends four tensors with two slots before rank 1 receives any (it sleeps first): the third send waits
-    for the first receive. Between rank 0's sends and rank 1's receives both run an all_gather: the pipeline's
-    tensors travel on groups of their own, which no other exchange of the buffer can take them from."""
+    for the first receive (rank 0's last two sends take about the sleep; the reference's sends block the host).
+    Between rank 0's sends and rank 1's receives both run an all_gather: the pipeline's tensors travel on groups of
+    their own, which no other exchange of the buffer can take them from."""
     buf = make_buffer()
     buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
     if rank == 0:
@@ -68,8 +69,10 @@ def pipeline_slots_rank(rank: int, world_size: int) -> bool:
     gathered, _ = buf.all_gather(torch.full((4,), float(rank)))
     same = torch.equal(gathered, torch.arange(world_size).float()[:, None].expand(-1, 4))
     if rank == 0:
+        start = time.monotonic()
         for step in range(2, 4):
             buf.pp_send(tensor_of(0, step, (4,)), 1)
+        same &= time.monotonic() - start > 0.3  # waited for rank 1's first receive, after its 0.5 s sleep
     else:
         time.sleep(0.5)
         for step in range(4):
