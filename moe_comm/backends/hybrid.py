@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..handle import EPHandle
+from ..layout import SIGNATURE_LEN
 from .common import Backend, disagreement, subgroup_of
 
 MAX_SIGNATURES = 64  # signature tensors kept on the device per buffer (one per call shape)
@@ -158,7 +159,7 @@ class HybridBackend(Backend):
         # Ranks that disagreed in a dispatch without CPU sync (their signatures crossed with its counts): a flag and
         # the first such call's signatures, on the device until a synchronizing call raises them.
         self._pending_disagree = torch.zeros(1, dtype=torch.int64, device=device)
-        self._pending_signatures: Optional[torch.Tensor] = None
+        self._pending_signatures = torch.zeros(self.num_ranks, SIGNATURE_LEN, dtype=torch.int64, device=device)
 
     def connect(self) -> None:
         """Nothing left to map: the inner Buffer connected when it was made."""
@@ -298,8 +299,6 @@ class HybridBackend(Backend):
         (the first such call's rows too) for the next synchronizing call (`check_pending_errors`). Calls whose
         ranks disagree may exchange blocks of equal sizes and return wrong rows; nothing else would notice."""
         differ = (signatures != signatures[:1]).any().view(1).long()
-        if self._pending_signatures is None:
-            self._pending_signatures = torch.zeros_like(signatures)
         first = (differ > self._pending_disagree).view(1, 1)
         torch.where(first, signatures, self._pending_signatures, out=self._pending_signatures)
         torch.bitwise_or(self._pending_disagree, differ, out=self._pending_disagree)
