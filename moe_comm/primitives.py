@@ -64,8 +64,8 @@ class PrimitivesMixin:
     @torch.compiler.disable
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
         """Configure pipeline send/recv (collective: every rank calls it with the same values; ValueError on every
-        rank when they differ). Call it when no send waits for its receive: the CUDA backend makes new slots (what
-        was sent and not received is dropped).
+        rank when they differ, or while a tensor sent has not been received: receive it first, the configuration
+        stays as it was). The CUDA backend makes new slots.
 
         Arguments:
             num_max_tensor_bytes: the largest tensor `pp_send` takes, in bytes.
@@ -102,12 +102,14 @@ class PrimitivesMixin:
         """
         self._check_pp(t, dst, "dst")
         return self._run_primitive("pp_send", lambda: self._prims.pp_send(t, dst), previous_event,
-                                   async_with_compute_stream, [t])[1]
+                                   async_with_compute_stream, [t], self._prims.pp_stream(dst, True))[1]
 
     @torch.compiler.disable
     def pp_recv(self, t: torch.Tensor, src: int, previous_event: Optional[EventOverlap] = None,
                 async_with_compute_stream: bool = False) -> EventOverlap:
-        """Receive into `t` the oldest tensor ring neighbour `src` sent that this rank has not received yet.
+        """Receive into `t` the oldest tensor ring neighbour `src` sent that this rank has not received yet. Async,
+        it may be posted before the send it waits for (on GPUs each neighbour and direction has a stream of its
+        own); synchronous, it is ordered on the current stream like a blocking receive.
 
         Arguments:
             t: a contiguous tensor on the buffer's device of the sent tensor's size and dtype.
@@ -119,7 +121,7 @@ class PrimitivesMixin:
         """
         self._check_pp(t, src, "src")
         return self._run_primitive("pp_recv", lambda: self._prims.pp_recv(t, src), previous_event,
-                                   async_with_compute_stream, [t])[1]
+                                   async_with_compute_stream, [t], self._prims.pp_stream(src, False))[1]
 
     def _check_pp(self, t, peer, name: str) -> None:
         self._check_alive()
@@ -256,14 +258,16 @@ class PrimitivesMixin:
     # ------------------------------------------------------------------------------------------------
     # Shared
     # ------------------------------------------------------------------------------------------------
-    def _run_primitive(self, what: str, steps, previous_event, async_with_compute_stream, inputs) -> tuple:
-        """`(outputs, event)` of a primitive's steps run by the backend (`Backend.run`)."""
+    def _run_primitive(self, what: str, steps, previous_event, async_with_compute_stream, inputs,
+                       side_stream=None) -> tuple:
+        """`(outputs, event)` of a primitive's steps run by the backend (`Backend.run`, async on `side_stream` when
+        given, else the comm stream)."""
         check_bool(async_with_compute_stream=async_with_compute_stream)
         self._check_event(previous_event)
         self._impl.after_host_sync()
         self._prims.before_call(what)
         outputs, event, _ = self._impl.run(steps, previous_event, async_with_compute_stream,
-                                           inputs if async_with_compute_stream else ())
+                                           inputs if async_with_compute_stream else (), side_stream=side_stream)
         return outputs, event
 
 

@@ -416,6 +416,19 @@ def test_primitives_over_nccl(nccl_pool, name):
     assert all(result in (True, []) for result in nccl_pool.run(fn, *args))
 
 
+@needs_peer
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_pipeline_order_over_gpus(nccl_pool, backend):
+    """tests/test_primitives.py's pipeline order checks with a GPU per rank, on both backends (the reference over
+    NCCL, the copy engines over NVLink): async receives posted before the sends, and pp_set_config refused while a
+    tensor is in flight, then taking effect once it was received."""
+    import test_primitives
+
+    assert nccl_pool.run(test_primitives.pipeline_receive_first_rank, backend) == [True] * WORLD_SIZE
+    results = nccl_pool.run(test_primitives.pipeline_reconfigure_rank, backend)
+    assert all(r[1] == "True" and "rank 0 sent 1 to rank 1, which received 0" in r[0] for r in results), results
+
+
 def missing_peer_rank(rank: int, world_size: int) -> str:
     """Rank 1 skips its calls: rank 0's first GPU wait ends within num_gpu_timeout_secs, the kernels queued behind
     it end at once (the abort word; before, each waited its own timeout), and the next call raises the timeout naming

@@ -56,35 +56,99 @@ def test_pipeline_ring(pools, world_size):
     assert pools(world_size).run(pipeline_rank, 7) == [True] * world_size
 
 
-def pipeline_slots_rank(rank: int, world_size: int) -> bool:
+def pipeline_slots_rank(rank: int, world_size: int, backend: str = "torch") -> bool:
     """Rank 0 sends four tensors with two slots before rank 1 receives any (it sleeps first): the third send waits
-    for the first receive (rank 0's last two sends take about rank 1's sleep; the reference's sends block the host).
-    Between rank 0's sends and rank 1's receives both run an all_gather: the pipeline's tensors travel on groups of
-    their own, which no other exchange of the buffer can take them from."""
-    buf = make_buffer()
+    for the first receive (rank 0's last two sends take about rank 1's sleep: the reference's sends block the host,
+    the CUDA backend's stream), and no send overwrites a slot not yet received (bitwise). Between rank 0's sends and
+    rank 1's receives both run an all_gather: the pipeline's tensors travel apart from the buffer's other
+    exchanges."""
+    buf = make_buffer(backend=backend)
+    device = buf.device
     buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
     if rank == 0:
         for step in range(2):
-            buf.pp_send(tensor_of(0, step, (4,)), 1)
-    gathered, _ = buf.all_gather(torch.full((4,), float(rank)))
-    same = torch.equal(gathered, torch.arange(world_size).float()[:, None].expand(-1, 4))
+            buf.pp_send(tensor_of(0, step, (4,), device=device), 1)
+    gathered, _ = buf.all_gather(torch.full((4,), float(rank), device=device))
+    same = torch.equal(gathered.cpu(), torch.arange(world_size).float()[:, None].expand(-1, 4))
     if rank == 0:
         start = time.monotonic()
         for step in range(2, 4):
-            buf.pp_send(tensor_of(0, step, (4,)), 1)
+            buf.pp_send(tensor_of(0, step, (4,), device=device), 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         same &= time.monotonic() - start > 0.5  # waited for rank 1's first receive, after its 1 s sleep
     else:
         time.sleep(1.0)
         for step in range(4):
-            out = torch.empty(4)
+            out = torch.empty(4, device=device)
             buf.pp_recv(out, 0)
-            same &= torch.equal(out, tensor_of(0, step, (4,)))
+            same &= torch.equal(out.cpu(), tensor_of(0, step, (4,)))
     buf.barrier()
     return same
 
 
 def test_pipeline_slots_and_other_exchanges(pools):
     assert pools(2).run(pipeline_slots_rank) == [True, True]
+
+
+def pipeline_receive_first_rank(rank: int, world_size: int, backend: str = "torch") -> bool:
+    """Every rank posts an async receive from the previous rank before its send to the next (the order a pipeline
+    schedule posts them in), for several steps, sends alternately synchronous and async: nothing waits for a send
+    queued behind a receive (on GPUs each neighbour and direction has a stream of its own), every tensor bitwise."""
+    buf = make_buffer(backend=backend)
+    device = buf.device
+    buf.pp_set_config(num_max_tensor_bytes=256, num_max_inflight_tensors=2)
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    same = True
+    for step in range(5):
+        out = torch.empty(8, 4, device=device)
+        received = buf.pp_recv(out, prev, async_with_compute_stream=True)
+        sent = buf.pp_send(tensor_of(rank, step, (8, 4), device=device), nxt,
+                           async_with_compute_stream=step % 2 == 1)
+        received.current_stream_wait()
+        sent.current_stream_wait()
+        same &= torch.equal(out.cpu().view(torch.uint8), tensor_of(prev, step, (8, 4)).view(torch.uint8))
+    buf.barrier()
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pipeline_receive_posted_first(pools, world_size):
+    assert pools(world_size).run(pipeline_receive_first_rank) == [True] * world_size
+
+
+def pipeline_reconfigure_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
+    """`pp_set_config` while rank 0's tensor to rank 1 is unreceived: the same ValueError on every rank, naming the
+    pair, and the old configuration stays (rank 1 receives it afterwards, bitwise); once received, the new
+    configuration takes effect and a tensor of its larger size goes through."""
+    buf = make_buffer(backend=backend)
+    device = buf.device
+    buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
+    if rank == 0:
+        buf.pp_send(tensor_of(0, 0, (4,), device=device), 1)
+    with pytest.raises(ValueError) as info:
+        buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
+    same = True
+    if rank == 1:
+        out = torch.empty(4, device=device)
+        buf.pp_recv(out, 0)
+        same = torch.equal(out.cpu(), tensor_of(0, 0, (4,)))
+    buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
+    if rank == 0:
+        buf.pp_send(tensor_of(0, 1, (256,), device=device), 1)
+    elif rank == 1:
+        out = torch.empty(256, device=device)
+        buf.pp_recv(out, 0)
+        same &= torch.equal(out.cpu(), tensor_of(0, 1, (256,)))
+    buf.barrier()
+    return [str(info.value), str(same)]
+
+
+def test_pipeline_reconfigure_with_tensors_in_flight(pools):
+    results = pools(3).run(pipeline_reconfigure_rank)
+    expected = ("pp_set_config while tensors are in flight (receive them first, the configuration is unchanged): "
+                "rank 0 sent 1 to rank 1, which received 0")
+    assert results == [[expected, "True"]] * 3, results
 
 
 def refused_rank(rank: int, world_size: int) -> list[str]:

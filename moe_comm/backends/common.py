@@ -66,7 +66,9 @@ class Backend:
         self.device = device
         self.timeout_secs = num_cpu_timeout_secs
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._comm_stream_busy = False  # an async call ran on the comm stream since the last synchronous one
+        # Side streams (the comm stream; the pipeline's per neighbour and direction) on which an async call ran since
+        # the last synchronous call that uses that stream's resources.
+        self._busy_streams: set[torch.cuda.Stream] = set()
         # Fresh dispatches counted alike on every rank (those the ranks agreed on; on the CUDA backend also those that
         # raised after their kernels ran everywhere): the epoch of the next handle is one more. Ranks that call alike
         # hold handles of the same epoch, so a combine or cached dispatch checks the handle across ranks.
@@ -153,7 +155,8 @@ class Backend:
             work.wait()
 
     def run(self, body: Callable[[], tuple], previous_event: Optional[EventOverlap],
-             async_with_compute_stream: bool, inputs: Sequence[torch.Tensor], return_recv_hook: bool = False):
+            async_with_compute_stream: bool, inputs: Sequence[torch.Tensor], return_recv_hook: bool = False,
+            side_stream: Optional[torch.cuda.Stream] = None):
         """Stream control around one operation.
 
         `body` returns `(outputs, works, finalizers)`: outputs are allocated, works are the data exchange in
@@ -163,13 +166,17 @@ class Backend:
         On CUDA a synchronous call runs on the current stream (stream-ordered, nothing to hand over between
         streams); an async call runs on the comm stream, ordered after the current stream, and the outputs are
         recorded for the current stream. The host never waits for the device here.
+        `side_stream` (CUDA): the stream of an async call instead of the comm stream, for operations that touch
+        nothing of the buffer's that other operations use (the pipeline's transfers per neighbour and direction,
+        which would otherwise queue behind each other: a receive posted first would hold back the send it waits for).
         """
+        side = self.comm_stream if side_stream is None else side_stream
         if previous_event is not None:
             previous_event.current_stream_wait()
-        if self._comm_stream_busy and not async_with_compute_stream:
-            # An async call may still be using the buffer on the comm stream.
-            torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
-            self._comm_stream_busy = False
+        if side in self._busy_streams and not async_with_compute_stream:
+            # An async call may still be using this stream's resources.
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._busy_streams.discard(side)
         if return_recv_hook:
             outputs, works, finalizers = body()
 
@@ -200,19 +207,19 @@ class Backend:
                 finalize()
             return outputs, DONE, None
         compute_stream = torch.cuda.current_stream(self.device)
-        self.comm_stream.wait_stream(compute_stream)
-        with torch.cuda.stream(self.comm_stream):
+        side.wait_stream(compute_stream)
+        with torch.cuda.stream(side):
             outputs, works, finalizers = body()
             self._wait(works)
             for finalize in finalizers:
                 finalize()
-        self._comm_stream_busy = True
+        self._busy_streams.add(side)
         for t in inputs:
-            t.record_stream(self.comm_stream)
+            t.record_stream(side)
         for t in _flatten_tensors(outputs):
             t.record_stream(compute_stream)
         cuda_event = torch.cuda.Event()
-        cuda_event.record(self.comm_stream)
+        cuda_event.record(side)
         return outputs, EventOverlap(event=cuda_event, extra_tensors=tuple(inputs)), None
 
     # ------------------------------------------------------------------------------------------------

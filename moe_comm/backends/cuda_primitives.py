@@ -34,8 +34,10 @@ tensor s of a pair goes to slot s % inflight.
 A wait that a peer never satisfies ends after `num_gpu_timeout_secs` in the backend's ErrorRecord (phase "pp_send
 (a free slot)" or "pp_recv", and the peer), and the next call raises the TimeoutError. The sequence numbers live on
 the host, so these calls cannot be captured in a CUDA graph (refused). Sizes of a send and its receive must match,
-as with torch.distributed; `pp_set_config` again waits for the device, drops what was sent and not received, and
-makes new slots.
+as with torch.distributed. An async send or receive runs on a stream of its own per neighbour and direction
+(`TorchPrimitives.pp_stream`), so a receive posted before the send it waits for holds back neither that send nor
+the buffer's other operations. `pp_set_config` again (every tensor sent received: the ranks check) waits for the
+device and makes new slots.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ def engram_region_bytes(table_bytes: int) -> int:
 
 
 class CudaPrimitives(TorchPrimitives):
-    """The primitives of a CUDA-backend Buffer: pipeline send/recv by copy engines (module docstring), the others
-    the reference's.
+    """The primitives of a CUDA-backend Buffer: pipeline send/recv, all-gather and reduce-scatter by copy engines,
+    Engram by one-sided reads (module docstring).
 
     Arguments:
         backend: the Buffer's `CudaBackend` (its kernels, ErrorRecord, abort word and timeout serve the waits).
@@ -99,8 +101,6 @@ class CudaPrimitives(TorchPrimitives):
         self._region: IpcMemory | None = None
         self._finalizers: dict[int, weakref.finalize] = {}  # per region (`_new_region`)
         self._slot_bytes = 0
-        self._sent: dict[int, int] = {}
-        self._received: dict[int, int] = {}
         # The waits' parameters: the backend's buffer, ErrorRecord (a timeout names rank, phase and peer), timeout.
         self._wait_params = lay.EpParams(local_base=backend.buffer.data_ptr(), error=backend._mapped_dev,
                                          timeout_ns=backend.timeout_ns, rank=backend.rank, num_ranks=backend.num_ranks)
@@ -144,14 +144,12 @@ class CudaPrimitives(TorchPrimitives):
 
     def before_call(self, what: str) -> None:
         """Refuse what the copy-engine paths cannot do: run inside a CUDA graph capture (their sequence numbers live
-        on the host), or run while the kernels have recorded ranks that disagreed (their copies would move data
-        that nobody checks: the synchronizing call that raises it comes first)."""
+        on the host). An error the kernels recorded (ranks that disagreed in a dispatch) is not checked here: ranks
+        see it in mapped memory at different moments, so one rank would raise alone while its peers wait for it; the
+        next synchronizing call raises it on every rank."""
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(f"{what} cannot be captured in a CUDA graph on the CUDA backend (its sequence numbers "
                              f"live on the host)")
-        if self.backend._error.code:
-            raise RuntimeError(f"moe_comm: {what}: the kernels recorded an error that no synchronizing call has "
-                               f"raised yet (ranks that disagreed): call Buffer.barrier() first")
 
     # ------------------------------------------------------------------------------------------------
     # Layout of a region
@@ -175,37 +173,35 @@ class CudaPrimitives(TorchPrimitives):
     # Pipeline send/recv
     # ------------------------------------------------------------------------------------------------
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int, error=None) -> None:
-        values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
-        self.agree(values, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config", error)
+        self.agree_pp_config(num_max_tensor_bytes, num_max_inflight_tensors, error)  # sequence numbers from 1 again
         if self._region is not None:
             self._free_region(self._region)
             self._region, self.pp_config = None, None
         self._slot_bytes = _slot_size(num_max_tensor_bytes)
         self._region = self._new_region(pp_region_bytes(num_max_tensor_bytes, num_max_inflight_tensors))
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
-        self._sent, self._received = {}, {}
 
     def pp_send(self, t: torch.Tensor, dst: int):
         b, k = self.backend, self.backend.kernels
-        me, seq = b.rank, self._sent.get(dst, 0) + 1
+        me, seq = b.rank, self.pp_sent[dst] + 1
         stream = current_stream(b.device.index)
         if seq > self.pp_config[1]:
             self._check(k.wait_flag(ctypes.byref(self._wait_params), self._credit(me, dst), seq - self.pp_config[1],
                                     dst, _PHASE["pp_send (a free slot)"], stream), "pp_send wait")
         self._check(k.copy(self._slot(dst, me, seq), t.data_ptr(), t.nbytes, stream), "pp_send copy")
         self._check(k.signal_flag(self._arrived(dst, me), seq, stream), "pp_send signal")
-        self._sent[dst] = seq
+        self.pp_sent[dst] = seq
         return (), [], []
 
     def pp_recv(self, t: torch.Tensor, src: int):
         b, k = self.backend, self.backend.kernels
-        me, seq = b.rank, self._received.get(src, 0) + 1
+        me, seq = b.rank, self.pp_received[src] + 1
         stream = current_stream(b.device.index)
         self._check(k.wait_flag(ctypes.byref(self._wait_params), self._arrived(me, src), seq, src, _PHASE["pp_recv"],
                             stream), "pp_recv wait")
         self._check(k.copy(t.data_ptr(), self._slot(me, src, seq), t.nbytes, stream), "pp_recv copy")
         self._check(k.signal_flag(self._credit(src, me), seq, stream), "pp_recv signal")
-        self._received[src] = seq
+        self.pp_received[src] = seq
         return (), [], []
 
     # ------------------------------------------------------------------------------------------------

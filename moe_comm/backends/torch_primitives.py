@@ -68,6 +68,10 @@ class TorchPrimitives:
         self._pp_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
         # Per destination: sends posted and not yet known complete, as (work, description, staged copy).
         self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        # Tensors sent to / received from each peer since `pp_set_config` (the CUDA backend's sequence numbers).
+        self.pp_sent: dict[int, int] = collections.Counter()
+        self.pp_received: dict[int, int] = collections.Counter()
+        self._pp_streams: dict[tuple[int, bool], torch.cuda.Stream] = {}
         self.table: Optional[torch.Tensor] = None
         self.table_offsets: list[int] = []
 
@@ -108,14 +112,44 @@ class TorchPrimitives:
     # ------------------------------------------------------------------------------------------------
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int,
                       error: Optional[Exception] = None) -> None:
-        values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
-        self.agree(values, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config", error)
+        self.agree_pp_config(num_max_tensor_bytes, num_max_inflight_tensors, error)
         if self._pp_groups is None:
             b = self.backend
             everyone = [list(range(b.num_ranks))]
             self._pp_groups = tuple(subgroup_of(b.group, b.device, everyone, b.timeout_secs) for _ in range(2))
             self._connect_neighbours()
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
+
+    def agree_pp_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int,
+                        error: Optional[Exception]) -> None:
+        """The ranks agree on the new configuration and that nothing is in flight: every tensor a rank sent has
+        been received (a ValueError on every rank naming the pairs otherwise; the old configuration stays, so the
+        receives can still be made). The counts then start again."""
+        b = self.backend
+        R = b.num_ranks
+        values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
+        counts = [self.pp_sent[q] for q in range(R)] + [self.pp_received[q] for q in range(R)]
+        rows = self.agree(values + counts, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config",
+                          error)
+        unreceived = [f"rank {r} sent {rows[r][2 + q]} to rank {q}, which received {rows[q][2 + R + r]}"
+                      for r in range(R) for q in range(R) if rows[r][2 + q] != rows[q][2 + R + r]]
+        if unreceived:
+            raise ValueError("pp_set_config while tensors are in flight (receive them first, the configuration is "
+                             "unchanged): " + "; ".join(unreceived))
+        self.pp_sent.clear()
+        self.pp_received.clear()
+
+    def pp_stream(self, peer: int, sending: bool) -> Optional[torch.cuda.Stream]:
+        """The stream of this rank's async sends to `peer` (`sending`) or receives from it, one per neighbour and
+        direction (`Backend.run`'s side stream: a receive that waits for its data never holds back a send, nor the
+        comm stream); None on CPU."""
+        b = self.backend
+        if b.device.type != "cuda":
+            return None
+        key = (peer, sending)
+        if key not in self._pp_streams:
+            self._pp_streams[key] = torch.cuda.Stream(b.device)
+        return self._pp_streams[key]
 
     def _pp_group(self, src: int, dst: int) -> dist.ProcessGroup:
         return self._pp_groups[0 if src < dst else 1]
@@ -148,12 +182,14 @@ class TorchPrimitives:
         staged = t.clone()
         work = dist.isend(staged, dist.get_global_rank(b.group, dst), group=self._pp_group(b.rank, dst))
         sends.append((work, f"rank {b.rank} pp_send: send to peer {dst}", staged))
+        self.pp_sent[dst] += 1
         return (), [], []
 
     def pp_recv(self, t: torch.Tensor, src: int):
         """`Backend.run` steps of a receive into `t`."""
         b = self.backend
         work = dist.irecv(t, dist.get_global_rank(b.group, src), group=self._pp_group(src, b.rank))
+        self.pp_received[src] += 1
         return (), [(work, f"rank {b.rank} pp_recv: receive from peer {src}")], []
 
     # ------------------------------------------------------------------------------------------------
