@@ -25,7 +25,7 @@ from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
 from test_hybrid import assert_same_outputs, check_fp8_modes, ranks_per_node, true_rows
 from test_hybrid_over_backend import compare_and_destroy
-from test_shared_gpu import on_gpu0
+from test_shared_gpu import every_buffer_over_ipc, on_gpu0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
 
@@ -86,6 +86,34 @@ def test_random_cases(pool, seed):
     cases = [dataclasses.replace(c, do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0, with_weights=i % 3 != 2)
              for i, c in enumerate(cases)]
     assert pool.run(cases_rank, cases) == [len(cases)] * 2
+
+
+def two_by_two_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+    """`cases_rank` as 2 hosts x 2 ranks, all four sharing GPU 0 (scale-up buffers mapped with CUDA IPC, the world
+    group gloo): the CUDA kernels run a two-rank scale-up leg, so the receivers' reordering of forwarded rows and the
+    expand layout's cached dispatch of tag rows (`_expand_order`) go through them, against the CPU references."""
+    for i, case in enumerate(cases):
+        with ranks_per_node("2"), every_buffer_over_ipc():
+            make = dict(num_max_tokens_per_rank=case.num_max_tokens_per_rank,
+                        hidden=max(case.hidden * case.torch_dtype.itemsize // 2, 8), num_topk=case.num_topk,
+                        num_cpu_timeout_secs=60)
+            hybrids = [moe_comm.Buffer(None, backend="cuda", **make),
+                       moe_comm.Buffer(None, backend="cuda", deterministic=True, **make)]
+            partial = moe_comm.Buffer(None, backend="torch", **make)
+            direct = moe_comm.Buffer(None, backend="torch", allow_hybrid_mode=False, **make)
+        assert [(b.device.type, b._impl.name) for b in hybrids] == [("cuda", "cuda hybrid 2x2 partial sums"),
+                                                                    ("cuda", "cuda hybrid 2x2")]
+        assert all(b._impl.inner._impl._ipc is not None for b in hybrids)
+        compare_and_destroy(i, case, rank, direct, partial, hybrids)
+    return len(cases)
+
+
+def test_two_hosts_of_two_ranks_sharing_the_gpu(seed):
+    cases = draw_cases(seed * 10 + 91, 8, 4, max_tokens=48)
+    cases = [dataclasses.replace(c, do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0, with_weights=i % 3 != 2)
+             for i, c in enumerate(cases)]
+    with WorkerPool(4, backend="gloo", timeout_s=600) as workers:
+        assert workers.run(two_by_two_rank, cases) == [len(cases)] * 4
 
 
 def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
