@@ -6,7 +6,8 @@ partial sums for the default combine). Skips without CUDA.
 With 2 GPUs the ranks are one GPU each and the scale-out leg runs over NCCL, as between hosts. With one GPU both ranks
 share it and the group is gloo, whose all-to-all stages CUDA tensors through host memory: every step of the path runs
 (the CUDA kernels inside each one-rank host, the scale-out exchanges, the reordering, both combines), only the
-transport between hosts differs, and the test that needs NCCL (no host sync) skips."""
+transport between hosts differs, and the test that needs NCCL (no host sync) skips. Four ranks sharing GPU 0 run it
+as 2 hosts x 2 (`pool4`): the scale-up leg then moves rows between two ranks through the CUDA kernels."""
 
 from __future__ import annotations
 
@@ -49,34 +50,50 @@ def on_gpu():
         yield
 
 
+@pytest.fixture(scope="module")
+def pool4():
+    """Four ranks sharing GPU 0 as 2 hosts x 2 (gloo world group; scale-up buffers mapped with CUDA IPC)."""
+    with WorkerPool(4, backend="gloo", timeout_s=600) as workers:
+        yield workers
+
+
+def placement(ranks_per_host: int):
+    """Where the CUDA buffers of a layout live: 2 hosts x 1 on the pool's GPUs (`on_gpu`); 2 x 2 on GPU 0, shared by
+    the four ranks, peers mapped with CUDA IPC (`every_buffer_over_ipc`: the scale-up leg then runs the CUDA kernels
+    between two ranks, so the receivers' reordering of forwarded rows and the expand layout's cached dispatch of tag
+    rows go through them)."""
+    return every_buffer_over_ipc() if ranks_per_host > 1 else on_gpu()
+
+
 def cpu_group() -> dist.ProcessGroup:
     if not _CPU_GROUP:
         _CPU_GROUP.append(dist.group.WORLD if ONE_GPU else dist.new_group(backend="gloo"))
     return _CPU_GROUP[0]
 
 
-def buffers(case: Case, fp8: bool = False):
+def buffers(case: Case, fp8: bool = False, ranks_per_host: int = 1):
     """`(hybrids, partial, direct)`: the CUDA hybrid buffers (partial sums; terms, by `deterministic=True`, made with
-    backend="auto"), the reference's hybrid partial sums and its direct path (CPU), sized for `case`."""
+    backend="auto"), the reference's hybrid partial sums and its direct path (CPU), sized for `case`, as 2 hosts of
+    `ranks_per_host` ranks."""
     hidden = max(case.hidden * case.torch_dtype.itemsize // 2, 8)
     make = dict(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=hidden, num_topk=case.num_topk,
                 use_fp8_dispatch=fp8, num_cpu_timeout_secs=60)
-    with ranks_per_node("1"):
-        with on_gpu(), warnings.catch_warnings():
+    with ranks_per_node(str(ranks_per_host)):
+        with placement(ranks_per_host), warnings.catch_warnings():
             warnings.simplefilter("error")  # "auto" takes the CUDA backend without a word
             hybrids = [moe_comm.Buffer(None, backend="cuda", **make),
                        moe_comm.Buffer(None, backend="auto", deterministic=True, **make)]
         partial = moe_comm.Buffer(cpu_group(), backend="torch", **make)
         direct = moe_comm.Buffer(cpu_group(), backend="torch", allow_hybrid_mode=False, **make)
-    assert [(b.device.type, b._impl.name) for b in hybrids] == [("cuda", "cuda hybrid 2x1 partial sums"),
-                                                                ("cuda", "cuda hybrid 2x1")]
+    name = f"cuda hybrid 2x{ranks_per_host}"
+    assert [(b.device.type, b._impl.name) for b in hybrids] == [("cuda", f"{name} partial sums"), ("cuda", name)]
     assert partial.is_hybrid and not direct.is_hybrid
     return hybrids, partial, direct
 
 
-def cases_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+def cases_rank(rank: int, world_size: int, cases: list[Case], ranks_per_host: int = 1) -> int:
     for i, case in enumerate(cases):
-        hybrids, partial, direct = buffers(case)
+        hybrids, partial, direct = buffers(case, ranks_per_host=ranks_per_host)
         compare_and_destroy(i, case, rank, direct, partial, hybrids)
     return len(cases)
 
@@ -88,38 +105,24 @@ def test_random_cases(pool, seed):
     assert pool.run(cases_rank, cases) == [len(cases)] * 2
 
 
-def two_by_two_rank(rank: int, world_size: int, cases: list[Case]) -> int:
-    """`cases_rank` as 2 hosts x 2 ranks, all four sharing GPU 0 (scale-up buffers mapped with CUDA IPC, the world
-    group gloo): the CUDA kernels run a two-rank scale-up leg, so the receivers' reordering of forwarded rows and the
-    expand layout's cached dispatch of tag rows (`_expand_order`) go through them, against the CPU references."""
-    for i, case in enumerate(cases):
-        with ranks_per_node("2"), every_buffer_over_ipc():
-            make = dict(num_max_tokens_per_rank=case.num_max_tokens_per_rank,
-                        hidden=max(case.hidden * case.torch_dtype.itemsize // 2, 8), num_topk=case.num_topk,
-                        num_cpu_timeout_secs=60)
-            hybrids = [moe_comm.Buffer(None, backend="cuda", **make),
-                       moe_comm.Buffer(None, backend="cuda", deterministic=True, **make)]
-            partial = moe_comm.Buffer(None, backend="torch", **make)
-            direct = moe_comm.Buffer(None, backend="torch", allow_hybrid_mode=False, **make)
-        assert [(b.device.type, b._impl.name) for b in hybrids] == [("cuda", "cuda hybrid 2x2 partial sums"),
-                                                                    ("cuda", "cuda hybrid 2x2")]
-        assert all(b._impl.inner._impl._ipc is not None for b in hybrids)
-        compare_and_destroy(i, case, rank, direct, partial, hybrids)
-    return len(cases)
-
-
-def test_two_hosts_of_two_ranks_sharing_the_gpu(seed):
+def test_two_hosts_of_two_ranks_sharing_the_gpu(pool4, seed):
     cases = draw_cases(seed * 10 + 91, 8, 4, max_tokens=48)
     cases = [dataclasses.replace(c, do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0, with_weights=i % 3 != 2)
              for i, c in enumerate(cases)]
-    with WorkerPool(4, backend="gloo", timeout_s=600) as workers:
-        assert workers.run(two_by_two_rank, cases) == [len(cases)] * 4
+    assert pool4.run(cases_rank, cases, 2) == [len(cases)] * 4
 
 
-def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
+def test_two_by_two_routings_that_leave_a_host_nothing(pool4):
+    """tests/test_hybrid_over_backend.py's routings whose forwarders receive nothing on their rail, through the CUDA
+    kernels of a two-rank scale-up leg."""
+    from test_hybrid_over_backend import EMPTY_RAIL_CASES
+    assert pool4.run(cases_rank, EMPTY_RAIL_CASES, 2) == [len(EMPTY_RAIL_CASES)] * 4
+
+
+def fp8_rank(rank: int, world_size: int, cases: list[Case], ranks_per_host: int = 1) -> int:
     checked = 0
     for case in cases:
-        (hybrid, terms), _, direct = buffers(case, fp8=True)
+        (hybrid, terms), _, direct = buffers(case, fp8=True, ranks_per_host=ranks_per_host)
         terms.destroy()
         # Without a CPU sync, rows past the true count are unspecified on the CUDA path.
         checked += check_fp8_modes(hybrid, direct, case, rank, whole=False)
@@ -142,18 +145,27 @@ def fp8_rank(rank: int, world_size: int, cases: list[Case]) -> int:
     return checked
 
 
+def fp8_cases(seed: int, num_ranks: int) -> list[Case]:
+    cases = draw_cases(seed + 23, 4, num_ranks, max_tokens=150, dtypes=("bfloat16",))
+    return [dataclasses.replace(c, hidden=128 * (1 + i % 2), do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0,
+                                with_weights=True) for i, c in enumerate(cases)]
+
+
 def test_fp8_and_async(pool, seed):
-    cases = draw_cases(seed + 23, 4, 2, max_tokens=150, dtypes=("bfloat16",))
-    cases = [dataclasses.replace(c, hidden=128 * (1 + i % 2), do_expand=i % 2 == 0, do_cpu_sync=i // 2 % 2 == 0,
-                                 with_weights=True) for i, c in enumerate(cases)]
+    cases = fp8_cases(seed, 2)
     assert pool.run(fp8_rank, cases) == [6 * len(cases)] * 2
 
 
-def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
+def test_two_by_two_fp8_and_async(pool4, seed):
+    cases = fp8_cases(seed, 4)
+    assert pool4.run(fp8_rank, cases, 2) == [6 * len(cases)] * 4
+
+
+def gradcheck_rank(rank: int, world_size: int, cases: list[Case], ranks_per_host: int = 1) -> list[bool]:
     results = []
     for case in cases:
         for deterministic in (False, True):  # partial sums, terms
-            with ranks_per_node("1"), on_gpu():
+            with ranks_per_node(str(ranks_per_host)), placement(ranks_per_host):
                 buf = moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank,
                                       hidden=4 * case.hidden, num_topk=case.num_topk, backend="cuda",
                                       deterministic=deterministic, num_cpu_timeout_secs=60)
@@ -162,11 +174,18 @@ def gradcheck_rank(rank: int, world_size: int, cases: list[Case]) -> list[bool]:
     return results
 
 
+def gradcheck_cases(num_tokens: tuple[int, ...]) -> list[Case]:
+    base = dict(num_ranks=len(num_tokens), num_experts=4, num_topk=3, hidden=2, num_tokens=num_tokens,
+                num_max_tokens_per_rank=4, dtype="float64", drop_prob=0.25, num_bias=1)
+    return [Case(seed=51, **base), Case(seed=52, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base)]
+
+
 def test_gradcheck(pool):
-    base = dict(num_ranks=2, num_experts=4, num_topk=3, hidden=2, num_tokens=(3, 0), num_max_tokens_per_rank=4,
-                dtype="float64", drop_prob=0.25, num_bias=1)
-    cases = [Case(seed=51, **base), Case(seed=52, do_expand=True, expert_alignment=2, do_cpu_sync=False, **base)]
-    assert pool.run(gradcheck_rank, cases) == [[True] * 4] * 2
+    assert pool.run(gradcheck_rank, gradcheck_cases((3, 0))) == [[True] * 4] * 2
+
+
+def test_two_by_two_gradcheck(pool4):
+    assert pool4.run(gradcheck_rank, gradcheck_cases((3, 0, 2, 1)), 2) == [[True] * 4] * 4
 
 
 def no_host_sync_rank(rank: int, world_size: int, case: Case) -> bool:

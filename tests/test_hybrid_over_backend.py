@@ -117,17 +117,20 @@ def test_random_cases(pools, seed, world_size, ranks_per_host):
           f"{time.monotonic() - start:.1f} s")
 
 
+# 2 hosts x 2: forwarders that receive no row on their rail (every slot -1, or no tokens anywhere, or one rank's
+# tokens only), with and without a CPU sync, in both layouts.
+_EMPTY_RAIL = dict(num_ranks=4, num_experts=8, num_topk=2, hidden=16, num_max_tokens_per_rank=6, dtype="float32",
+                   num_bias=1)
+EMPTY_RAIL_CASES = [Case(seed=61 + i, num_tokens=tokens, drop_prob=drop, do_expand=i % 2 == 0,
+                         expert_alignment=4 if i % 2 == 0 else 1, do_cpu_sync=i // 2 % 2 == 0, **_EMPTY_RAIL)
+                    for i, (tokens, drop) in enumerate([((3, 4, 5, 6), 1.0)] * 4 + [((0, 0, 0, 0), 0.1)] * 4
+                                                        + [((0, 0, 5, 0), 1.0)] * 2)]
+
+
 def test_routings_that_leave_a_host_nothing(pools):
-    """Forwarders that receive no row on their rail (every slot -1, or no tokens anywhere, or one rank's tokens
-    only): the combine sends back zero rows (it raised on reshaping them, and the other host waited for it until
-    its timeout), with and without a CPU sync, in both layouts."""
-    base = dict(num_ranks=4, num_experts=8, num_topk=2, hidden=16, num_max_tokens_per_rank=6, dtype="float32",
-                num_bias=1)
-    cases = [Case(seed=61 + i, num_tokens=tokens, drop_prob=drop, do_expand=i % 2 == 0,
-                  expert_alignment=4 if i % 2 == 0 else 1, do_cpu_sync=i // 2 % 2 == 0, **base)
-             for i, (tokens, drop) in enumerate([((3, 4, 5, 6), 1.0)] * 4 + [((0, 0, 0, 0), 0.1)] * 4
-                                                 + [((0, 0, 5, 0), 1.0)] * 2)]
-    assert pools(4).run(cases_rank, 2, cases) == [len(cases)] * 4
+    """EMPTY_RAIL_CASES: the combine sends back zero rows (it raised on reshaping them, and the other host waited
+    for it until its timeout)."""
+    assert pools(4).run(cases_rank, 2, EMPTY_RAIL_CASES) == [len(EMPTY_RAIL_CASES)] * 4
 
 
 def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
