@@ -117,6 +117,41 @@ def test_pipeline_receive_posted_first(pools, world_size):
     assert pools(world_size).run(pipeline_receive_first_rank) == [True] * world_size
 
 
+def empty_tensors_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
+    """Every primitive with nothing to move: an empty send and receive, all_gather and reduce_scatter of no rows, an
+    Engram table with no rows on some ranks and a fetch of none; then a non-empty round still right (the 0-byte
+    copies left every flag and slot in step). Returns the output shapes."""
+    buf = make_buffer(backend=backend)
+    device = buf.device
+    buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    shapes = []
+    for step in range(3):  # more than the slots: the empty sends take slots and release them as any other
+        buf.pp_send(torch.ones(0, 4, device=device), nxt)
+        out = torch.empty(0, 4, device=device)
+        buf.pp_recv(out, prev, async_with_compute_stream=step == 1).current_stream_wait()
+    buf.pp_send(tensor_of(rank, 9, (4,), device=device), nxt)
+    out = torch.empty(4, device=device)
+    buf.pp_recv(out, prev)
+    shapes.append(str(torch.equal(out.cpu(), tensor_of(prev, 9, (4,)))))
+    for call in (buf.all_gather, buf.reduce_scatter):
+        shapes.append(str(tuple(call(torch.ones(0, 3, device=device))[0].shape)))
+    gathered, _ = buf.all_gather(torch.full((2,), float(rank), device=device))
+    shapes.append(str(torch.equal(gathered.cpu(), torch.arange(world_size).float()[:, None].expand(-1, 2))))
+    buf.engram_write(torch.ones(0 if rank else 3, 4, device=device))
+    shapes.append(str(tuple(buf.engram_fetch(torch.zeros(0, dtype=torch.int64, device=device))().shape)))
+    shapes.append(str(buf.engram_fetch(torch.tensor([2, 0], device=device))().cpu().tolist()))
+    buf.barrier()
+    return shapes
+
+
+EMPTY_RESULTS = ["True", "(2, 0, 3)", "(0, 3)", "True", "(0, 4)", str([[1.0] * 4] * 2)]  # empty_tensors_rank, 2 ranks
+
+
+def test_empty_tensors(pools):
+    assert pools(2).run(empty_tensors_rank) == [EMPTY_RESULTS] * 2
+
+
 def pipeline_reconfigure_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
     """`pp_set_config` while rank 0's tensor to rank 1 is unreceived: the same ValueError on every rank, naming the
     pair, and the old configuration stays (rank 1 receives it afterwards, bitwise); once received, the new

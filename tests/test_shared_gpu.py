@@ -272,8 +272,8 @@ def test_pipeline_ring_of_three():
         assert workers.run(pipeline_rank) == [True] * 3
 
 
-def pipeline_check_rank(rank: int, world_size: int, name: str):
-    """tests/test_primitives.py's pipeline check `name` on the CUDA backend."""
+def primitives_check_rank(rank: int, world_size: int, name: str):
+    """tests/test_primitives.py's rank function `name` on the CUDA backend."""
     import test_primitives
 
     with every_buffer_over_ipc():
@@ -283,17 +283,23 @@ def pipeline_check_rank(rank: int, world_size: int, name: str):
 def test_pipeline_lagging_receiver(pool):
     """The third send into two slots waits on the stream for the receiver's first receive; no slot is overwritten
     before it is received."""
-    assert pool.run(pipeline_check_rank, "pipeline_slots_rank") == [True, True]
+    assert pool.run(primitives_check_rank, "pipeline_slots_rank") == [True, True]
 
 
 def test_pipeline_receive_posted_first(pool):
     """Both ranks post an async receive before their send: each neighbour and direction has a stream of its own, so
     the receive's wait holds back no send (on the comm stream both ranks' sends queued behind their receives)."""
-    assert pool.run(pipeline_check_rank, "pipeline_receive_first_rank") == [True, True]
+    assert pool.run(primitives_check_rank, "pipeline_receive_first_rank") == [True, True]
+
+
+def test_empty_tensors(pool):
+    """0-byte copies and empty launches on the copy-engine paths (tests/test_primitives.py's check)."""
+    import test_primitives
+    assert pool.run(primitives_check_rank, "empty_tensors_rank") == [test_primitives.EMPTY_RESULTS] * 2
 
 
 def test_pipeline_reconfigure_with_tensors_in_flight(pool):
-    results = pool.run(pipeline_check_rank, "pipeline_reconfigure_rank")
+    results = pool.run(primitives_check_rank, "pipeline_reconfigure_rank")
     assert [r[1] for r in results] == ["True", "True"], results
     assert results[0][0] == results[1][0] and "rank 0 sent 1 to rank 1, which received 0" in results[0][0], results
 
