@@ -64,8 +64,10 @@ int moe_comm_reduce_slots(const void* slots, int64_t slot_stride, int num_slots,
     return launch_result("reduce_slots_impl", num_blocks, 256, 0);
 }
 
-// `bytes` from `src` to `dst` by a copy engine (either may be a peer's memory mapped here).
+// `bytes` from `src` to `dst` by a copy engine (either may be a peer's memory mapped here); none for 0 bytes (an
+// empty tensor's address may be null, which cudaMemcpyDefault cannot place).
 int moe_comm_copy(void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
+    if (bytes == 0) return 0;
     const cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
     if (err != cudaSuccess) cudaGetLastError();  // not left for the next launch check to report
     MOE_COMM_REQUIRE(err == cudaSuccess, "cudaMemcpyAsync(%p <- %p, %lld bytes): %s", dst, src,
