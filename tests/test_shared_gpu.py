@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import moe_comm
+from moe_comm import layout as lay
 from moe_comm.backends.cuda import CudaTuning
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import check_case
@@ -131,6 +132,43 @@ def test_disagreement_on_the_cuda_path(pool):
     after each (issue 13 item 1 on the CUDA path)."""
     first, second = pool.run(probes_rank)
     assert first == second and len(first) >= 12, first
+
+
+def primitives_after_disagreement_rank(rank: int, world_size: int) -> list[str]:
+    """A dispatch without CPU sync whose ranks disagree sets the abort word on both ranks (its kernels move nothing);
+    the copy-engine paths' flags stay in step, so a pipeline receive and an all_gather after it still wait for their
+    peer (rank 1 sleeps first) and move the right data, bitwise; the next synchronizing call raises the
+    disagreement, and the buffer works after it."""
+    from moe_comm.testing.disagreement import CASE
+    buf = make(CASE)
+    device = buf.device
+    buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
+    sent = torch.arange(64, dtype=torch.float32, device=device) + 100 * rank
+    buf.all_gather(sent)  # its region made now: the one after the disagreement waits on the device only
+    x, idx, w = rank_inputs(CASE, rank, device)
+    buf.dispatch(x, idx, w, num_experts=2 * CASE.num_experts if rank == 0 else CASE.num_experts, do_cpu_sync=False)
+    torch.cuda.synchronize()  # the kernels have found it: the abort word is set
+    results = [str(buf._impl._error.code == lay.ERROR_DISAGREE)]
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's receive and all_gather wait for this rank meanwhile
+        buf.pp_send(sent, 0)
+    else:
+        out = torch.empty(64, device=device)
+        buf.pp_recv(out, 1)
+        results.append(str(torch.equal(out.cpu(), torch.arange(64, dtype=torch.float32) + 100)))
+    if rank == 1:
+        time.sleep(1.0)
+    gathered, _ = buf.all_gather(sent)
+    results.append(str(torch.equal(gathered.cpu(), torch.stack([torch.arange(64.0), torch.arange(64.0) + 100]))))
+    with pytest.raises(ValueError, match=r"num_experts: \[8, 4\]"):
+        buf.barrier()
+    check_case(buf, CASE, rank)  # still usable
+    buf.destroy()
+    return results
+
+
+def test_primitives_after_a_disagreement(pool):
+    assert pool.run(primitives_after_disagreement_rank) == [["True", "True", "True"], ["True", "True"]]
 
 
 def missing_peer_rank(rank: int, world_size: int) -> str:

@@ -41,15 +41,17 @@ __device__ __forceinline__ void set_abort(uint8_t* base, int64_t code) {
     atomicCAS(reinterpret_cast<unsigned long long*>(abort_word(base)), 0ull, static_cast<unsigned long long>(code));
 }
 
-// Spin until *flag >= expected (or == expected with `exact`); false at once when this rank's abort word is set. On
-// timeout, record who waited for whom, print it, set the abort word (every other wait of this rank ends at once)
-// and return false (the host raises; NOTES: no __trap, so the process keeps a usable context and a traceback).
+// Spin until *flag >= expected (or == expected with `exact`); false at once when this rank's abort word is set (with
+// `timeouts_only`, only when a wait timed out). On timeout, record who waited for whom, print it, set the abort word
+// (every other wait of this rank ends at once) and return false (the host raises; NOTES: no __trap, so the process
+// keeps a usable context and a traceback).
 __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected, bool exact, const EpParams& p,
-                                          int phase, int peer) {
+                                          int phase, int peer, bool timeouts_only = false) {
     const uint64_t start = global_timer_ns();
     int64_t observed = ld_acquire_sys(flag);
     while (exact ? observed != expected : observed < expected) {
-        if (aborted(p.local_base)) return false;
+        const int64_t abort = *reinterpret_cast<volatile int64_t*>(abort_word(p.local_base));
+        if (abort != 0 && (!timeouts_only || abort == kErrorTimeout)) return false;
         if (global_timer_ns() - start > p.timeout_ns) {
             // Only the first failing waiter fills the record and prints.
             ErrorRecord* error = p.error;
@@ -75,6 +77,15 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
 __device__ __forceinline__ bool wait_flag_at_least(const int64_t* flag, int64_t expected, const EpParams& p, int phase,
                                                    int peer) {
     return wait_flag(flag, expected, false, p, phase, peer);
+}
+
+// The copy-engine paths' wait (pipeline, all-gather, reduce-scatter: a copy and a release follow it on the stream
+// whatever it returns). Ranks that disagreed in a dispatch or combine set the abort word to stop those operations,
+// but these paths' flags stay in step, so their waits go on: ending early would let the copy move a slot that no
+// peer has written yet, or overwrite one not yet received. A timeout still ends them (the buffer is unusable then).
+__device__ __forceinline__ bool wait_flag_unless_timed_out(const int64_t* flag, int64_t expected, const EpParams& p,
+                                                           int phase, int peer) {
+    return wait_flag(flag, expected, false, p, phase, peer, true);
 }
 
 __device__ __forceinline__ bool wait_flag_equal(const int64_t* flag, int64_t expected, const EpParams& p, int phase,

@@ -14,10 +14,11 @@
 namespace moe_comm {
 
 // Wait until *flag >= expected: one lane spins (through the timeout helper: a peer that never writes ends in the
-// ErrorRecord naming rank, phase and peer, and the abort word); nothing after it on the stream runs before.
+// ErrorRecord naming rank, phase and peer, and the abort word; a dispatch's disagreement does not end it:
+// wait_flag_unless_timed_out); nothing after it on the stream runs before.
 __global__ void __launch_bounds__(32) wait_flag_impl(EpParams p, const int64_t* flag, int64_t expected, int peer,
                                                      int phase) {
-    if (threadIdx.x == 0) wait_flag_at_least(flag, expected, p, phase, peer);
+    if (threadIdx.x == 0) wait_flag_unless_timed_out(flag, expected, p, phase, peer);
 }
 
 // *flag = value with release semantics at system scope, after the stream's earlier work (a copy into the peer's
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(32) signal_flag_impl(int64_t* flag, int64_t va
 __global__ void __launch_bounds__(32) wait_flags_impl(EpParams p, const int64_t* flags, int n, int64_t expected,
                                                       int phase) {
     const int i = threadIdx.x;
-    if (i < n && i != p.rank) wait_flag_at_least(flags + i, expected, p, phase, i);
+    if (i < n && i != p.rank) wait_flag_unless_timed_out(flags + i, expected, p, phase, i);
 }
 
 // Lane i < n releases *targets[i] = value (a flag in peer i's region; null: none), after the stream's earlier work.
