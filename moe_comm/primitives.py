@@ -1,8 +1,9 @@
 """`Buffer`'s primitives beside dispatch and combine (DESIGN 8.4): pipeline send/recv between ring neighbours, an
 all-gather and a reduce-scatter, Engram fetches. This mixin checks the arguments (TypeError/ValueError naming them,
 before anything moves) and runs each call through the buffer's backend (its stream control: the current stream,
-or the comm stream with `async_with_compute_stream=True` and an `EventOverlap` to wait on). The transfers are
-`moe_comm.backends.torch_primitives` (their semantics are documented there).
+or with `async_with_compute_stream=True` the comm stream (the pipeline: a stream per neighbour and direction) and
+an `EventOverlap` to wait on). The transfers are `moe_comm.backends.torch_primitives` (their semantics are
+documented there) and, on the CUDA backend, `moe_comm.backends.cuda_primitives`.
 """
 
 from __future__ import annotations

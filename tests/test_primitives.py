@@ -153,21 +153,31 @@ def test_empty_tensors(pools):
 
 
 def pipeline_reconfigure_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
-    """`pp_set_config` while rank 0's tensor to rank 1 is unreceived: the same ValueError on every rank, naming the
-    pair, and the old configuration stays (rank 1 receives it afterwards, bitwise); once received, the new
+    """`pp_set_config` while rank 0's tensor to rank 1 is unreceived, then while rank 1's async receive from rank 0
+    waits for its send: each time the same ValueError on every rank, naming the pair, and the old configuration
+    stays (the missing receive, then the missing send, made afterwards, bitwise); with nothing in flight the new
     configuration takes effect and a tensor of its larger size goes through."""
     buf = make_buffer(backend=backend)
     device = buf.device
     buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
     if rank == 0:
         buf.pp_send(tensor_of(0, 0, (4,), device=device), 1)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError) as unreceived:
         buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
     same = True
     if rank == 1:
         out = torch.empty(4, device=device)
         buf.pp_recv(out, 0)
         same = torch.equal(out.cpu(), tensor_of(0, 0, (4,)))
+        early = torch.empty(4, device=device)
+        posted = buf.pp_recv(early, 0, async_with_compute_stream=True)
+    with pytest.raises(ValueError) as unsent:
+        buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
+    if rank == 0:
+        buf.pp_send(tensor_of(0, 2, (4,), device=device), 1)
+    elif rank == 1:
+        posted.current_stream_wait()
+        same &= torch.equal(early.cpu(), tensor_of(0, 2, (4,)))
     buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
     if rank == 0:
         buf.pp_send(tensor_of(0, 1, (256,), device=device), 1)
@@ -176,14 +186,18 @@ def pipeline_reconfigure_rank(rank: int, world_size: int, backend: str = "torch"
         buf.pp_recv(out, 0)
         same &= torch.equal(out.cpu(), tensor_of(0, 1, (256,)))
     buf.barrier()
-    return [str(info.value), str(same)]
+    return [str(unreceived.value), str(unsent.value), str(same)]
+
+
+RECONFIGURE_MESSAGES = [
+    "pp_set_config while tensors are in flight (the configuration is unchanged): rank 0 sent 1 to rank 1, which "
+    "posted 0 receives from it (receive the rest)",
+    "pp_set_config while tensors are in flight (the configuration is unchanged): rank 1 posted 2 receives from rank "
+    "0, which sent 1 to it (send the rest)"]  # pipeline_reconfigure_rank's, on every rank
 
 
 def test_pipeline_reconfigure_with_tensors_in_flight(pools):
-    results = pools(3).run(pipeline_reconfigure_rank)
-    expected = ("pp_set_config while tensors are in flight (receive them first, the configuration is unchanged): "
-                "rank 0 sent 1 to rank 1, which received 0")
-    assert results == [[expected, "True"]] * 3, results
+    assert pools(3).run(pipeline_reconfigure_rank) == [RECONFIGURE_MESSAGES + ["True"]] * 3
 
 
 def refused_rank(rank: int, world_size: int) -> list[str]:

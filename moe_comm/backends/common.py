@@ -166,9 +166,10 @@ class Backend:
         On CUDA a synchronous call runs on the current stream (stream-ordered, nothing to hand over between
         streams); an async call runs on the comm stream, ordered after the current stream, and the outputs are
         recorded for the current stream. The host never waits for the device here.
-        `side_stream` (CUDA): the stream of an async call instead of the comm stream, for operations that touch
-        nothing of the buffer's that other operations use (the pipeline's transfers per neighbour and direction,
-        which would otherwise queue behind each other: a receive posted first would hold back the send it waits for).
+        `side_stream` (CUDA): the stream of an async call instead of the comm stream, for operations whose memory
+        and flags no other operation uses (the pipeline's transfers per neighbour and direction, which would
+        otherwise queue behind each other: a receive posted first would hold back the send it waits for; their
+        waits share only the error record and end only on a timeout).
         """
         side = self.comm_stream if side_stream is None else side_stream
         if previous_event is not None:

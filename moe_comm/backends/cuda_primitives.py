@@ -183,25 +183,25 @@ class CudaPrimitives(TorchPrimitives):
 
     def pp_send(self, t: torch.Tensor, dst: int):
         b, k = self.backend, self.backend.kernels
-        me, seq = b.rank, self.pp_sent[dst] + 1
+        me, seq = b.rank, self.num_sent[dst] + 1
         stream = current_stream(b.device.index)
         if seq > self.pp_config[1]:
             self._check(k.wait_flag(ctypes.byref(self._wait_params), self._credit(me, dst), seq - self.pp_config[1],
                                     dst, _PHASE["pp_send (a free slot)"], stream), "pp_send wait")
         self._check(k.copy(self._slot(dst, me, seq), t.data_ptr(), t.nbytes, stream), "pp_send copy")
         self._check(k.signal_flag(self._arrived(dst, me), seq, stream), "pp_send signal")
-        self.pp_sent[dst] = seq
+        self.num_sent[dst] = seq
         return (), [], []
 
     def pp_recv(self, t: torch.Tensor, src: int):
         b, k = self.backend, self.backend.kernels
-        me, seq = b.rank, self.pp_received[src] + 1
+        me, seq = b.rank, self.num_received[src] + 1
         stream = current_stream(b.device.index)
         self._check(k.wait_flag(ctypes.byref(self._wait_params), self._arrived(me, src), seq, src, _PHASE["pp_recv"],
                             stream), "pp_recv wait")
         self._check(k.copy(t.data_ptr(), self._slot(me, src, seq), t.nbytes, stream), "pp_recv copy")
         self._check(k.signal_flag(self._credit(src, me), seq, stream), "pp_recv signal")
-        self.pp_received[src] = seq
+        self.num_received[src] = seq
         return (), [], []
 
     # ------------------------------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 torch.distributed point-to-point exchanges on the buffer's group: pipeline send/recv between ring neighbours, an
 all-gather and a reduce-scatter, and Engram (rows of a table spread over the ranks, fetched by global index).
 
-This is the reference of every backend for now: it runs wherever the group runs (gloo on CPU, NCCL on GPUs, across
-hosts) with the backend's stream control (`Backend.run`: the current stream, or the comm stream and an
-`EventOverlap` with `async_with_compute_stream`) and its timeouts (a peer that does not arrive is a TimeoutError
-naming rank, phase and peer). On GPUs the exchanges are NCCL's kernels, not yet copy engines: the 0-SM path of the
-CUDA backend is the next step (benchmarks/NOTES.md).
+This is the reference and the path of every backend but the CUDA one (`cuda_primitives`: copy engines): it runs
+wherever the group runs (gloo on CPU, NCCL on GPUs, across hosts) with the backend's stream control (`Backend.run`:
+the current stream, or with `async_with_compute_stream` the comm stream, the pipeline's own stream per neighbour and
+direction, and an `EventOverlap`) and its timeouts (a peer that does not arrive is a TimeoutError naming rank, phase
+and peer). On GPUs the exchanges are NCCL's kernels.
 
 Semantics (the contract the copy-engine path keeps):
 - Pipeline: `pp_send(t, dst)` copies `t` into one of `num_max_inflight_tensors` slots for `dst` and returns (the
@@ -68,9 +68,10 @@ class TorchPrimitives:
         self._pp_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
         # Per destination: sends posted and not yet known complete, as (work, description, staged copy).
         self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        # Tensors sent to / received from each peer since `pp_set_config` (the CUDA backend's sequence numbers).
-        self.pp_sent: dict[int, int] = collections.Counter()
-        self.pp_received: dict[int, int] = collections.Counter()
+        # Per peer: tensors sent to it / receives from it posted since `pp_set_config` (the CUDA backend's sequence
+        # numbers).
+        self.num_sent: collections.Counter[int] = collections.Counter()
+        self.num_received: collections.Counter[int] = collections.Counter()
         self._pp_streams: dict[tuple[int, bool], torch.cuda.Stream] = {}
         self.table: Optional[torch.Tensor] = None
         self.table_offsets: list[int] = []
@@ -122,27 +123,47 @@ class TorchPrimitives:
 
     def agree_pp_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int,
                         error: Optional[Exception]) -> None:
-        """The ranks agree on the new configuration and that nothing is in flight: every tensor a rank sent has
-        been received (a ValueError on every rank naming the pairs otherwise; the old configuration stays, so the
-        receives can still be made). The counts then start again."""
+        """The ranks agree on a new pipeline configuration and that nothing is in flight: as many receives posted
+        as tensors sent, per pair (a ValueError on every rank naming the pairs otherwise; the old configuration
+        stays, so the missing receives or sends can still be made). The counts then start again.
+
+        Arguments:
+            num_max_tensor_bytes, num_max_inflight_tensors: as in `Buffer.pp_set_config` (checked by the caller).
+            error: the caller refused the arguments (every rank raises).
+        """
         b = self.backend
         R = b.num_ranks
         values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
-        counts = [self.pp_sent[q] for q in range(R)] + [self.pp_received[q] for q in range(R)]
+        counts = [self.num_sent[q] for q in range(R)] + [self.num_received[q] for q in range(R)]
         rows = self.agree(values + counts, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config",
                           error)
-        unreceived = [f"rank {r} sent {rows[r][2 + q]} to rank {q}, which received {rows[q][2 + R + r]}"
-                      for r in range(R) for q in range(R) if rows[r][2 + q] != rows[q][2 + R + r]]
-        if unreceived:
-            raise ValueError("pp_set_config while tensors are in flight (receive them first, the configuration is "
-                             "unchanged): " + "; ".join(unreceived))
-        self.pp_sent.clear()
-        self.pp_received.clear()
+        in_flight = []
+        for r in range(R):
+            for q in range(R):
+                sent, received = rows[r][2 + q], rows[q][2 + R + r]
+                if sent > received:
+                    in_flight.append(f"rank {r} sent {sent} to rank {q}, which posted {received} receives from it "
+                                     f"(receive the rest)")
+                elif received > sent:
+                    in_flight.append(f"rank {q} posted {received} receives from rank {r}, which sent {sent} to it "
+                                     f"(send the rest)")
+        if in_flight:
+            raise ValueError("pp_set_config while tensors are in flight (the configuration is unchanged): "
+                             + "; ".join(in_flight))
+        self.num_sent.clear()
+        self.num_received.clear()
 
     def pp_stream(self, peer: int, sending: bool) -> Optional[torch.cuda.Stream]:
-        """The stream of this rank's async sends to `peer` (`sending`) or receives from it, one per neighbour and
-        direction (`Backend.run`'s side stream: a receive that waits for its data never holds back a send, nor the
-        comm stream); None on CPU."""
+        """The stream of this rank's async pipeline calls with one peer and direction (`Backend.run`'s side stream:
+        a receive that waits for its data never holds back a send, nor the comm stream); made at first use.
+
+        Arguments:
+            peer: the ring neighbour.
+            sending: True for sends to `peer`, False for receives from it.
+
+        Returns:
+            The stream, or None on the CPU (no streams).
+        """
         b = self.backend
         if b.device.type != "cuda":
             return None
@@ -182,14 +203,14 @@ class TorchPrimitives:
         staged = t.clone()
         work = dist.isend(staged, dist.get_global_rank(b.group, dst), group=self._pp_group(b.rank, dst))
         sends.append((work, f"rank {b.rank} pp_send: send to peer {dst}", staged))
-        self.pp_sent[dst] += 1
+        self.num_sent[dst] += 1
         return (), [], []
 
     def pp_recv(self, t: torch.Tensor, src: int):
         """`Backend.run` steps of a receive into `t`."""
         b = self.backend
         work = dist.irecv(t, dist.get_global_rank(b.group, src), group=self._pp_group(src, b.rank))
-        self.pp_received[src] += 1
+        self.num_received[src] += 1
         return (), [(work, f"rank {b.rank} pp_recv: receive from peer {src}")], []
 
     # ------------------------------------------------------------------------------------------------
