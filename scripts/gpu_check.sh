@@ -94,6 +94,6 @@ case "${1:-}" in
         train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync
         python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" ;;
     *)
-        echo "usage: scripts/gpu_check.sh tests|bench|soak|megatron|layer|recipe" >&2
+        echo "usage: scripts/gpu_check.sh tests|bench|overlap|soak|megatron|layer|recipe" >&2
         exit 2 ;;
 esac
