@@ -171,6 +171,33 @@ def test_primitives_after_a_disagreement(pool):
     assert pool.run(primitives_after_disagreement_rank) == [["True", "True", "True"], ["True", "True"]]
 
 
+def pipeline_timeout_after_disagreement_rank(rank: int, world_size: int) -> str:
+    """A disagreeing dispatch, then a receive whose sender never sends: the receive's wait goes on through the
+    disagreement and times out; the timeout takes the error record over, so the next call raises the TimeoutError
+    naming rank, phase and peer (not the disagreement, which the host would realign and go on from)."""
+    from moe_comm.testing.disagreement import CASE
+    buf = make(CASE, num_gpu_timeout_secs=3)
+    buf.pp_set_config(num_max_tensor_bytes=256, num_max_inflight_tensors=2)
+    x, idx, w = rank_inputs(CASE, rank, buf.device)
+    buf.dispatch(x, idx, w, num_experts=2 * CASE.num_experts if rank == 0 else CASE.num_experts, do_cpu_sync=False)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(6)
+        return "skipped"
+    buf.pp_recv(torch.empty(4, device=buf.device), 1)  # returns: the wait is on the stream
+    torch.cuda.synchronize()
+    with pytest.raises(TimeoutError) as info:
+        buf.barrier()
+    return str(info.value)
+
+
+def test_pipeline_timeout_after_a_disagreement():
+    with WorkerPool(2, backend="gloo", timeout_s=120) as workers:
+        message, skipped = workers.run(pipeline_timeout_after_disagreement_rank)
+    assert skipped == "skipped"
+    assert "rank 0 timed out in pp_recv waiting for peer 1" in message, message
+
+
 def missing_peer_rank(rank: int, world_size: int) -> str:
     case = Case(seed=92, num_ranks=2, num_experts=8, num_topk=2, hidden=128, num_tokens=(64, 64),
                 num_max_tokens_per_rank=64)

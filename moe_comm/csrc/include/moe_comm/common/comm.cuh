@@ -44,7 +44,9 @@ __device__ __forceinline__ void set_abort(uint8_t* base, int64_t code) {
 // Spin until *flag >= expected (or == expected with `exact`); false at once when this rank's abort word is set (with
 // `timeouts_only`, only when a wait timed out). On timeout, record who waited for whom, print it, set the abort word
 // (every other wait of this rank ends at once) and return false (the host raises; NOTES: no __trap, so the process
-// keeps a usable context and a traceback).
+// keeps a usable context and a traceback). A `timeouts_only` wait, which goes on through a disagreement, takes the
+// record and the abort word over from one: the buffer is unusable now, so the host must raise the timeout (a
+// disagreement it would realign and go on).
 __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected, bool exact, const EpParams& p,
                                           int phase, int peer, bool timeouts_only = false) {
     const uint64_t start = global_timer_ns();
@@ -55,8 +57,13 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
         if (global_timer_ns() - start > p.timeout_ns) {
             // Only the first failing waiter fills the record and prints.
             ErrorRecord* error = p.error;
-            if (atomicCAS(reinterpret_cast<unsigned long long*>(&error->code), 0ull,
-                          static_cast<unsigned long long>(kErrorTimeout)) == 0ull) {
+            auto* code = reinterpret_cast<unsigned long long*>(&error->code);
+            const auto timeout = static_cast<unsigned long long>(kErrorTimeout);
+            const auto disagree = static_cast<unsigned long long>(kErrorDisagree);
+            unsigned long long prior = atomicCAS(code, 0ull, timeout);
+            if (timeouts_only && prior == disagree)
+                prior = atomicCAS(code, disagree, timeout) == disagree ? 0ull : prior;
+            if (prior == 0ull) {
                 error->rank = p.rank;
                 error->phase = phase;
                 error->peer = peer;
@@ -66,7 +73,10 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
                 printf("moe_comm: rank %d timed out in phase %d waiting for peer %d (flag %lld, expected %lld)\n",
                        p.rank, phase, peer, static_cast<long long>(observed), static_cast<long long>(expected));
             }
-            set_abort(p.local_base, kErrorTimeout);
+            if (timeouts_only)
+                atomicExch(reinterpret_cast<unsigned long long*>(abort_word(p.local_base)), timeout);
+            else
+                set_abort(p.local_base, kErrorTimeout);
             return false;
         }
         observed = ld_acquire_sys(flag);
