@@ -30,7 +30,8 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // The abort word of a rank's buffer (kAbortOffset): 0 while operations run, else the ErrorRecord code that stopped
 // them. Set by a timed-out wait or by ranks that disagree; every kernel skips its work while it is set and every
-// wait returns at once, until the host clears it (a disagreement) or refuses the buffer (a timeout).
+// wait returns at once (the copy-engine paths' waits only on a timeout: wait_flag_unless_timed_out), until the host
+// clears it (a disagreement) or refuses the buffer (a timeout).
 __device__ __forceinline__ int64_t* abort_word(uint8_t* base) {
     return reinterpret_cast<int64_t*>(base + kAbortOffset);
 }
@@ -60,9 +61,15 @@ __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected,
             auto* code = reinterpret_cast<unsigned long long*>(&error->code);
             const auto timeout = static_cast<unsigned long long>(kErrorTimeout);
             const auto disagree = static_cast<unsigned long long>(kErrorDisagree);
-            unsigned long long prior = atomicCAS(code, 0ull, timeout);
-            if (timeouts_only && prior == disagree)
-                prior = atomicCAS(code, disagree, timeout) == disagree ? 0ull : prior;
+            unsigned long long prior;
+            for (;;) {  // claim the record: from no error, or (timeouts_only) from a disagreement the host may clear
+                prior = atomicCAS(code, 0ull, timeout);
+                if (prior != disagree || !timeouts_only) break;
+                if (atomicCAS(code, disagree, timeout) == disagree) {
+                    prior = 0ull;
+                    break;
+                }
+            }
             if (prior == 0ull) {
                 error->rank = p.rank;
                 error->phase = phase;
