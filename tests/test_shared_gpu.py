@@ -134,6 +134,15 @@ def test_disagreement_on_the_cuda_path(pool):
     assert first == second and len(first) >= 12, first
 
 
+def disagreeing_dispatch(buf: moe_comm.Buffer, rank: int) -> None:
+    """A dispatch without CPU sync of disagreement.CASE whose ranks disagree on num_experts (rank 0: twice the
+    others'), waited for: its kernels found it and set the abort word on every rank (moving nothing)."""
+    from moe_comm.testing.disagreement import CASE
+    x, idx, w = rank_inputs(CASE, rank, buf.device)
+    buf.dispatch(x, idx, w, num_experts=2 * CASE.num_experts if rank == 0 else CASE.num_experts, do_cpu_sync=False)
+    torch.cuda.synchronize()
+
+
 def primitives_after_disagreement_rank(rank: int, world_size: int) -> list[str]:
     """A dispatch without CPU sync whose ranks disagree sets the abort word on both ranks (its kernels move nothing);
     the copy-engine paths' flags stay in step, so a pipeline receive and an all_gather after it still wait for their
@@ -145,9 +154,7 @@ def primitives_after_disagreement_rank(rank: int, world_size: int) -> list[str]:
     buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
     sent = torch.arange(64, dtype=torch.float32, device=device) + 100 * rank
     buf.all_gather(sent)  # its region made now: the one after the disagreement waits on the device only
-    x, idx, w = rank_inputs(CASE, rank, device)
-    buf.dispatch(x, idx, w, num_experts=2 * CASE.num_experts if rank == 0 else CASE.num_experts, do_cpu_sync=False)
-    torch.cuda.synchronize()  # the kernels have found it: the abort word is set
+    disagreeing_dispatch(buf, rank)
     results = [str(buf._impl._error.code == lay.ERROR_DISAGREE)]
     if rank == 1:
         time.sleep(1.0)  # rank 0's receive and all_gather wait for this rank meanwhile
@@ -169,33 +176,6 @@ def primitives_after_disagreement_rank(rank: int, world_size: int) -> list[str]:
 
 def test_primitives_after_a_disagreement(pool):
     assert pool.run(primitives_after_disagreement_rank) == [["True", "True", "True"], ["True", "True"]]
-
-
-def pipeline_timeout_after_disagreement_rank(rank: int, world_size: int) -> str:
-    """A disagreeing dispatch, then a receive whose sender never sends: the receive's wait goes on through the
-    disagreement and times out; the timeout takes the error record over, so the next call raises the TimeoutError
-    naming rank, phase and peer (not the disagreement, which the host would realign and go on from)."""
-    from moe_comm.testing.disagreement import CASE
-    buf = make(CASE, num_gpu_timeout_secs=3)
-    buf.pp_set_config(num_max_tensor_bytes=256, num_max_inflight_tensors=2)
-    x, idx, w = rank_inputs(CASE, rank, buf.device)
-    buf.dispatch(x, idx, w, num_experts=2 * CASE.num_experts if rank == 0 else CASE.num_experts, do_cpu_sync=False)
-    torch.cuda.synchronize()
-    if rank == 1:
-        time.sleep(6)
-        return "skipped"
-    buf.pp_recv(torch.empty(4, device=buf.device), 1)  # returns: the wait is on the stream
-    torch.cuda.synchronize()
-    with pytest.raises(TimeoutError) as info:
-        buf.barrier()
-    return str(info.value)
-
-
-def test_pipeline_timeout_after_a_disagreement():
-    with WorkerPool(2, backend="gloo", timeout_s=120) as workers:
-        message, skipped = workers.run(pipeline_timeout_after_disagreement_rank)
-    assert skipped == "skipped"
-    assert "rank 0 timed out in pp_recv waiting for peer 1" in message, message
 
 
 def missing_peer_rank(rank: int, world_size: int) -> str:
@@ -369,25 +349,34 @@ def test_pipeline_reconfigure_with_tensors_in_flight(pool):
     assert pool.run(primitives_check_rank, "pipeline_reconfigure_rank") == [expected] * 2
 
 
-def pipeline_timeout_rank(rank: int, world_size: int) -> str:
+def pipeline_timeout_rank(rank: int, world_size: int, after_disagreement: bool) -> str:
     """A receive whose sender never sends: its one-warp wait ends after num_gpu_timeout_secs, and the next call
-    raises the TimeoutError naming rank, phase and peer."""
-    case = Case(seed=5, num_ranks=2, num_experts=4, num_topk=2, hidden=16, num_tokens=(4, 4), num_max_tokens_per_rank=8)
-    buf = make(case, num_gpu_timeout_secs=2)
+    raises the TimeoutError naming rank, phase and peer. `after_disagreement`: a disagreeing dispatch came first; the
+    receive's wait goes on through the disagreement and times out, the timeout takes the error record over, and the
+    next synchronizing call raises the TimeoutError (not the disagreement, which the host would realign and go on
+    from)."""
+    from moe_comm.testing.disagreement import CASE
+    buf = make(CASE, num_gpu_timeout_secs=3)
     buf.pp_set_config(64, 2)
+    if after_disagreement:
+        disagreeing_dispatch(buf, rank)
     if rank == 1:
-        time.sleep(4)
+        time.sleep(6)
         return "skipped"
     buf.pp_recv(torch.empty(4, device=buf.device), 1)  # returns: the wait is on the stream
     torch.cuda.synchronize()
     with pytest.raises(TimeoutError) as info:
-        buf.pp_recv(torch.empty(4, device=buf.device), 1)
+        if after_disagreement:
+            buf.barrier()
+        else:
+            buf.pp_recv(torch.empty(4, device=buf.device), 1)
     return str(info.value)
 
 
-def test_pipeline_timeout():
+@pytest.mark.parametrize("after_disagreement", [False, True])
+def test_pipeline_timeout(after_disagreement):
     with WorkerPool(2, backend="gloo", timeout_s=120) as workers:
-        message, skipped = workers.run(pipeline_timeout_rank)
+        message, skipped = workers.run(pipeline_timeout_rank, after_disagreement)
     assert skipped == "skipped"
     assert "rank 0 timed out in pp_recv waiting for peer 1" in message, message
 
