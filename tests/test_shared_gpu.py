@@ -3,7 +3,8 @@ CUDA IPC, which, unlike torch's symmetric memory, maps between two processes on 
 kernels runs as with two GPUs (barriers and signatures, row tags, the per-peer combine region, expand fan-out,
 receive hooks, disagreement found on the device, a peer that never arrives), with the world group on gloo (its
 collectives stage CUDA tensors through host memory) and no NVLink: correctness only, no timings. Skips without
-CUDA; tests/test_gpu.py runs the same paths with a GPU per rank."""
+CUDA; tests/test_gpu.py runs the same paths with a GPU per rank. (Over 400 lines: one pool of two ranks on the GPU
+serves every case, and its set-up, the buffers mapped over IPC, is shared by all of them.)"""
 
 from __future__ import annotations
 
