@@ -1,7 +1,9 @@
 """Soak: `--iters` random routings over every dispatch and combine path, each result checked against a closed form
 (`moe_comm.testing.soak`), with host RSS and CUDA memory before and after each path.
 
-Spawns `--num-ranks` ranks (NCCL with one GPU each when the machine has that many GPUs, else gloo on CPU), draws
+Spawns `--num-ranks` ranks (NCCL with one GPU each when the machine has that many GPUs, else gloo on CPU; with
+`--share-gpu`, gloo with every rank on GPU 0, the CUDA backend's peers mapped with CUDA IPC: its peer paths without a
+second GPU, `moe_comm.testing.shared_gpu`), draws
 the cases in this process from `--seed` and sends them to the ranks, so every rank runs the same case. Each path
 runs one warm-up iteration of the largest case, then every drawn case, on one Buffer per rank. Prints a table
 per path (iterations, wrong iterations summed over ranks with the first example, wall time of the slowest rank,
@@ -11,8 +13,9 @@ Exit status: 0 when every result matched and no rank's host RSS grew by more tha
 8) nor its `torch.cuda.memory_allocated` by more than `--cuda-tolerance-kib` (default 0) in any path; 1 for a
 wrong result or such growth; 2 when a rank raised, died or timed out (its traceback is printed).
 
-    python scripts/soak.py [--iters 200] [--num-ranks 2] [--backend auto|torch|cuda] [--seed 0] [--max-tokens 64]
-                           [--hidden 384] [--max-experts 32] [--max-topk 8] [--paths dispatch combine ...] [--json F]
+    python scripts/soak.py [--iters 200] [--num-ranks 2] [--backend auto|torch|cuda] [--share-gpu] [--seed 0]
+                           [--max-tokens 64] [--hidden 384] [--max-experts 32] [--max-topk 8]
+                           [--paths dispatch combine ...] [--json F]
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=200, help="drawn cases, each run through every path")
     parser.add_argument("--num-ranks", type=int, default=2)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "cuda"])
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="every rank on GPU 0 (gloo group, peers over CUDA IPC); implies --backend cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=64, help=f"tokens per rank, at most {MAX_TOKENS}")
     parser.add_argument("--hidden", type=int, default=384, help="largest hidden size drawn (at least 8)")
@@ -48,20 +53,29 @@ def main() -> int:
     args = parser.parse_args()
     if args.num_ranks < 1:
         parser.error(f"--num-ranks={args.num_ranks} must be >= 1")
-    pg_backend = "nccl" if args.backend != "torch" and torch.cuda.device_count() >= args.num_ranks else "gloo"
-    if args.backend == "cuda" and pg_backend != "nccl":
-        parser.error(f"--backend cuda needs {args.num_ranks} GPUs, found {torch.cuda.device_count()}")
+    if args.share_gpu:
+        if args.backend == "torch":
+            parser.error("--share-gpu runs the CUDA backend: leave out --backend torch")
+        if not torch.cuda.is_available():
+            parser.error("--share-gpu needs a GPU, found none")
+        args.backend, pg_backend = "cuda", "gloo"
+    else:
+        pg_backend = "nccl" if args.backend != "torch" and torch.cuda.device_count() >= args.num_ranks else "gloo"
+        if args.backend == "cuda" and pg_backend != "nccl":
+            parser.error(f"--backend cuda needs {args.num_ranks} GPUs, found {torch.cuda.device_count()} "
+                         "(--share-gpu puts every rank on one)")
     try:
         cases = draw_soak_cases(args.seed, args.iters, args.num_ranks, max_tokens=args.max_tokens,
                                 max_hidden=args.hidden, max_experts=args.max_experts, max_topk=args.max_topk)
     except ValueError as exc:
         parser.error(str(exc))
     config = SoakConfig(backend=args.backend, num_max_tokens_per_rank=args.max_tokens, max_hidden=args.hidden,
-                        max_topk=args.max_topk, paths=tuple(args.paths))
+                        max_topk=args.max_topk, paths=tuple(args.paths), share_gpu=args.share_gpu)
     warmup = largest_case(config, args.num_ranks, args.max_experts)
 
     meta = run_metadata(sys.argv)
-    print(f"soak: {args.iters} iterations x {len(args.paths)} paths, {args.num_ranks} ranks over {pg_backend}, "
+    print(f"soak: {args.iters} iterations x {len(args.paths)} paths, {args.num_ranks} ranks over {pg_backend}"
+          f"{' sharing GPU 0' if args.share_gpu else ''}, "
           f"seed {args.seed}, tokens <= {args.max_tokens}, hidden <= {args.hidden}, experts <= {args.max_experts}, "
           f"top-k <= {args.max_topk}; commit {(meta['commit'] or 'unknown')[:12]}{' (dirty)' if meta['dirty'] else ''}, "
           f"torch {meta['torch']}")

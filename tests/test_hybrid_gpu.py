@@ -24,9 +24,9 @@ from moe_comm import traffic_class
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.gradcheck import run_gradcheck
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
+from moe_comm.testing.shared_gpu import every_buffer_over_ipc, on_gpu0
 from test_hybrid import assert_same_outputs, check_fp8_modes, ranks_per_node, true_rows
 from test_hybrid_over_backend import compare_and_destroy
-from test_shared_gpu import every_buffer_over_ipc, on_gpu0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
 

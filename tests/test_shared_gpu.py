@@ -3,13 +3,10 @@ CUDA IPC, which, unlike torch's symmetric memory, maps between two processes on 
 kernels runs as with two GPUs (barriers and signatures, row tags, the per-peer combine region, expand fan-out,
 receive hooks, disagreement found on the device, a peer that never arrives), with the world group on gloo (its
 collectives stage CUDA tensors through host memory) and no NVLink: correctness only, no timings. Skips without
-CUDA; tests/test_gpu.py runs the same paths with a GPU per rank. (Over 400 lines: one pool of two ranks on the GPU
-serves every case, and its set-up, the buffers mapped over IPC, is shared by all of them.)"""
+CUDA; tests/test_gpu.py runs the same paths with a GPU per rank."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import time
 
@@ -22,6 +19,8 @@ from moe_comm.backends.cuda import CudaTuning
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import check_case
 from moe_comm.testing.disagreement import run_probes
+from moe_comm.testing.shared_gpu import every_buffer_over_ipc, on_gpu0
+from moe_comm.testing.soak import SoakConfig, draw_soak_cases, largest_case, soak_rank, summarize
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
@@ -43,45 +42,6 @@ def pool():
             os.environ.pop("MOE_COMM_GPU_RANKS")
         else:
             os.environ["MOE_COMM_GPU_RANKS"] = old
-
-
-@contextlib.contextmanager
-def on_gpu0():
-    """The gloo world group's buffers on cuda:0 (a gloo group is a CPU group to `Buffer`)."""
-    torch.cuda.set_device(0)
-    original = moe_comm.Buffer.__dict__["group_device"]  # the staticmethod itself
-    moe_comm.Buffer.group_device = staticmethod(lambda group: torch.device("cuda", 0))
-    try:
-        yield
-    finally:
-        moe_comm.Buffer.group_device = original
-
-
-@contextlib.contextmanager
-def every_buffer_over_ipc():
-    """`on_gpu0`, and every CUDA buffer made in the block maps its peers with CUDA IPC (for tests/test_gpu.py's rank
-    functions, which make their own buffers); reference buffers stay on the CPU."""
-    original = moe_comm.Buffer.__init__
-
-    def init(self, *args, cuda_tuning=None, backend="auto", **kwargs):
-        if backend == "torch":  # the reference stays on the CPU: gloo's point-to-point takes no CUDA tensors
-            moe_comm.Buffer.group_device = original_device
-            try:
-                original(self, *args, backend=backend, **kwargs)
-            finally:
-                moe_comm.Buffer.group_device = on_gpu
-            return
-        original(self, *args, backend=backend,
-                 cuda_tuning=dataclasses.replace(cuda_tuning or CudaTuning(), peer_memory="ipc"), **kwargs)
-
-    original_device = moe_comm.Buffer.__dict__["group_device"]
-    with on_gpu0():
-        on_gpu = moe_comm.Buffer.__dict__["group_device"]
-        moe_comm.Buffer.__init__ = init
-        try:
-            yield
-        finally:
-            moe_comm.Buffer.__init__ = original
 
 
 def gpu_tier_rank(rank: int, world_size: int, name: str, *args):
@@ -120,6 +80,17 @@ def test_random_cases(pool, seed, recv_hook):
     oracle, every call through its hook or not."""
     cases = draw_cases(seed * 10 + 201 + recv_hook, 12, 2)
     assert pool.run(cases_rank, cases, recv_hook) == [len(cases)] * 2
+
+
+def test_soak_sharing_the_gpu(pool, seed):
+    """`scripts/soak.py --share-gpu` in short: every soak path over random cases on one long-lived Buffer per rank,
+    no wrong result, no CUDA memory growth (host RSS is not checked here: the pool's processes ran other tests)."""
+    cases = draw_soak_cases(seed * 10 + 207, 12, 2, max_tokens=24, max_hidden=136, max_experts=12)
+    config = SoakConfig(backend="cuda", num_max_tokens_per_rank=24, max_hidden=136, share_gpu=True)
+    per_rank = pool.run(soak_rank, cases, largest_case(config, 2, 12), config)
+    summary = summarize(per_rank, rss_tolerance=2**40, cuda_tolerance=0)
+    assert summary["backend"] == "cuda" and all(e["iterations"] == len(cases) for e in summary["paths"].values())
+    assert summary["ok"], "\n".join(summary["problems"])
 
 
 def probes_rank(rank: int, world_size: int) -> list[str]:

@@ -31,6 +31,7 @@ Used by `scripts/soak.py` and `tests/test_soak.py`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -45,6 +46,7 @@ from .. import quant
 from .checks import assert_same
 from .memory import host_rss_bytes
 from .routing import DTYPES, Case, rank_bias, rank_inputs
+from .shared_gpu import every_buffer_over_ipc
 
 PATHS = ("dispatch", "dispatch no-sync", "expand", "cached", "fp8_block128", "mxfp8", "combine")
 MAX_RANKS = 16      # channel 0 holds the source rank
@@ -80,6 +82,7 @@ class SoakConfig:
     paths: tuple[str, ...] = PATHS
     num_cpu_timeout_secs: float = 120.0
     num_cpu_threads: int = 1   # torch threads per rank while soaking (ranks share few cores); 0: leave as is
+    share_gpu: bool = False    # the ranks share cuda:0 over a gloo group, peers mapped with CUDA IPC (shared_gpu.py)
 
     @property
     def buffer_hidden(self) -> int:
@@ -495,10 +498,11 @@ def soak_rank(rank: int, world_size: int, cases: list[SoakCase], warmup: Optiona
     if config.num_cpu_threads:
         torch.set_num_threads(config.num_cpu_threads)
     try:
-        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
-                              hidden=config.buffer_hidden, num_topk=config.max_topk, use_fp8_dispatch=True,
-                              backend=config.backend, deterministic=True,
-                              num_cpu_timeout_secs=config.num_cpu_timeout_secs)
+        with every_buffer_over_ipc() if config.share_gpu else contextlib.nullcontext():
+            buf = moe_comm.Buffer(None, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+                                  hidden=config.buffer_hidden, num_topk=config.max_topk, use_fp8_dispatch=True,
+                                  backend=config.backend, deterministic=True,
+                                  num_cpu_timeout_secs=config.num_cpu_timeout_secs)
         results = {path: _soak_path(buf, path, cases, warmup, rank) for path in config.paths}
         backend = buf.backend
         buf.destroy()
