@@ -3,7 +3,7 @@
 # from the repo root, one rank per GPU (at most 8); logs and results go to OUT (or /tmp/gpu_check). Pass the local
 # commit as MOE_COMM_COMMIT=$(git rev-parse HEAD): the device copy's git history is stale, results would record it.
 #   scripts/gpu_check.sh tests      GPU tier (both backends, the CUDA hybrid path as 2 hosts x 1) + kernel compile/load
-#                                   + FP8 casts on CUDA (~4 min; one GPU: one rank, the peer tests skip; the hybrid
+#                                   + FP8 casts on CUDA (~7 min; one GPU: one rank, the peer tests skip; the hybrid
 #                                   tests run 2 ranks sharing it)
 #   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, then the same with the
 #                                   expand layout (--expand: the MoE layer's dispatches), then (2+ GPUs) the hybrid
