@@ -1,8 +1,11 @@
-"""The symmetric buffer's layout and the kernels' argument structs, defined once for both languages.
+"""The symmetric buffer's layout and the kernels' interface (argument structs, codes, C functions), defined once for
+both languages. (Over 400 lines: one table for both sides is the point of the module.)
 
 The CUDA sources include `moe_comm/abi.h`, which `render_header()` writes from this module whenever the JIT builds
-them (the text is part of the build's cache key), so no offset, limit or struct field is typed twice. The host
-reads the same values from here, `moe_comm.sizing` sizes the buffer with `dispatch_row`, and the CUDA backend
+them (the text is part of the build's cache key), so no offset, limit, code, struct field or function signature is
+typed twice: the header declares every function of `FUNCTIONS`, so the compiler holds the definitions in
+csrc/kernels to this table, and ctypes takes its types from it (`ctypes_signature`). The host reads the same values
+from here, `moe_comm.sizing` sizes the buffer with `dispatch_row`, and the CUDA backend
 checks at load time that the compiler laid every struct out as ctypes did (`abi_table`, field by field).
 
 Buffer of every rank (identical layout on every rank; offsets in bytes from the buffer base):
@@ -40,6 +43,8 @@ summary (at SUMMARY_OFFSET) is final.
 from __future__ import annotations
 
 import ctypes
+import re
+import struct
 from dataclasses import dataclass
 
 # Limits
@@ -76,6 +81,13 @@ ERROR_DISAGREE = 2                  # ErrorRecord.code of an operation whose ran
 # What a dispatch or combine launch runs: the whole kernel (senders and receivers at once), its senders alone (a
 # call with `return_recv_hook=True`) or its receivers alone (that call's hook).
 PART_WHOLE, PART_SEND, PART_RECEIVE = 0, 1, 2
+
+# Codes and constants of the kernels' arguments
+DTYPE_CODES = {"bfloat16": 1, "float32": 2, "float64": 3}  # a combine's or a reduce-scatter's element type
+FP8_CODES = {"fp8_block128": 1, "mxfp8": 2}  # quantize / dequantize (0: none); the formats of moe_comm.quant
+FP8_CHANNELS_PER_SCALE = 128        # channels per 4-byte scale word, in both FP8 formats
+AMAX_MIN = 1e-4                     # the FP8 casts' floor of a group's amax (moe_comm.quant; in float32)
+ROUTING_OUT_OF_RANGE, ROUTING_DUPLICATE = 1, 2  # error flag bits of a rank's routing
 
 
 def align16(n: int) -> int:
@@ -122,11 +134,20 @@ def layout_blocks(num_tokens: int, num_sms: int) -> int:
     return max(1, min(num_sms, LAYOUT_MAX_BLOCKS, -(-num_tokens // LAYOUT_MIN_CHUNK)))
 
 
+# A layout block's dynamic shared memory (impls/layout.cuh LayoutShared), in 4-byte words: per column (ranks, then
+# experts) a hit mask and a first position per warp and a running count, then the flags' running count.
+LAYOUT_SMEM_WORDS_PER_COLUMN = 2 * (LAYOUT_THREADS // 32) + 1
+LAYOUT_SMEM_WORDS_FIXED = 1
+# What a profiling build (-DMOE_COMM_BLOCK_TIMES) records per layout block after its start (step 0): the first
+# LAYOUT_BLOCK_STEPS in every block, the rest (the notify's) in the last block only.
+LAYOUT_STEPS = ("counted", "grid barrier", "prefixed", "placed",
+                "notify started", "slots written", "notify barrier", "notify done")
+LAYOUT_BLOCK_STEPS = 4
+
+
 def layout_smem_bytes(num_ranks: int, num_experts: int) -> int:
-    """Dynamic shared memory of a layout block (impls/layout.cuh LayoutShared): per column (ranks, then experts) a
-    hit mask and a first position per warp and a running count, and the flags."""
-    columns = num_ranks + num_experts
-    return 4 * (2 * (LAYOUT_THREADS // 32) * columns + columns + 1)
+    """Dynamic shared memory of a layout block."""
+    return 4 * (LAYOUT_SMEM_WORDS_PER_COLUMN * (num_ranks + num_experts) + LAYOUT_SMEM_WORDS_FIXED)
 
 
 def layout_scratch_ints(num_blocks: int, num_ranks: int, num_experts: int) -> int:
@@ -154,10 +175,26 @@ def workspace_offsets(num_tokens: int, num_topk: int, num_ranks: int, num_expert
     return tuple(offsets)
 
 
+# The notify summary (host-mapped int64 values at SUMMARY_OFFSET): value i of each entry is at
+# `a * R + b * L + c + stride * i` for (a, b, c, stride) below (R ranks, L local experts). The generated header has
+# a function per entry, `summary_<name>(R, L, i)`.
+SUMMARY = {
+    "rows_from": (0, 0, 0, 2),      # [R] rows source rank i sends us
+    "flags_from": (0, 0, 1, 2),     # [R] the error flags of source i's routing (interleaved with its rows)
+    "pending_from": (2, 0, 0, 1),   # [R] source i's flags of earlier dispatches without CPU sync
+    "total": (3, 0, 0, 0),          # rows received in all
+    "per_expert": (3, 0, 1, 1),     # [L] rows for local expert i
+}
+
+
+def summary_index(name: str, num_ranks: int, num_local_experts: int, i: int = 0) -> int:
+    a, b, c, stride = SUMMARY[name]
+    return a * num_ranks + b * num_local_experts + c + stride * i
+
+
 def summary_len(num_ranks: int, num_local_experts: int) -> int:
-    """int64 values of the notify summary: per source [rows, flags], pending flags per source, rows in all, rows per
-    local expert."""
-    return num_ranks * 2 + num_ranks + 1 + num_local_experts
+    """int64 values of the notify summary."""
+    return summary_index("per_expert", num_ranks, num_local_experts, num_local_experts)
 
 
 def recv_table_bytes(num_ranks: int, num_local_experts: int) -> int:
@@ -301,7 +338,58 @@ CONSTANTS = {  # name in C -> (value, C type)
     "kSlotStride": (SLOT_STRIDE, "int64_t"), "kTagMagic": (TAG_MAGIC, "int64_t"),
     "kErrorTimeout": (ERROR_TIMEOUT, "int64_t"), "kErrorDisagree": (ERROR_DISAGREE, "int64_t"),
     "kPartWhole": (PART_WHOLE, "int"), "kPartSend": (PART_SEND, "int"), "kPartReceive": (PART_RECEIVE, "int"),
+    **{"kDtype" + name[0].upper() + name[1:]: (code, "int") for name, code in DTYPE_CODES.items()},
+    "kFp8Block128": (FP8_CODES["fp8_block128"], "int"), "kFp8Mx": (FP8_CODES["mxfp8"], "int"),
+    "kFp8ChannelsPerScale": (FP8_CHANNELS_PER_SCALE, "int"),
+    "kAmaxMinBits": (struct.unpack("<I", struct.pack("<f", AMAX_MIN))[0], "uint32_t"),
+    "kRoutingOutOfRange": (ROUTING_OUT_OF_RANGE, "int"), "kRoutingDuplicate": (ROUTING_DUPLICATE, "int"),
+    "kLayoutSmemWordsPerColumn": (LAYOUT_SMEM_WORDS_PER_COLUMN, "int64_t"),
+    "kLayoutSmemWordsFixed": (LAYOUT_SMEM_WORDS_FIXED, "int64_t"),
+    "kLayoutSteps": (1 + len(LAYOUT_STEPS), "int"),
 }
+
+# The kernel library's C functions: name -> (return type, [(C type, parameter)]). The generated header declares them
+# (so the compiler holds every definition in csrc/kernels to its row here), the host extension takes their types
+# from those declarations, and moe_comm.backends.cuda_kernels gives ctypes the same (`ctypes_signature`).
+FUNCTIONS = {
+    "moe_comm_last_error": ("const char*", []),
+    "moe_comm_abi": ("int", [("int64_t*", "out"), ("int", "capacity")]),
+    "moe_comm_alloc_mapped": ("int", [("int64_t", "bytes"), ("void**", "host"), ("void**", "device")]),
+    "moe_comm_free_mapped": ("int", [("void*", "host")]),
+    "moe_comm_wait_notify": ("int", [("const volatile int64_t*", "done"), ("int64_t", "value"),
+                                     ("cudaStream_t", "stream")]),
+    "moe_comm_ipc_alloc": ("int", [("int64_t", "bytes"), ("void**", "ptr"), ("void*", "handle")]),
+    "moe_comm_ipc_open": ("int", [("const void*", "handle"), ("void**", "ptr")]),
+    "moe_comm_ipc_close": ("int", [("void*", "ptr")]),
+    "moe_comm_ipc_free": ("int", [("void*", "ptr")]),
+    "moe_comm_layout": ("int", [("const EpParams*", "p"), ("const LayoutArgs*", "a"), ("const NotifyArgs*", "n"),
+                                ("cudaStream_t", "stream")]),
+    "moe_comm_dispatch": ("int", [("const EpParams*", "p"), ("const DispatchInputs*", "in"),
+                                  ("const RecvOutputs*", "out"), ("int", "num_blocks"), ("int", "with_barrier"),
+                                  ("int", "part"), ("cudaStream_t", "stream")]),
+    "moe_comm_combine": ("int", [("const EpParams*", "p"), ("const CombineArgs*", "a"), ("int", "dtype"),
+                                 ("int", "num_blocks"), ("int", "part"), ("cudaStream_t", "stream")]),
+    "moe_comm_wait_flag": ("int", [("const EpParams*", "p"), ("const int64_t*", "flag"), ("int64_t", "expected"),
+                                   ("int", "peer"), ("int", "phase"), ("cudaStream_t", "stream")]),
+    "moe_comm_signal_flag": ("int", [("int64_t*", "flag"), ("int64_t", "value"), ("cudaStream_t", "stream")]),
+    "moe_comm_copy": ("int", [("void*", "dst"), ("const void*", "src"), ("int64_t", "bytes"),
+                              ("cudaStream_t", "stream")]),
+    "moe_comm_wait_flags": ("int", [("const EpParams*", "p"), ("const int64_t*", "flags"), ("int", "n"),
+                                    ("int64_t", "expected"), ("int", "phase"), ("cudaStream_t", "stream")]),
+    "moe_comm_signal_flags": ("int", [("int64_t* const*", "targets"), ("int", "n"), ("int64_t", "value"),
+                                      ("cudaStream_t", "stream")]),
+    "moe_comm_reduce_slots": ("int", [("const void*", "slots"), ("int64_t", "slot_stride"), ("int", "num_slots"),
+                                      ("int64_t", "numel"), ("void*", "out"), ("int", "dtype"), ("int", "num_blocks"),
+                                      ("cudaStream_t", "stream")]),
+    "moe_comm_engram_gather": ("int", [("const int64_t*", "indices"), ("int64_t", "num_rows"),
+                                       ("const int64_t*", "offsets"), ("int", "num_ranks"),
+                                       ("const uint8_t* const*", "bases"), ("int64_t", "row_bytes"),
+                                       ("uint8_t*", "out"), ("int", "num_blocks"), ("cudaStream_t", "stream")]),
+}
+# Only in a profiling build (-DMOE_COMM_BLOCK_TIMES): per block the global timer at its steps.
+BLOCK_TIME_FUNCTIONS = {name: ("int", [("uint64_t*", "host"), ("int", "num_blocks")])
+                        for name in ("moe_comm_dispatch_block_times", "moe_comm_combine_block_times",
+                                     "moe_comm_layout_step_times")}
 
 _CTYPES = {"int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64, "int32_t": ctypes.c_int32}
 
@@ -330,13 +418,29 @@ CTYPES_STRUCTS = {s.__name__: s for s in (ErrorRecord, EpParams, LayoutArgs, Not
                                           RecvOutputs, CombineArgs)}
 
 
+def ctypes_signature(name: str) -> tuple[object, list]:
+    """`(restype, argtypes)` of a function of FUNCTIONS or BLOCK_TIME_FUNCTIONS: pointers to the structs typed,
+    every other pointer an address (`ctypes.c_void_p`, which also takes ctypes arrays and `byref`)."""
+    result, params = {**FUNCTIONS, **BLOCK_TIME_FUNCTIONS}[name]
+
+    def ctype(c_type: str):
+        if c_type == "const char*":
+            return ctypes.c_char_p
+        if c_type.endswith("*"):
+            base = c_type.removeprefix("const ").rstrip("*")
+            return ctypes.POINTER(CTYPES_STRUCTS[base]) if base in CTYPES_STRUCTS else ctypes.c_void_p
+        return {"int": ctypes.c_int, "cudaStream_t": ctypes.c_void_p, **_CTYPES}[c_type]
+
+    return ctype(result), [ctype(t) for t, _ in params]
+
+
 def abi_table() -> list[tuple[str, int]]:
     """`(what, value)` pairs the compiled library must reproduce: every struct's size and every field's offset,
     in the order of `STRUCTS` (the generated header lists the same in `kAbiTable`)."""
     table = []
-    for name, struct in CTYPES_STRUCTS.items():
-        table.append((f"sizeof({name})", ctypes.sizeof(struct)))
-        table += [(f"offsetof({name}, {field})", getattr(struct, field).offset) for _, field, _ in STRUCTS[name]]
+    for name, c_struct in CTYPES_STRUCTS.items():
+        table.append((f"sizeof({name})", ctypes.sizeof(c_struct)))
+        table += [(f"offsetof({name}, {field})", getattr(c_struct, field).offset) for _, field, _ in STRUCTS[name]]
     return table
 
 
@@ -356,7 +460,25 @@ def render_header() -> str:
     for name, fields in STRUCTS.items():
         out.append(f"    sizeof({name}),")
         out += [f"    offsetof({name}, {field})," for _, field, _ in fields]
-    out += ["};", "", "}  // namespace moe_comm", ""]
+    out += ["};", "", "// The notify summary's entries (SUMMARY): where value i of each lies, in int64 values from",
+            "// SUMMARY_OFFSET."]
+    for name, (a, b, c, stride) in SUMMARY.items():
+        factors = ((a, "R"), (b, "L"), (stride, "i"))
+        terms = [v if k == 1 else f"{k} * {v}" for k, v in factors if k] + ([str(c)] if c else [])
+        params = ", ".join("int64_t " + v if k else "int64_t" for k, v in factors)
+        out.append(f"constexpr int64_t summary_{name}({params}) {{ return {' + '.join(terms) or '0'}; }}")
+    out += ["", "}  // namespace moe_comm", "",
+            "// The kernel library's C functions (FUNCTIONS; the definitions are in csrc/kernels).",
+            "typedef struct CUstream_st* cudaStream_t;", 'extern "C" {']
+    qualify = re.compile(r"\b(" + "|".join(STRUCTS) + r")\b")
+
+    def declare(name: str, result: str, params: list) -> str:
+        args = ", ".join(qualify.sub(r"moe_comm::\1", f"{t} {p}") for t, p in params)
+        return f"{result} {name}({args});"
+
+    out += [declare(name, *sig) for name, sig in FUNCTIONS.items()]
+    out += ["#ifdef MOE_COMM_BLOCK_TIMES", *(declare(name, *sig) for name, sig in BLOCK_TIME_FUNCTIONS.items()),
+            "#endif", '}  // extern "C"', ""]
     return "\n".join(out)
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .args import check_bool, check_int
 from .backends import cuda_primitives
-from .backends.torch_primitives import MAX_ROW_DIMS, shape_words
+from .backends.primitives_base import MAX_ROW_DIMS, shape_words
 from .event import EventOverlap
 
 MAX_DIMS = MAX_ROW_DIMS + 1  # of an all_gather / reduce_scatter tensor (its shape travels in the agreement)

@@ -68,18 +68,20 @@ from __future__ import annotations
 
 import torch
 
+from . import layout
+
 __all__ = ["FP8_FORMATS", "quantize", "dequantize", "format_of", "check_fp8_tuple"]
 
-FP8_FORMATS = ("fp8_block128", "mxfp8")
+FP8_FORMATS = tuple(layout.FP8_CODES)  # ("fp8_block128", "mxfp8"); the kernels take the codes
 
 # Channels covered by one element of `scales` in both formats (one float32 scale, or one word of 4 bytes)
-_CHANNELS_PER_SCALE = 128
+_CHANNELS_PER_SCALE = layout.FP8_CHANNELS_PER_SCALE  # 128
 _GROUP_SIZE = {"fp8_block128": 128, "mxfp8": 32}
 _SCALE_DTYPE_TO_FORMAT = {torch.float32: "fp8_block128", torch.int32: "mxfp8"}
 
 _E4M3_MAX = 448.0
 # Rounded to float32 (bits 0x38D1B717) wherever it is used
-_AMAX_MIN = 1e-4
+_AMAX_MIN = layout.AMAX_MIN  # 1e-4
 _UE8M0_BIAS = 127
 _MAX_EXP = 127
 _QUANTIZE_DTYPES = (torch.bfloat16, torch.float32)
@@ -101,7 +103,8 @@ def _div_f32(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     like = a if isinstance(a, torch.Tensor) else b
     a_t = a if isinstance(a, torch.Tensor) else _full_f32(like, a)
     b_t = b if isinstance(b, torch.Tensor) else _full_f32(like, b)
-    assert a_t.dtype == torch.float32 and b_t.dtype == torch.float32
+    if a_t.dtype != torch.float32 or b_t.dtype != torch.float32:
+        raise TypeError(f"_div_f32 divides float32 values, got {a_t.dtype} and {b_t.dtype}")
     return torch.div(a_t, b_t)
 
 
@@ -134,7 +137,8 @@ def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
 def _pack_ue8m0(exp_bytes: torch.Tensor) -> torch.Tensor:
     """`[N, 4 * W]` integer bytes in [0, 255] -> `[N, W]` int32 words, byte k of word i = group 4i + k."""
     num_tokens, num_groups = exp_bytes.shape
-    assert num_groups % 4 == 0
+    if num_groups % 4:
+        raise ValueError(f"_pack_ue8m0 packs 4 scale bytes a word, got {num_groups} per row")
     b = exp_bytes.to(torch.int64).view(num_tokens, num_groups // 4, 4)
     shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=b.device)
     words = (b << shifts).sum(dim=-1)

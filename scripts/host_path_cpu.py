@@ -66,7 +66,7 @@ def cpu_backend(buf: moe_comm.Buffer, library: ctypes.CDLL) -> cuda.CudaBackend:
     Backend.__init__(impl, buf.group, buf.device, buf.num_cpu_timeout_secs)
     impl.comm_stream = object()  # not None: Backend.run takes its CUDA path (nothing is waited for)
     impl.tuning, impl.kernels, impl.timeout_ns = cuda.CudaTuning(), None, 10 ** 10
-    impl.region_bytes, impl.num_device_sms, impl._device_index = 1 << 34, 132, -1
+    impl.region_bytes, impl.num_device_sms, impl._raw_stream = 1 << 34, 132, lambda: 0  # no CUDA streams here
     impl.launcher = cuda_kernels.host_extension().Launcher(*(address(n) for n in ("layout", "dispatch", "combine",
                                                                                     "wait_notify", "last_error")))
     impl._shapes, impl._stale_epoch, impl._plans, impl._ipc = {}, 0, weakref.WeakKeyDictionary(), None
@@ -83,7 +83,6 @@ def cpu_cuda_buffer(folder: str) -> moe_comm.Buffer:
     in `folder` (`cpu_backend`): its outputs are never written; the host-mapped words are host memory."""
     buf = moe_comm.Buffer(None, num_max_tokens_per_rank=CAP, hidden=HIDDEN, num_topk=TOPK, backend="torch")
     buf._impl = cpu_backend(buf, no_op_library(folder))
-    cuda.current_stream = lambda device_index: 0  # no CUDA streams here: cuda.py reads the raw one by this name
     return buf
 
 

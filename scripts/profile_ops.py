@@ -92,13 +92,13 @@ def block_times(buf, handle, ops: dict) -> list[str]:
 
 
 def layout_steps(buf, fresh) -> str:
-    """When a fresh dispatch's layout kernel (one call of `fresh`) reached each step (cuda_kernels.LAYOUT_STEPS), in
+    """When a fresh dispatch's layout kernel (one call of `fresh`) reached each step (layout.LAYOUT_STEPS), in
     us after its first block started: the blocks' median, then the notify's steps in the last block (a build with
     -DMOE_COMM_BLOCK_TIMES)."""
     import ctypes
     import statistics
 
-    from moe_comm.backends.cuda_kernels import LAYOUT_BLOCK_STEPS, LAYOUT_STEPS
+    from moe_comm.layout import LAYOUT_BLOCK_STEPS, LAYOUT_STEPS
 
     impl, width = buf._impl, 1 + len(LAYOUT_STEPS)
     impl._shapes.clear()

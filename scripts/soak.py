@@ -74,11 +74,11 @@ def main() -> int:
     warmup = largest_case(config, args.num_ranks, args.max_experts)
 
     meta = run_metadata(sys.argv)
-    print(f"soak: {args.iters} iterations x {len(args.paths)} paths, {args.num_ranks} ranks over {pg_backend}"
-          f"{' sharing GPU 0' if args.share_gpu else ''}, "
-          f"seed {args.seed}, tokens <= {args.max_tokens}, hidden <= {args.hidden}, experts <= {args.max_experts}, "
-          f"top-k <= {args.max_topk}; commit {(meta['commit'] or 'unknown')[:12]}{' (dirty)' if meta['dirty'] else ''}, "
-          f"torch {meta['torch']}")
+    sharing = " sharing GPU 0" if args.share_gpu else ""
+    commit = (meta["commit"] or "unknown")[:12] + (" (dirty)" if meta["dirty"] else "")
+    print(f"soak: {args.iters} iterations x {len(args.paths)} paths, {args.num_ranks} ranks over "
+          f"{pg_backend}{sharing}, seed {args.seed}, tokens <= {args.max_tokens}, hidden <= {args.hidden}, "
+          f"experts <= {args.max_experts}, top-k <= {args.max_topk}; commit {commit}, torch {meta['torch']}")
     start = time.monotonic()
     pool = WorkerPool(args.num_ranks, backend=pg_backend, timeout_s=args.timeout_s)
     try:

@@ -3,7 +3,8 @@ build variants scripts/profile_ops.py uses; it loads, its structs match `moe_com
 launcher refuses bad parameters with a message naming the condition and its values. The host extension
 (csrc/torch/ops.cpp) builds against this torch, and through fake launchers that record what they are given, its
 allocations and per-call pointers are checked here on CPU tensors. CI runs this on its CPU machine, so a kernel or
-host path that does not build never lands."""
+host path that does not build never lands. (Over 400 lines: the whole C boundary, library and host extension,
+checked from one module-scoped build of each.)"""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ VARIANTS = {
 def test_kernel_library_compiles_for_sm90a(variant, nvcc):
     seconds = cuda_kernels.compile_check(VARIANTS[variant])
     print(f"{variant}: {seconds:.1f} s")
+
+
+def test_a_definition_that_differs_from_its_table_row_does_not_compile(nvcc, monkeypatch):
+    """abi.h declares every function of `layout.FUNCTIONS`, the table ctypes and the host extension take their types
+    from: a definition in csrc/kernels that differs from its row (here `bytes` declared as int) fails to compile."""
+    result, params = layout.FUNCTIONS["moe_comm_copy"]
+    assert params[2] == ("int64_t", "bytes")
+    monkeypatch.setitem(layout.FUNCTIONS, "moe_comm_copy", (result, [*params[:2], ("int", "bytes"), params[3]]))
+    with pytest.raises(RuntimeError, match=r'overloaded function "moe_comm_copy" has "C" linkage'):
+        jit.compile_check([jit.CSRC_DIR / "kernels" / "signal.cu"], include_dirs=[cuda_kernels.INCLUDE_DIR],
+                          generated=cuda_kernels.generated_headers())
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import layout as lay
 from .. import quant, traffic_class
 from ..event import EventOverlap, RecvHook, wait_error
 from ..handle import EPHandle
@@ -33,14 +34,14 @@ _DISPATCH_FIELDS = ("operation", "handle epoch", "num_experts", "num_topk", "hid
 SIGNATURE_FIELDS = {"dispatch": _DISPATCH_FIELDS, "cached dispatch": _DISPATCH_FIELDS,
                     "combine": ("operation", "handle epoch", "hidden", "row dtype", "topk_weights given",
                                 "topk_weights dtype", "slots per round")}
-DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-_DTYPE_NAMES = ("none", "bfloat16", "float32", "float64")
+DTYPE_CODES = {getattr(torch, name): code for name, code in lay.DTYPE_CODES.items()}
+_DTYPE_NAMES = ("none", *lay.DTYPE_CODES)  # a signature's dtype code names itself by its index
 _CHOICES = {"operation": OPERATIONS, "row dtype": _DTYPE_NAMES, "topk_weights dtype": _DTYPE_NAMES,
             "fp8 format": ("none", *quant.FP8_FORMATS)}
 
 # Error flag bits of a rank's routing (the reference computes them in torch, the kernels in the layout kernel).
-FLAG_OUT_OF_RANGE = 1
-FLAG_DUPLICATE = 2
+FLAG_OUT_OF_RANGE = lay.ROUTING_OUT_OF_RANGE
+FLAG_DUPLICATE = lay.ROUTING_DUPLICATE
 
 
 class Backend:

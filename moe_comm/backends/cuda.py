@@ -2,9 +2,10 @@
 (Over 400 lines: the host side of three operations, fresh dispatch, cached dispatch and combine, each building its
 launch structs; the C boundary itself is `cuda_kernels.py`.)
 
-Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`, peers mapped through CUDA IPC): a
-control region (flags, counters, one control slot per source rank) and a receive region (a dispatch's: a block per
-source rank; a combine's: a block per peer, own rows being read from x).
+Every rank owns one symmetric buffer (`torch.distributed._symmetric_memory`; with `CudaTuning(peer_memory="ipc")`
+memory of its own mapped to the peers with CUDA IPC handles, `cuda_ipc.py`, which also maps between ranks sharing a
+GPU): a control region (flags, counters, one control slot per source rank) and a receive region (a dispatch's: a
+block per source rank; a combine's: a block per peer, own rows being read from x).
 
 A dispatch is two kernels: layout (send positions, counts), whose last block runs the notify (the barrier: nobody
 writes into a region its owner still reads; every rank's counts into every peer's control slot; with a CPU sync a
@@ -36,6 +37,7 @@ routing state lives in one or two int64 allocations.
 from __future__ import annotations
 
 import ctypes
+import functools
 import socket
 import weakref
 from dataclasses import dataclass, field
@@ -45,7 +47,6 @@ import torch
 import torch.distributed as dist
 
 from .. import layout as lay
-from .. import quant
 from ..handle import EPHandle
 from .common import DTYPE_CODES, SIGNATURE_FIELDS, Backend, disagreement
 from .cuda_ipc import IpcMemory
@@ -244,7 +245,7 @@ class CudaBackend(Backend):
         self.timeout_ns = int(num_gpu_timeout_secs * 1e9)
         self.region_bytes = num_bytes - lay.CONTROL_BYTES
         self.num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._device_index = device.index
+        self._raw_stream = functools.partial(current_stream, device.index)  # the current stream's handle
         self.launcher = self.kernels.launcher
         self._shapes: dict[tuple, _Plan] = {}  # a fresh dispatch's launch structs per call signature
         self._stale_epoch = 0  # handles of this epoch or older are refused (made before a disagreement, `_realign`)
@@ -398,7 +399,7 @@ class CudaBackend(Backend):
         """EpParams of a dispatch with these sizes (cached by the caller)."""
         self._check_num_sms(c.num_sms)
         data_bytes = c.hidden * (c.x.element_size() if c.wire_format is None else 1)
-        scale_bytes = 0 if c.wire_format is None else (c.hidden // 128) * 4
+        scale_bytes = 0 if c.wire_format is None else (c.hidden // lay.FP8_CHANNELS_PER_SCALE) * 4
         row = lay.dispatch_row(data_bytes, scale_bytes, num_topk, weight_bytes)
         num_send = num_send_blocks("dispatch", c.num_sms, self.num_ranks, c.do_expand,
                                    self.tuning.dispatch_send_fraction)
@@ -425,11 +426,11 @@ class CudaBackend(Backend):
     @staticmethod
     def _kernel_rows(c) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
         """`(rows, scales or None, quantize, dequantize)` as the kernel takes them: x (bf16 with `quantize=`, which
-        the senders cast), or a pre-quantized tuple; the casts as format codes (1 + the index in
-        `quant.FP8_FORMATS`, 0: none), `dequantize` cast by the receivers."""
-        dequantize = 1 + quant.FP8_FORMATS.index(c.wire_format) if c.dequantize else 0
+        the senders cast), or a pre-quantized tuple; the casts as format codes (`layout.FP8_CODES`, 0: none),
+        `dequantize` cast by the receivers."""
+        dequantize = lay.FP8_CODES[c.wire_format] if c.dequantize else 0
         if c.quantize is not None:
-            return c.x, None, 1 + quant.FP8_FORMATS.index(c.quantize), dequantize
+            return c.x, None, lay.FP8_CODES[c.quantize], dequantize
         return (c.x, None, 0, 0) if c.wire_format is None else (c.fp8_q, c.fp8_scales, 0, dequantize)
 
     @staticmethod
@@ -470,7 +471,7 @@ class CudaBackend(Backend):
             plan = self._shapes[key] = self._fresh_plan(c, signature)
         params, layout_args, notify, inputs, outputs = plan.addresses
         data, scales, quantize, dequantize = self._kernel_rows(c)
-        stream, part = current_stream(self._device_index), _part(c)
+        stream, part = self._raw_stream(), _part(c)
         # Layout, then (its last block) the barrier with the call's signature and the counts into every peer's
         # control slot and theirs into ours; then send and receive (with a hook: send now, the receivers in the hook).
         # The handle's epoch: counted before the crossing, which launches on every rank even when this rank's outputs
@@ -519,7 +520,7 @@ class CudaBackend(Backend):
         params, inputs, outputs = plan.addresses
         out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, quantize, dequantize,
                                                           handle.num_recv_rows, c.num_sms, _part(c),
-                                                          current_stream(self._device_index))
+                                                          self._raw_stream())
         results = (self._finish_x(out_x, out_scales), None if handle.do_expand else handle.recv_topk_idx,
                    handle.recv_topk_weights, handle)
         return results, [], self._receivers(c, plan, results)
@@ -536,10 +537,10 @@ class CudaBackend(Backend):
         else:
             launch, args = self.launcher.receive_dispatch, plan.addresses[:1] + plan.addresses[-2:]
 
-        num_sms, device_index = c.num_sms, self._device_index  # not `self`: the hook holds the backend weakly
+        num_sms, raw_stream = c.num_sms, self._raw_stream  # not `self`: the hook holds the backend weakly
 
         def receive(_keep=(plan, tensors)) -> None:
-            launch(*args, num_sms, current_stream(device_index))
+            launch(*args, num_sms, raw_stream())
 
         return [receive]
 
@@ -550,10 +551,12 @@ class CudaBackend(Backend):
         rank's flags of this call (every rank sees the same flags and raises alike)."""
         R = self.num_ranks
         self.after_host_sync(synchronized=True)
-        values = (ctypes.c_int64 * (3 * R)).from_address(self._mapped_host + lay.SUMMARY_OFFSET)[:]
-        if any(values[2 * R:]):
+        L = c.num_experts // R
+        values = (ctypes.c_int64 * lay.summary_len(R, L)).from_address(self._mapped_host + lay.SUMMARY_OFFSET)[:]
+        if any(values[lay.summary_index("pending_from", R, L, s)] for s in range(R)):
             self.check_pending_errors()
-        self.raise_for_flags(values[1:2 * R:2], c.topk_idx, c.num_experts, "")
+        self.raise_for_flags([values[lay.summary_index("flags_from", R, L, s)] for s in range(R)], c.topk_idx,
+                             c.num_experts, "")
         raise RuntimeError(f"moe_comm: the dispatch notify's summary on rank {self.rank} reported a problem that "
                            f"nothing names (summary {values}, error code {self._error.code}): a bug in moe_comm")
 
@@ -578,7 +581,7 @@ class CudaBackend(Backend):
         combined, combined_w = self.launcher.combine(
             *plan.addresses, c.x, weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None,
             handle.num_tokens, DTYPE_CODES[c.x.dtype], plan.num_slots, plan.num_rounds, c.unreduced, c.num_sms,
-            _part(c), current_stream(self._device_index))
+            _part(c), self._raw_stream())
         return (combined, combined_w), [], self._receivers(c, plan, (combined, combined_w, c.x, weights, *bias))
 
     def _rounds_error(self, c, plan: _Plan) -> str:

@@ -32,38 +32,11 @@ EXTENSION_SOURCES = ("ops.cpp",)
 KERNEL_SOURCES = ("runtime.cu", "layout.cu", "dispatch.cu", "combine.cu", "signal.cu", "engram.cu")
 INCLUDE_DIR = jit.CSRC_DIR / "include"
 
-_int, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-_EP = ctypes.POINTER(layout.EpParams)
-# name -> (restype, argtypes); every launcher returns 0 or 1 (then moe_comm_last_error says why).
-SIGNATURES = {
-    "moe_comm_last_error": (ctypes.c_char_p, []),
-    "moe_comm_abi": (_int, [ctypes.POINTER(_i64), _int]),
-    "moe_comm_alloc_mapped": (_int, [_i64, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)]),
-    "moe_comm_free_mapped": (_int, [_ptr]),
-    "moe_comm_wait_notify": (_int, [_ptr, _i64, _ptr]),
-    "moe_comm_ipc_alloc": (_int, [_i64, ctypes.POINTER(_ptr), _ptr]),
-    "moe_comm_ipc_open": (_int, [_ptr, ctypes.POINTER(_ptr)]),
-    "moe_comm_ipc_close": (_int, [_ptr]),
-    "moe_comm_ipc_free": (_int, [_ptr]),
-    "moe_comm_layout": (_int, [_EP, ctypes.POINTER(layout.LayoutArgs), ctypes.POINTER(layout.NotifyArgs), _ptr]),
-    "moe_comm_dispatch": (_int, [_EP, ctypes.POINTER(layout.DispatchInputs), ctypes.POINTER(layout.RecvOutputs),
-                                 _int, _int, _int, _ptr]),
-    "moe_comm_combine": (_int, [_EP, ctypes.POINTER(layout.CombineArgs), _int, _int, _int, _ptr]),
-    "moe_comm_wait_flag": (_int, [_EP, _ptr, _i64, _int, _int, _ptr]),
-    "moe_comm_signal_flag": (_int, [_ptr, _i64, _ptr]),
-    "moe_comm_copy": (_int, [_ptr, _ptr, _i64, _ptr]),
-    "moe_comm_wait_flags": (_int, [_EP, _ptr, _int, _i64, _int, _ptr]),
-    "moe_comm_signal_flags": (_int, [_ptr, _int, _i64, _ptr]),
-    "moe_comm_reduce_slots": (_int, [_ptr, _i64, _int, _i64, _ptr, _int, _int, _ptr]),
-    "moe_comm_engram_gather": (_int, [_ptr, _i64, _ptr, _int, _ptr, _i64, _ptr, _int, _ptr]),
-}
+# name -> (restype, argtypes), from moe_comm.layout.FUNCTIONS (whose C declarations the library is compiled against);
+# every launcher returns 0 or 1 (then moe_comm_last_error says why).
+SIGNATURES = {name: layout.ctypes_signature(name) for name in layout.FUNCTIONS}
 # Only in a build with -DMOE_COMM_BLOCK_TIMES (scripts/profile_ops.py --variants times=1).
-BLOCK_TIME_SIGNATURES = {name: (_int, [ctypes.POINTER(ctypes.c_uint64), _int])
-                         for name in ("moe_comm_dispatch_block_times", "moe_comm_combine_block_times",
-                                      "moe_comm_layout_step_times")}
-LAYOUT_STEPS = ("counted", "grid barrier", "prefixed", "placed",  # after step 0, the block's start; every block's
-                "notify started", "slots written", "notify barrier", "notify done")  # the last block only
-LAYOUT_BLOCK_STEPS = 4  # LAYOUT_STEPS[:4] every block records
+BLOCK_TIME_SIGNATURES = {name: layout.ctypes_signature(name) for name in layout.BLOCK_TIME_FUNCTIONS}
 
 
 def kernel_sources() -> list[Path]:
@@ -129,7 +102,7 @@ class Kernels:
 
     def _check_abi(self) -> None:
         expected = layout.abi_table()
-        values = (_i64 * len(expected))()
+        values = (ctypes.c_int64 * len(expected))()
         count = self.abi(values, len(expected))
         if count != len(expected):
             raise RuntimeError(f"moe_comm kernel library has {count} ABI entries, moe_comm.layout {len(expected)}: "

@@ -35,7 +35,7 @@ A wait that a peer never satisfies ends after `num_gpu_timeout_secs` in the back
 (a free slot)" or "pp_recv", and the peer), and the next call raises the TimeoutError. The sequence numbers live on
 the host, so these calls cannot be captured in a CUDA graph (refused). Sizes of a send and its receive must match,
 as with torch.distributed. An async send or receive runs on a stream of its own per neighbour and direction
-(`TorchPrimitives.pp_stream`), so a receive posted before the send it waits for holds back neither that send nor
+(`PrimitivesBase.pp_stream`), so a receive posted before the send it waits for holds back neither that send nor
 the buffer's other operations. `pp_set_config` again (every tensor sent received: the ranks check) waits for the
 device and makes new slots.
 """
@@ -55,7 +55,7 @@ from .common import DTYPE_CODES
 from .cuda import _PHASE, CudaBackend
 from .cuda_ipc import IpcMemory
 from .cuda_kernels import current_stream
-from .torch_primitives import TorchPrimitives
+from .primitives_base import PrimitivesBase
 
 CONTROL_BYTES = 16 * lay.MAX_RANKS  # arrived[MAX_RANKS], credit[MAX_RANKS]
 SLOT_ALIGN = 256
@@ -88,7 +88,7 @@ def engram_region_bytes(table_bytes: int) -> int:
     return max(SLOT_ALIGN, table_bytes)
 
 
-class CudaPrimitives(TorchPrimitives):
+class CudaPrimitives(PrimitivesBase):
     """The primitives of a CUDA-backend Buffer: pipeline send/recv, all-gather and reduce-scatter by copy engines,
     Engram by one-sided reads (module docstring).
 
@@ -297,10 +297,10 @@ class CudaPrimitives(TorchPrimitives):
     # ------------------------------------------------------------------------------------------------
     def engram_write(self, storage: torch.Tensor, error=None) -> None:
         """The table's rows in an IPC region of this rank, every rank's mapped here (collective); the ranks agree
-        on the row shape and dtype first (`TorchPrimitives.engram_write`)."""
+        on the row shape and dtype first (`PrimitivesBase.agree_table`)."""
         b = self.backend
-        super().engram_write(storage, error)  # agreement, offsets; keeps a copy we replace by the region's
-        rows = self.table
+        self.agree_table(storage, error)
+        rows = storage.detach().contiguous()
         if self._engram is not None:
             self._free_region(self._engram)
             self._engram = None

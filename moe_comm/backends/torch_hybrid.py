@@ -144,7 +144,9 @@ class HybridRefBackend(TorchRefBackend):
                  num_scaleout_ranks: int, num_scaleup_ranks: int, use_partial_reduction: bool) -> None:
         super().__init__(group, device, num_cpu_timeout_secs)
         S, U = num_scaleout_ranks, num_scaleup_ranks
-        assert S * U == self.num_ranks, (S, U, self.num_ranks)
+        if S * U != self.num_ranks:
+            raise ValueError(f"num_scaleout_ranks={S} x num_scaleup_ranks={U} must be the group's {self.num_ranks} "
+                             f"ranks")
         self.num_scaleout_ranks, self.num_scaleup_ranks = S, U
         h0, u0 = divmod(self.rank, U)
         self.rail_peers = [h * U + u0 for h in range(S)]

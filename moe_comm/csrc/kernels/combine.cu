@@ -20,13 +20,14 @@ extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dty
                      part, a->first_round, a->last_round);
     MOE_COMM_REQUIRE(p->data_bytes % 16 == 0 && p->row_stride % 16 == 0, "data_bytes=%lld, row_stride=%lld",
                      static_cast<long long>(p->data_bytes), static_cast<long long>(p->row_stride));
-    MOE_COMM_REQUIRE(dtype >= 1 && dtype <= 3, "dtype=%d (1 bf16, 2 float32, 3 float64)", dtype);
+    MOE_COMM_REQUIRE(dtype == kDtypeBfloat16 || dtype == kDtypeFloat32 || dtype == kDtypeFloat64,
+                     "dtype=%d (%d bf16, %d float32, %d float64)", dtype, kDtypeBfloat16, kDtypeFloat32, kDtypeFloat64);
     EpParams q = *p;
     q.num_send_blocks = part == kPartSend ? num_blocks : part == kPartReceive ? 0 : p->num_send_blocks;
     q.with_barrier = part == kPartReceive ? 0 : 1;
     switch (dtype) {
-        case 1: combine_impl<__nv_bfloat16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
-        case 2: combine_impl<float><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
+        case kDtypeBfloat16: combine_impl<__nv_bfloat16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
+        case kDtypeFloat32: combine_impl<float><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
         default: combine_impl<double><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
     }
     return launch_result("combine_impl", num_blocks, kThreadsPerBlock, 0);

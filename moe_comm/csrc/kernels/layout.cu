@@ -30,10 +30,10 @@ extern "C" int moe_comm_layout(const EpParams* p, const LayoutArgs* a, const Not
     MOE_COMM_REQUIRE(a->num_blocks >= 1 && a->num_blocks <= kLayoutMaxBlocks && a->scratch != nullptr,
                      "num_blocks=%d (at most %d), scratch=%p", a->num_blocks, kLayoutMaxBlocks,
                      static_cast<void*>(a->scratch));
-    // Shared memory (LayoutShared): per column (ranks, experts) a hit mask and a position per warp, a running count;
-    // the flags (moe_comm.layout.layout_smem_bytes, which the host checks first).
+    // Shared memory (LayoutShared, moe_comm.layout.layout_smem_bytes, which the host checks first).
+    static_assert(kLayoutSmemWordsPerColumn == 2 * kLayoutWarps + 1, "LayoutShared: hits, first, running per column");
     const int64_t columns = p->num_ranks + p->num_experts;
-    const int64_t smem_bytes = 4 * (2 * kLayoutWarps * columns + columns + 1);
+    const int64_t smem_bytes = 4 * (kLayoutSmemWordsPerColumn * columns + kLayoutSmemWordsFixed);
     MOE_COMM_REQUIRE(smem_bytes <= kMaxDynamicSmem, "num_experts=%d needs %lld bytes of shared memory (limit %lld)",
                      p->num_experts, static_cast<long long>(smem_bytes), static_cast<long long>(kMaxDynamicSmem));
     static bool opted_in[kMaxDevices] = {};

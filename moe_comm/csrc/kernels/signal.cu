@@ -40,20 +40,22 @@ int moe_comm_signal_flags(int64_t* const* targets, int n, int64_t value, cudaStr
     return launch_result("signal_flags_impl", 1, 32, 0);
 }
 
-// The reduce-scatter's sum of `num_slots` slots into `out` (dtype: 1 bf16, 2 float32, 3 float64; FP32 / FP64 sums).
+// The reduce-scatter's sum of `num_slots` slots into `out` (dtype: kDtype*; FP32 sums of bf16 and float32, FP64 of
+// float64).
 int moe_comm_reduce_slots(const void* slots, int64_t slot_stride, int num_slots, int64_t numel, void* out, int dtype,
                           int num_blocks, cudaStream_t stream) {
-    MOE_COMM_REQUIRE(num_slots >= 1 && numel >= 0 && num_blocks >= 1 && dtype >= 1 && dtype <= 3,
+    MOE_COMM_REQUIRE(num_slots >= 1 && numel >= 0 && num_blocks >= 1 &&
+                         (dtype == kDtypeBfloat16 || dtype == kDtypeFloat32 || dtype == kDtypeFloat64),
                      "num_slots=%d, numel=%lld, num_blocks=%d, dtype=%d", num_slots, static_cast<long long>(numel),
                      num_blocks, dtype);
     if (numel == 0) return 0;
     const auto* base = static_cast<const uint8_t*>(slots);
     switch (dtype) {
-        case 1:
+        case kDtypeBfloat16:
             reduce_slots_impl<__nv_bfloat16, float><<<num_blocks, 256, 0, stream>>>(
                 base, slot_stride, num_slots, numel, static_cast<__nv_bfloat16*>(out));
             break;
-        case 2:
+        case kDtypeFloat32:
             reduce_slots_impl<float, float><<<num_blocks, 256, 0, stream>>>(base, slot_stride, num_slots, numel,
                                                                            static_cast<float*>(out));
             break;

@@ -27,12 +27,14 @@ using namespace moe_comm;
 
 namespace {
 
-using Stream = void*;  // cudaStream_t, an opaque pointer
-using LayoutFn = int (*)(const EpParams*, const LayoutArgs*, const NotifyArgs*, Stream);
-using DispatchFn = int (*)(const EpParams*, const DispatchInputs*, const RecvOutputs*, int, int, int, Stream);
-using CombineFn = int (*)(const EpParams*, const CombineArgs*, int, int, int, Stream);
-using WaitNotifyFn = int (*)(const volatile int64_t*, int64_t, Stream);
-using LastErrorFn = const char* (*)();
+// The launchers' types, from their declarations in abi.h (moe_comm.layout.FUNCTIONS): only their addresses come
+// here, from Python; this module does not link the library.
+using Stream = cudaStream_t;
+using LayoutFn = decltype(&moe_comm_layout);
+using DispatchFn = decltype(&moe_comm_dispatch);
+using CombineFn = decltype(&moe_comm_combine);
+using WaitNotifyFn = decltype(&moe_comm_wait_notify);
+using LastErrorFn = decltype(&moe_comm_last_error);
 using OptionalTensor = std::optional<at::Tensor>;
 
 template <typename T>
@@ -237,13 +239,15 @@ private:
                                      " ended before its summary and recorded no error: a bug in moe_comm");
         }
         bool problem = !finished || recorded;
-        for (int i = 0; i < R; ++i) problem = problem || summary[2 * i + 1] != 0 || summary[2 * R + i] != 0;
+        for (int i = 0; i < R; ++i)
+            problem = problem || summary[summary_flags_from(R, L, i)] != 0 ||
+                      summary[summary_pending_from(R, L, i)] != 0;
         if (problem) return py::none();
-        const int64_t M = summary[3 * R];
+        const int64_t M = summary[summary_total(R, L, 0)];
         std::vector<int64_t> aligned(L);
         int64_t aligned_sum = 0;
         for (int e = 0; e < L; ++e) {
-            aligned[e] = (summary[3 * R + 1 + e] + alignment - 1) / alignment * alignment;
+            aligned[e] = (summary[summary_per_expert(R, L, e)] + alignment - 1) / alignment * alignment;
             aligned_sum += aligned[e];
         }
         const Sizes sizes{M, do_expand ? aligned_sum : M, do_expand};
@@ -410,23 +414,26 @@ private:
                               words.as_strided({L}, {1}, at + M * K + M + R), or_none(rows.weights));
     }
 
-    // The scales' dtype of an FP8 format (1 fp8_block128: float32, 2 mxfp8: int32 words of UE8M0 bytes).
-    static at::ScalarType scale_type(int format) { return format == 1 ? at::kFloat : at::kInt; }
+    // The scales' dtype of an FP8 format (fp8_block128: float32, mxfp8: int32 words of UE8M0 bytes).
+    static at::ScalarType scale_type(int format) { return format == kFp8Block128 ? at::kFloat : at::kInt; }
 
     // `quantize` and `dequantize` (0, 1 fp8_block128, 2 mxfp8) with rows `data` and `scales`, checked before
     // anything is allocated or launched (outputs_of trusts them).
     static void check_casts(const at::Tensor& data, const OptionalTensor& scales, int quantize, int dequantize) {
-        require(quantize >= 0 && quantize <= 2 && dequantize >= 0 && dequantize <= 2,
+        static_assert(kFp8Block128 == 1 && kFp8Mx == 2, "the FP8 codes are 1 and 2 (0: none)");
+        require(quantize >= 0 && quantize <= kFp8Mx && dequantize >= 0 && dequantize <= kFp8Mx,
                 "quantize and dequantize must be 0, 1 (fp8_block128) or 2 (mxfp8), got " + std::to_string(quantize) +
                     " and " + std::to_string(dequantize));
         if (quantize)
-            require(data.scalar_type() == at::kBFloat16 && data.size(1) % 128 == 0 && !scales,
-                    "quantize casts bf16 rows of a multiple of 128 channels and takes no scales; got " +
+            require(data.scalar_type() == at::kBFloat16 && data.size(1) % kFp8ChannelsPerScale == 0 && !scales,
+                    "quantize casts bf16 rows of a multiple of " + std::to_string(kFp8ChannelsPerScale) +
+                        " channels and takes no scales; got " +
                         std::string(c10::toString(data.scalar_type())) + " rows of " + std::to_string(data.size(1)));
         if (dequantize)
             require(quantize ? dequantize == quantize
                              : scales && data.scalar_type() == at::kFloat8_e4m3fn &&
-                                   scales->scalar_type() == scale_type(dequantize) && data.size(1) % 128 == 0,
+                                   scales->scalar_type() == scale_type(dequantize) &&
+                                   data.size(1) % kFp8ChannelsPerScale == 0,
                     "dequantize must be 0 or the format of FP8 rows on the wire (quantize, or a pre-quantized tuple "
                     "whose scales' dtype names it), got dequantize=" + std::to_string(dequantize) + ", quantize=" +
                         std::to_string(quantize));
@@ -444,7 +451,7 @@ private:
             return {at::empty({rows, data.size(1)}, data.options()), out_scales};
         }
         return {at::empty({rows, data.size(1)}, data.options().dtype(at::kFloat8_e4m3fn)),
-                at::empty({rows, data.size(1) / 128}, data.options().dtype(scale_type(quantize)))};
+                at::empty({rows, data.size(1) / kFp8ChannelsPerScale}, data.options().dtype(scale_type(quantize)))};
     }
 
     // A launcher call without the GIL: a launch may block (a full launch queue), other Python threads go on.

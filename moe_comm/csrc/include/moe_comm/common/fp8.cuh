@@ -2,7 +2,8 @@
 // moe_comm/quant.py: every step one IEEE float32 operation in the order written there (no fast math, no FMA, no
 // reciprocal tricks). Quantize: a warp casts 16-byte vectors of 8 bf16 values, one per lane; consecutive lanes
 // hold consecutive vectors, so a 128-channel group is 16 lanes and a 32-channel group 4 lanes. Dequantize: 8 FP8
-// values and their scale to 8 bf16 values. Scales are 4-byte words, word i for channels 128i .. 128i + 127 in both
+// values and their scale to 8 bf16 values. The format codes (kFp8Block128, kFp8Mx) and the amax floor (kAmaxMinBits)
+// come from moe_comm/layout.py through abi.h. Scales are 4-byte words, word i for channels 128i .. 128i + 127 in both
 // formats (fp8_block128: a float32; mxfp8: four UE8M0 bytes, byte k for channels 128i + 32k ...). Device code only,
 // no torch headers.
 #pragma once
@@ -13,11 +14,9 @@
 
 #include <cstdint>
 
-namespace moe_comm {
+#include "moe_comm/abi.h"
 
-constexpr int kFp8Block128 = 1;  // DispatchInputs::quantize: moe_comm.quant.FP8_FORMATS index + 1
-constexpr int kFp8Mx = 2;
-constexpr uint32_t kAmaxMinBits = 0x38D1B717u;  // float32(1e-4), quant.AMAX_MIN
+namespace moe_comm {
 
 // The 8 values of one lane's vector as FP8 bytes (packed little-endian in a uint2), and the 4-byte scale word of the
 // 128 channels of its 16-lane half-warp (fp8_block128: the float32 scale; mxfp8: the four UE8M0 bytes of its 32-

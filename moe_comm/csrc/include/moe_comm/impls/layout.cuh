@@ -42,7 +42,7 @@ namespace moe_comm {
 __device__ __forceinline__ int64_t clean_slot(int64_t e, const int64_t (&row)[kMaxLayoutTopk], const int64_t* src,
                                               int j, int num_experts, int& flags) {
     if (e < -1 || e >= num_experts) {
-        flags |= 1;
+        flags |= kRoutingOutOfRange;
         return -1;
     }
     if (e < 0) return -1;
@@ -50,7 +50,7 @@ __device__ __forceinline__ int64_t clean_slot(int64_t e, const int64_t (&row)[kM
 #pragma unroll
     for (int k = 0; k < kMaxLayoutTopk; ++k) duplicate |= k < j && row[k] == e;
     for (int k = kMaxLayoutTopk; k < j; ++k) duplicate |= src[k] == e;
-    if (duplicate) flags |= 2;
+    if (duplicate) flags |= kRoutingDuplicate;
     return duplicate ? -1 : e;
 }
 

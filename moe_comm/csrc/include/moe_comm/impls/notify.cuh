@@ -12,8 +12,8 @@
 namespace moe_comm {
 
 // Profiling build (-DMOE_COMM_BLOCK_TIMES): per layout block the global timer at its steps (layout.cuh), the last
-// block's row also at the notify's (started, slots written, barrier passed, done); the others' notify steps 0.
-constexpr int kLayoutSteps = 9;
+// block's row also at the notify's (started, slots written, barrier passed, done); the others' notify steps 0
+// (kLayoutSteps: moe_comm.layout.LAYOUT_STEPS and the start).
 #ifdef MOE_COMM_BLOCK_TIMES
 __device__ uint64_t g_layout_step_times[kMaxTimedBlocks][kLayoutSteps];  // included by kernels/layout.cu only
 #endif
@@ -75,11 +75,15 @@ __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
         for (int s = threadIdx.x; s < R; s += blockDim.x) n.pending_flags[s] |= slot_value(s, 1 + L);
         return;
     }
-    // Summary: [R][2] rows, flags per source; [R] pending flags; rows in all; [L] rows per expert.
-    int64_t* per_source = n.summary;
+    // Summary (moe_comm.layout.SUMMARY): rows and flags per source (interleaved), pending flags per source, rows in
+    // all, then rows per local expert.
+    static_assert(summary_flags_from(0, 0, 0) == 1 && summary_rows_from(0, 0, 1) == 2 &&
+                      summary_per_expert(0, 0, 0) == summary_total(0, 0, 0) + 1,
+                  "the loops below write [rows, flags] per source, and the totals then the per-expert rows");
+    int64_t* per_source = n.summary + summary_rows_from(R, L, 0);
     for (int i = threadIdx.x; i < R * 2; i += blockDim.x) per_source[i] = slot_value(i / 2, i % 2 == 0 ? 0 : 1 + L);
-    int64_t* pending = per_source + R * 2;
-    int64_t* totals = pending + R;
+    int64_t* pending = n.summary + summary_pending_from(R, L, 0);
+    int64_t* totals = n.summary + summary_total(R, L, 0);
     for (int s = threadIdx.x; s < R; s += blockDim.x) pending[s] = n.pending_flags[s];
     for (int i = threadIdx.x; i < 1 + L; i += blockDim.x) {
         int64_t rows = 0;
