@@ -11,10 +11,11 @@ Tables:
 - beside DeepEP V2 (README, SM90, 8192 tokens): the model at 8192 tokens;
 - direct mode over RDMA (no dedup per host) against hybrid, to show what the dedup buys.
 
-Writes OUT.md, OUT.json (run metadata as `meta`) and, when matplotlib is importable, OUT.png.
+Writes OUT.md, OUT.json (run metadata as `meta`) and, when matplotlib is importable, OUT.png; OUT defaults to
+`benchmarks/multinode-model_analytical_<today>` (a model: no hardware ran it).
 
     python scripts/multinode_model.py [--tokens 4096] [--hidden 7168] [--num-experts 256] [--num-topk 8]
-                                      [--out benchmarks/multinode-model] [--no-plot]
+                                      [--out PREFIX] [--no-plot]
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def _mb(num_bytes: float) -> str:
     return f"{num_bytes / 1e6:.1f}"
 
 
-def render_markdown(config: dict, tables: dict, meta: dict) -> str:
+def render_markdown(config: dict, tables: dict, meta: dict,
+                    plot_name: str = "multinode-model_analytical.png") -> str:
     """The report: provenance, the tables, the formulas, the assumptions, the sources."""
     commit = "not a checkout" if meta["commit"] is None else meta["commit"][:12] + (" (dirty)" if meta["dirty"] else "")
     shape = (f"{config['tokens']} tokens per rank, hidden {config['hidden']}, top-{config['num_topk']} of "
@@ -264,8 +266,7 @@ def render_markdown(config: dict, tables: dict, meta: dict) -> str:
               f"{SOURCES['deepep_v2_figures']}.",
               "- moe_comm: DESIGN 2.4 (SM model), 8.3 (hybrid path); the fixed cost from",
               "  `benchmarks/dispatch-combine_h200x2_2026-11-30-run2.md`.",
-              "", "Plot: `multinode-model.png` (DeepEP-metric RDMA GB/s beside the published figures; modeled time "
-              "per leg)."]
+              "", f"Plot: `{plot_name}` (DeepEP-metric RDMA GB/s beside the published figures; modeled time per leg)."]
     return "\n".join(lines) + "\n"
 
 
@@ -344,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-experts", type=int, default=256)
     parser.add_argument("--num-topk", type=int, default=8)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "multinode-model"),
-                        help="path prefix: writes OUT.md, OUT.json and OUT.png")
+    parser.add_argument("--out", default=None, help="path prefix: writes OUT.md, OUT.json and OUT.png (default: "
+                        "benchmarks/multinode-model_analytical_<today>)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     config = {"tokens": args.tokens, "hidden": args.hidden, "num_experts": args.num_experts,
@@ -355,14 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     from moe_comm.testing.bench import run_metadata
 
     meta = run_metadata(sys.argv if argv is None else ["scripts/multinode_model.py", *argv])
-    text = render_markdown(config, tables, meta)
+    out = args.out or str(ROOT / "benchmarks" / f"multinode-model_analytical_{meta['date_utc'][:10]}")
+    text = render_markdown(config, tables, meta, pathlib.Path(out).name + ".png")
     print(text)
     constants = {name: getattr(sizing, name) for name in
                  ("RDMA_EFFICIENCY", "OP_LATENCY_US", "RDMA_HOP_LATENCY_US", "NVLINK_EFFICIENCY", "DEFAULT_RDMA_GBS")}
     record = {"date": meta["date_utc"][:10], "meta": meta, "config": config, "constants": constants,
               "h800_nvlink_gbs": H800_NVLINK_GBS, "sources": SOURCES, "assumptions": ASSUMPTIONS,
               "not_modeled": NOT_MODELED, **tables}
-    out_md, out_json, out_png = (pathlib.Path(args.out + suffix) for suffix in (".md", ".json", ".png"))
+    out_md, out_json, out_png = (pathlib.Path(out + suffix) for suffix in (".md", ".json", ".png"))
     out_md.write_text(text)
     out_json.write_text(json.dumps(record, indent=2) + "\n")
     if args.no_plot:
