@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import domains, env, quant, sizing, traffic_class
+from . import domains, env, layout, quant, sizing, traffic_class
 from .args import check_bool, check_int
 from .backends import cuda as cuda_backend
 from .backends.cuda_primitives import CudaPrimitives
@@ -73,7 +73,7 @@ class DispatchCall:
             OPERATIONS.index("dispatch" if self.handle is None else "cached dispatch"),
             0 if self.handle is None else self.handle.epoch, self.num_experts, self.num_topk, self.hidden,
             DTYPE_CODES[self.x.dtype] if self.x is not None else 0,
-            0 if self.wire_format is None else 1 + quant.FP8_FORMATS.index(self.wire_format), int(self.dequantize),
+            0 if self.wire_format is None else layout.FP8_CODES[self.wire_format], int(self.dequantize),
             int(w is not None), DTYPE_CODES[w.dtype] if w is not None else 0, self.num_max_tokens_per_rank,
             int(self.do_expand), self.expert_alignment, int(self.do_cpu_sync)])
 

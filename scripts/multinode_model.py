@@ -147,8 +147,7 @@ def _mb(num_bytes: float) -> str:
     return f"{num_bytes / 1e6:.1f}"
 
 
-def render_markdown(config: dict, tables: dict, meta: dict,
-                    plot_name: str = "multinode-model_analytical.png") -> str:
+def render_markdown(config: dict, tables: dict, meta: dict, plot_name: str) -> str:
     """The report: provenance, the tables, the formulas, the assumptions, the sources."""
     commit = "not a checkout" if meta["commit"] is None else meta["commit"][:12] + (" (dirty)" if meta["dirty"] else "")
     shape = (f"{config['tokens']} tokens per rank, hidden {config['hidden']}, top-{config['num_topk']} of "

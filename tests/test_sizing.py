@@ -699,7 +699,7 @@ def test_multinode_model_tables(multinode_model):
 
     meta = dict(commit="0" * 40, dirty=False, date_utc="2026-12-01T00:00:00+00:00", python="3.11", hostname="h",
                 command="python scripts/multinode_model.py")
-    text = multinode_model.render_markdown(DEEPEP_V1_CONFIG, tables, meta)
+    text = multinode_model.render_markdown(DEEPEP_V1_CONFIG, tables, meta, "multinode-model_analytical_x.png")
     assert "no multi-host run was possible" in text
     assert "| H200 | EP16 | dispatch FP8 |" in text and "| H100 | EP32 | combine, no partial sums |" in text
     assert "python scripts/multinode_model.py" in text and "commit 000000000000;" in text

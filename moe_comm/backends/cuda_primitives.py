@@ -301,12 +301,11 @@ class CudaPrimitives(PrimitivesBase):
         b = self.backend
         self.agree_table(storage, error)
         rows = storage.detach().contiguous()
-        if self._engram is not None:
-            self._free_region(self._engram)
-            self._engram = None
         region = self._new_region(engram_region_bytes(rows.nbytes))
         table = region.tensor[:rows.nbytes].view(rows.dtype).view(rows.shape)
-        table.copy_(rows)
+        table.copy_(rows)  # before the old region goes: `storage` may be a view of it
+        if self._engram is not None:
+            self._free_region(self._engram)
         self._engram, self.table = region, table
         self._engram_bases = torch.tensor(region.addresses, dtype=torch.int64, device=b.device)
         self._engram_offsets = torch.tensor(self.table_offsets, dtype=torch.int64, device=b.device)

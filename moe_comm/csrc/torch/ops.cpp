@@ -7,8 +7,9 @@
 //
 // The kernel library stays free of torch headers (the CPU CI machine compiles it; one build serves every torch):
 // this module reaches its launchers through the addresses given to `Launcher`, and shares only the generated
-// struct definitions (moe_comm/abi.h, from moe_comm/layout.py) with it. (Over 400 lines: one class, every launch's
-// host path, whose calls share the output allocation and the pointer-setting helpers.)
+// moe_comm/abi.h (from moe_comm/layout.py: structs, constants, the summary's entries, the functions'
+// declarations). (Over 400 lines: one class, every launch's host path, whose calls share the output allocation and
+// the pointer-setting helpers.)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>

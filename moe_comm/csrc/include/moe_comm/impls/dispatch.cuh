@@ -130,8 +130,8 @@ __device__ void dispatch_send_rows(const EpParams& p, const DispatchInputs& in, 
                         for (int u = 0; u < kSendUnroll; ++u) {
                             const int64_t v = v0 + lane + u * kWarpSize;
                             if (v >= num_vecs) continue;
-                            const float scale = fp8_scale_of(scales[v * 16 / 128], static_cast<int>(out.dequantize),
-                                                             v * 16);
+                            const float scale = fp8_scale_of(scales[v * 16 / kFp8ChannelsPerScale],
+                                                             static_cast<int>(out.dequantize), v * 16);
                             dst[2 * v] = fp8_dequant8(make_uint2(values[u].x, values[u].y), scale);
                             dst[2 * v + 1] = fp8_dequant8(make_uint2(values[u].z, values[u].w), scale);
                         }
@@ -396,7 +396,7 @@ __device__ void dispatch_recv_rows(const EpParams& p, const RecvOutputs& out, co
                     for (int64_t i = lane; i < n; i += kWarpSize) {
                         const int4 raw = chunk[i];
                         const int64_t channel = offset + i * 16;
-                        const float scale = fp8_scale_of(__ldcg(scales + channel / 128),
+                        const float scale = fp8_scale_of(__ldcg(scales + channel / kFp8ChannelsPerScale),
                                                          static_cast<int>(out.dequantize), channel);
                         dst[2 * i] = fp8_dequant8(make_uint2(raw.x, raw.y), scale);
                         dst[2 * i + 1] = fp8_dequant8(make_uint2(raw.z, raw.w), scale);

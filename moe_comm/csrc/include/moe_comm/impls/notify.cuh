@@ -78,8 +78,11 @@ __device__ void notify_block(const EpParams& p, const NotifyArgs& n) {
     // Summary (moe_comm.layout.SUMMARY): rows and flags per source (interleaved), pending flags per source, rows in
     // all, then rows per local expert.
     static_assert(summary_flags_from(0, 0, 0) == 1 && summary_rows_from(0, 0, 1) == 2 &&
+                      summary_pending_from(0, 0, 1) == summary_pending_from(0, 0, 0) + 1 &&
+                      summary_per_expert(0, 0, 1) == summary_per_expert(0, 0, 0) + 1 &&
                       summary_per_expert(0, 0, 0) == summary_total(0, 0, 0) + 1,
-                  "the loops below write [rows, flags] per source, and the totals then the per-expert rows");
+                  "the loops below write [rows, flags] per source, the pending flags in a row, and the totals then "
+                  "the per-expert rows");
     int64_t* per_source = n.summary + summary_rows_from(R, L, 0);
     for (int i = threadIdx.x; i < R * 2; i += blockDim.x) per_source[i] = slot_value(i / 2, i % 2 == 0 ? 0 : 1 + L);
     int64_t* pending = n.summary + summary_pending_from(R, L, 0);
