@@ -134,15 +134,15 @@ def test_copy_microbenchmark_compiles_for_sm90a(nvcc):
 
 
 # --- The host extension (csrc/torch/ops.cpp): allocations and per-call pointers, checked through fake launchers ---
-_LAYOUT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.LayoutArgs),
-                              ctypes.POINTER(layout.NotifyArgs), ctypes.c_void_p)
-_DISPATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.DispatchInputs),
-                                ctypes.POINTER(layout.RecvOutputs), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                ctypes.c_void_p)
-_COMBINE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(layout.EpParams), ctypes.POINTER(layout.CombineArgs),
-                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
-_WAIT_NOTIFY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
-_LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)
+def _fn_type(name: str):
+    """The C function type of a launcher, from its row in `layout.FUNCTIONS`."""
+    result, params = layout.ctypes_signature(name)
+    return ctypes.CFUNCTYPE(result, *params)
+
+
+_LAYOUT_FN, _DISPATCH_FN, _COMBINE_FN, _WAIT_NOTIFY_FN = (
+    _fn_type(f"moe_comm_{name}") for name in ("layout", "dispatch", "combine", "wait_notify"))
+_LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_void_p)  # the message's address: a callback cannot return a char* it keeps
 
 
 class FakeLaunchers:
