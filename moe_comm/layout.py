@@ -358,6 +358,8 @@ FUNCTIONS = {
     "moe_comm_free_mapped": ("int", [("void*", "host")]),
     "moe_comm_wait_notify": ("int", [("const volatile int64_t*", "done"), ("int64_t", "value"),
                                      ("cudaStream_t", "stream")]),
+    "moe_comm_clear_disagreement": ("int", [("uint8_t*", "local_base"), ("ErrorRecord*", "error"),
+                                            ("cudaStream_t", "stream")]),
     "moe_comm_ipc_alloc": ("int", [("int64_t", "bytes"), ("void**", "ptr"), ("void*", "handle")]),
     "moe_comm_ipc_open": ("int", [("const void*", "handle"), ("void**", "ptr")]),
     "moe_comm_ipc_close": ("int", [("void*", "ptr")]),

@@ -10,6 +10,7 @@ state from one test into another."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Callable, Optional
 
@@ -688,6 +689,46 @@ def test_disagreement_found_on_the_device(nccl_pool):
     call; the buffer works afterwards."""
     messages = nccl_pool.run(device_probes_rank)
     assert messages[0] == messages[1]
+
+
+def clear_disagreement_rank(rank: int, world_size: int) -> str:
+    """The host's realignment after a disagreement clears the record and the abort word on the device, each only
+    while it holds the disagreement: a timeout that took them over (a pipeline wait on a side stream) stays, and is
+    raised. Every rank plays the same recorded disagreement (the kernels' record, written here), so every rank
+    raises and realigns alike; the buffer then works."""
+    from moe_comm import layout as lay
+
+    case = Case(seed=233, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(12),
+                num_max_tokens_per_rank=16)
+    with Buffers() as buffers:
+        buf = buffers.get(case, "cuda")
+        impl, e = buf._impl, buf._impl._error
+        abort = impl.buffer[lay.ABORT_OFFSET:lay.ABORT_OFFSET + 8].view(torch.int64)
+        record = ctypes.cast(impl._mapped_dev, ctypes.POINTER(lay.ErrorRecord))
+
+        def clear(code: int) -> tuple[int, int]:
+            e.code = code
+            abort.fill_(code)
+            torch.cuda.synchronize()
+            impl.kernels.check(impl.kernels.clear_disagreement(impl.buffer.data_ptr(), record, 0), "clear", rank)
+            torch.cuda.synchronize()
+            return e.code, int(abort.item())
+
+        assert clear(lay.ERROR_TIMEOUT) == (lay.ERROR_TIMEOUT, lay.ERROR_TIMEOUT)
+        assert clear(lay.ERROR_DISAGREE) == (0, 0)
+        e.code, e.observed = lay.ERROR_DISAGREE, 7
+        abort.fill_(lay.ERROR_DISAGREE)
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match="found by the kernels") as info:
+            buf.barrier()
+        assert (e.code, int(abort.item())) == (0, 0)
+        check_case(buf, case, rank)
+        return str(info.value)
+
+
+def test_clearing_a_disagreement_keeps_a_timeout(nccl_pool):
+    messages = nccl_pool.run(clear_disagreement_rank)
+    assert messages == [messages[0]] * WORLD_SIZE
 
 
 def round_slots_rank(rank: int, world_size: int) -> str:

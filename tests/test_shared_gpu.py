@@ -259,6 +259,7 @@ GPU_TIER = {
         Case(seed=213, num_ranks=2, num_experts=8, num_topk=2, hidden=16384, num_tokens=(40, 9),
              num_max_tokens_per_rank=40, do_expand=True, expert_alignment=4)],)),
     "round slots disagree": ("round_slots_rank", ()),
+    "clearing a disagreement": ("clear_disagreement_rank", ()),
 }
 
 
@@ -266,7 +267,7 @@ GPU_TIER = {
 def test_gpu_tier_checks_with_a_peer(pool, check):
     name, args = GPU_TIER[check]
     first, second = pool.run(gpu_tier_rank, name, *args)
-    if name in ("disagreement_rank", "round_slots_rank"):
+    if name in ("disagreement_rank", "round_slots_rank", "clear_disagreement_rank"):
         assert first == second, (first, second)
 
 

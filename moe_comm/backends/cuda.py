@@ -316,34 +316,43 @@ class CudaBackend(Backend):
         super().after_host_sync(synchronized)
         e = self._error
         if e.code == lay.ERROR_TIMEOUT:
-            name = PHASES[e.phase] if 0 <= e.phase < len(PHASES) else f"phase {e.phase}"
-            why = (f"rank {e.rank} timed out in {name} waiting for peer {e.peer} (flag {e.observed}, "
-                   f"expected {e.expected}) after num_gpu_timeout_secs={self.timeout_ns / 1e9:g}")
-            self.mark_broken(why)
-            raise TimeoutError(f"moe_comm: {why}")
+            self._raise_timeout()
         if e.code == lay.ERROR_DISAGREE and synchronized:
             R, S = self.num_ranks, lay.SIGNATURE_LEN
             words = (ctypes.c_int64 * (R * S)).from_address(self._mapped_host + lay.MAPPED_SIGNATURES_OFFSET)[:]
             rows = [words[r * S:(r + 1) * S] for r in range(R)]
             problem = disagreement(rows) or f"ranks' signatures differ (per rank): {rows}"
             self._realign()
+            if e.code == lay.ERROR_TIMEOUT:  # a copy-engine wait timed out meanwhile and took the record over
+                self._raise_timeout()
             raise ValueError(f"{problem} (found by the kernels; nothing moved from that call on until this "
                              f"synchronizing call)")
+
+    def _raise_timeout(self) -> NoReturn:
+        e = self._error
+        name = PHASES[e.phase] if 0 <= e.phase < len(PHASES) else f"phase {e.phase}"
+        why = (f"rank {e.rank} timed out in {name} waiting for peer {e.peer} (flag {e.observed}, "
+               f"expected {e.expected}) after num_gpu_timeout_secs={self.timeout_ns / 1e9:g}")
+        self.mark_broken(why)
+        raise TimeoutError(f"moe_comm: {why}")
 
     def _realign(self) -> None:
         """After a disagreement: the ranks may have run different numbers of kernels since (each moving nothing), so
         every rank restarts its barrier counter and its handle epoch from the value recorded where they disagreed
         (the same on every rank) plus REALIGN_JUMP: later waits expect only flags written from now on.
-        No communication: ranks reach their synchronizing calls at different points when they disagree."""
+        No communication: ranks reach their synchronizing calls at different points when they disagree. The record
+        and the abort word are cleared on the device, each only while it still holds the disagreement: a pipeline
+        wait on a side stream that timed out meanwhile took both over, and the caller raises that timeout."""
         e = self._error
         counter = self.buffer[lay.BARRIER_SEQ_OFFSET:lay.BARRIER_SEQ_OFFSET + 8].view(torch.int64)
         counter.fill_(e.observed + REALIGN_JUMP)
-        self.buffer[lay.ABORT_OFFSET:lay.ABORT_OFFSET + 8].zero_()
+        self.kernels.check(self.kernels.clear_disagreement(self.buffer.data_ptr(), ctypes.cast(
+            self._mapped_dev, ctypes.POINTER(lay.ErrorRecord)), self._raw_stream()), "clearing a disagreement",
+            self.rank)
         # Handles made up to here may come from calls that moved nothing (their counts were never written).
         self._stale_epoch = self.epoch
         self.epoch = e.observed + REALIGN_JUMP
         torch.cuda.current_stream(self.device).synchronize()
-        e.code = 0
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
         everyone = mine.new_empty(self.num_ranks, mine.numel())

@@ -1,11 +1,12 @@
 // What the host needs besides kernels: host-mapped memory (the ErrorRecord and the notify summary), the wait for a
-// synchronized dispatch's notify, the message of the last failure, and the ABI table that the host compares with its
-// ctypes structs (moe_comm/layout.py).
+// synchronized dispatch's notify, the clearing of a disagreement, the message of the last failure, and the ABI table
+// that the host compares with its ctypes structs (moe_comm/layout.py).
 #include <atomic>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
 
+#include "moe_comm/common/comm.cuh"
 #include "moe_comm/host/launch.h"
 
 namespace moe_comm {
@@ -19,6 +20,16 @@ void set_last_error(const char* format, ...) {
     va_start(args, format);
     vsnprintf(g_last_error, sizeof(g_last_error), format, args);
     va_end(args);
+}
+
+// The record's code, then the abort word, from kErrorDisagree to 0, each only if it still holds the disagreement: a
+// copy-engine wait on another stream that timed out meanwhile took both over (comm.cuh wait_flag) and keeps them.
+// Whatever order the two run in, the record and the abort word end up agreeing.
+__global__ void clear_disagreement_impl(uint8_t* local_base, ErrorRecord* error) {
+    const auto disagree = static_cast<unsigned long long>(kErrorDisagree);
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(&error->code), disagree, 0ull) == disagree)
+        atomicCAS(reinterpret_cast<unsigned long long*>(abort_word(local_base)), disagree, 0ull);
+    __threadfence_system();
 }
 
 }  // namespace moe_comm
@@ -104,6 +115,15 @@ int moe_comm_ipc_free(void* ptr) {
     const cudaError_t err = cudaFree(ptr);
     MOE_COMM_REQUIRE(err == cudaSuccess, "cudaFree: %s", cudaGetErrorString(err));
     return 0;
+}
+
+// After ranks disagreed (the host realigns at a synchronizing call): clear the record and the abort word on `stream`
+// unless a timeout took them over (clear_disagreement_impl); the host reads the record's code after the stream.
+int moe_comm_clear_disagreement(uint8_t* local_base, ErrorRecord* error, cudaStream_t stream) {
+    MOE_COMM_REQUIRE(local_base != nullptr && error != nullptr, "local_base=%p, error=%p",
+                     static_cast<void*>(local_base), static_cast<void*>(error));
+    clear_disagreement_impl<<<1, 1, 0, stream>>>(local_base, error);
+    return launch_result("clear_disagreement_impl", 1, 1, 0);
 }
 
 // Copies up to `capacity` values of kAbiTable into `out`; returns how many the table has.
