@@ -4,6 +4,10 @@ rows and wrong sums. Memory growth is reported but not asserted here (a few iter
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -97,3 +101,14 @@ def test_summary_fails_on_wrong_results_and_growth():
     grown = summarize([rank(0, 103 * 2**20), rank(0, 100 * 2**20)], rss_tolerance=2 * 2**20, cuda_tolerance=0)
     assert not grown["ok"] and grown["problems"][0].startswith("GROWTH dispatch: host RSS grew by 3.0 MiB")
     assert "FAILED" in format_summary(grown)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("args, message", [(["--share-gpu"], "--share-gpu needs a GPU, found none"),
+                                           (["--share-gpu", "--backend", "torch"], "leave out --backend torch"),
+                                           (["--backend", "cuda"], "--share-gpu puts every rank on one")])
+def test_soak_script_refuses_what_this_machine_cannot_run(args, message):
+    """scripts/soak.py stops with a usage error naming the option before it spawns a rank."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
