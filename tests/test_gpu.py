@@ -701,7 +701,7 @@ def clear_disagreement_rank(rank: int, world_size: int) -> str:
     case = Case(seed=233, num_ranks=WORLD_SIZE, num_experts=8, num_topk=2, hidden=128, num_tokens=per_rank(12),
                 num_max_tokens_per_rank=16)
     with Buffers() as buffers:
-        buf = buffers.get(case, "cuda")
+        buf = buffers.get(case, "cuda", num_gpu_timeout_secs=20)  # a buffer of its own (no shared large one)
         impl, e = buf._impl, buf._impl._error
         abort = impl.buffer[lay.ABORT_OFFSET:lay.ABORT_OFFSET + 8].view(torch.int64)
         record = ctypes.cast(impl._mapped_dev, ctypes.POINTER(lay.ErrorRecord))
