@@ -54,7 +54,6 @@ from .. import layout as lay
 from .common import DTYPE_CODES
 from .cuda import _PHASE, CudaBackend
 from .cuda_ipc import IpcMemory
-from .cuda_kernels import current_stream
 from .primitives_base import PrimitivesBase
 
 CONTROL_BYTES = 16 * lay.MAX_RANKS  # arrived[MAX_RANKS], credit[MAX_RANKS]
@@ -184,7 +183,7 @@ class CudaPrimitives(PrimitivesBase):
     def pp_send(self, t: torch.Tensor, dst: int):
         b, k = self.backend, self.backend.kernels
         me, seq = b.rank, self.num_sent[dst] + 1
-        stream = current_stream(b.device.index)
+        stream = b._raw_stream()
         if seq > self.pp_config[1]:
             self._check(k.wait_flag(ctypes.byref(self._wait_params), self._credit(me, dst), seq - self.pp_config[1],
                                     dst, _PHASE["pp_send (a free slot)"], stream), "pp_send wait")
@@ -196,7 +195,7 @@ class CudaPrimitives(PrimitivesBase):
     def pp_recv(self, t: torch.Tensor, src: int):
         b, k = self.backend, self.backend.kernels
         me, seq = b.rank, self.num_received[src] + 1
-        stream = current_stream(b.device.index)
+        stream = b._raw_stream()
         self._check(k.wait_flag(ctypes.byref(self._wait_params), self._arrived(me, src), seq, src, _PHASE["pp_recv"],
                             stream), "pp_recv wait")
         self._check(k.copy(t.data_ptr(), self._slot(me, src, seq), t.nbytes, stream), "pp_recv copy")
@@ -242,7 +241,7 @@ class CudaPrimitives(PrimitivesBase):
         R, me = b.num_ranks, b.rank
         self._agrs_seq += 1
         seq, parity = self._agrs_seq, self._agrs_seq % 2
-        stream = current_stream(b.device.index)
+        stream = b._raw_stream()
         base = self._agrs.addresses[me]
         params = ctypes.byref(self._wait_params)
         if seq > 2:  # the slots of this parity were last read two calls ago
@@ -322,7 +321,7 @@ class CudaPrimitives(PrimitivesBase):
         row_bytes = table.element_size() * math.prod(table.shape[1:])
         self._check(k.engram_gather(indices.data_ptr(), indices.shape[0], self._engram_offsets.data_ptr(),
                                     b.num_ranks, self._engram_bases.data_ptr(), row_bytes, out.data_ptr(),
-                                    ENGRAM_BLOCKS, current_stream(b.device.index)), "engram_fetch")
+                                    ENGRAM_BLOCKS, b._raw_stream()), "engram_fetch")
         return lambda: out
 
     def close(self) -> None:
