@@ -39,10 +39,6 @@ _DTYPE_NAMES = ("none", *lay.DTYPE_CODES)  # a signature's dtype code names itse
 _CHOICES = {"operation": OPERATIONS, "row dtype": _DTYPE_NAMES, "topk_weights dtype": _DTYPE_NAMES,
             "fp8 format": ("none", *quant.FP8_FORMATS)}
 
-# Error flag bits of a rank's routing (the reference computes them in torch, the kernels in the layout kernel).
-FLAG_OUT_OF_RANGE = lay.ROUTING_OUT_OF_RANGE
-FLAG_DUPLICATE = lay.ROUTING_DUPLICATE
-
 
 class Backend:
     """Base of the backends behind `moe_comm.Buffer`: stream control, agreement and value checks.
@@ -236,8 +232,8 @@ class Backend:
         same = (topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)) & valid.unsqueeze(2) & valid.unsqueeze(1)
         duplicate = torch.tril(same, diagonal=-1).any(dim=2)
         clean = torch.where(out_of_range | duplicate, torch.full_like(topk_idx, -1), topk_idx)
-        flags = out_of_range.any().to(torch.int64) * FLAG_OUT_OF_RANGE + \
-            duplicate.any().to(torch.int64) * FLAG_DUPLICATE
+        flags = out_of_range.any().to(torch.int64) * lay.ROUTING_OUT_OF_RANGE + \
+            duplicate.any().to(torch.int64) * lay.ROUTING_DUPLICATE
         return clean, flags
 
     @staticmethod
@@ -259,8 +255,8 @@ class Backend:
             return
         problems = []
         out_of_range = f"entries outside [-1, {num_experts})" if num_experts > 0 else "out-of-range entries"
-        for bit, text in ((FLAG_OUT_OF_RANGE, out_of_range),
-                          (FLAG_DUPLICATE, "duplicate experts in a row")):
+        for bit, text in ((lay.ROUTING_OUT_OF_RANGE, out_of_range),
+                          (lay.ROUTING_DUPLICATE, "duplicate experts in a row")):
             ranks = [r for r, f in enumerate(flags_per_rank) if f & bit]
             if ranks:
                 problems.append(f"{text} on rank(s) {ranks}")
