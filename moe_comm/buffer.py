@@ -200,7 +200,7 @@ class Buffer(PrimitivesMixin):
         self._cuda_tuning = cuda_tuning
         self.backend = self._resolve_backend(backend, cuda_tuning)
         self.topology = self._machine_topology()
-        self._num_sms_cache: dict[tuple[int, int], int] = {}
+        self._num_sms_cache: dict[tuple[int, int, bool], int] = {}
         self._fitting: set[tuple] = set()  # call shapes that fit the buffer
         self._impl = self._make_backend(cuda_tuning)
         # Pipeline, all-gather / reduce-scatter, Engram (`primitives`): the CUDA backend's pipeline by copy engines.
@@ -383,16 +383,18 @@ class Buffer(PrimitivesMixin):
         hybrid, else `(1, num_ranks)` (every rank reaches every rank directly)."""
         return self.get_physical_domain_size() if self.is_hybrid else (1, self.num_ranks)
 
-    def get_theoretical_num_sms(self, num_experts: int, num_topk: int) -> int:
-        """SMs that saturate the bottleneck link for this routing (`moe_comm.sizing`, DESIGN 2.4)."""
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, do_expand: bool = False) -> int:
+        """SMs that saturate the bottleneck link for this routing (`moe_comm.sizing`, DESIGN 2.4); with `do_expand`,
+        for the expand layout, whose receivers write a row per (token, local expert) (`sizing.estimate_num_sms`)."""
         check_int(1, num_experts=num_experts, num_topk=num_topk)
-        return self._num_sms(num_experts, num_topk)
+        check_bool(do_expand=do_expand)
+        return self._num_sms(num_experts, num_topk, do_expand)
 
-    def _num_sms(self, num_experts: int, num_topk: int) -> int:
+    def _num_sms(self, num_experts: int, num_topk: int, do_expand: bool) -> int:
         """`get_theoretical_num_sms` of checked arguments (a dispatch checked them already)."""
-        key = (num_experts, num_topk)
+        key = (num_experts, num_topk, do_expand)
         if key not in self._num_sms_cache:  # the model costs tens of us: once per routing shape
-            self._num_sms_cache[key] = sizing.get_num_sms(self.topology, num_experts, num_topk)
+            self._num_sms_cache[key] = sizing.get_num_sms(self.topology, num_experts, num_topk, do_expand)
         return self._num_sms_cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
@@ -499,7 +501,7 @@ class Buffer(PrimitivesMixin):
             num_experts: global expert count, a multiple of the group size (from the handle when cached).
             num_max_tokens_per_rank: worst-case tokens per rank (default: the buffer's).
             expert_alignment: expand mode pads each expert block to a multiple of this many rows (1 to 1024).
-            num_sms: SMs to run on; 0 = `get_theoretical_num_sms`.
+            num_sms: SMs to run on; 0 = `get_theoretical_num_sms(num_experts, K, do_expand)`.
             handle: an `EPHandle` to reuse (cached dispatch: no layout work, no CPU sync).
             do_cpu_sync: None = True unless `handle`. False: worst-case sized outputs, true counts on the device.
             do_expand: one row per (token, local expert), grouped by expert.
@@ -644,7 +646,7 @@ class Buffer(PrimitivesMixin):
                              f"block is padded up to it; grouped GEMMs ask for 16 to 256)")
         self._check_fits(num_max_tokens_per_rank, hidden, num_topk, elem_size, wire_format is not None)
         if num_sms == 0:
-            num_sms = handle.num_sms if handle is not None else self._num_sms(num_experts, num_topk)
+            num_sms = handle.num_sms if handle is not None else self._num_sms(num_experts, num_topk, do_expand)
         return DispatchCall(
             x=x, fp8_q=fp8_q, fp8_scales=fp8_scales, wire_format=wire_format, quantize=quantize,
             dequantize=dequantize, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,

@@ -326,6 +326,8 @@ class SmEstimate:
         expected_scaleout_groups: `Es = E(S)` in hybrid mode, else `None`.
         sm_read: bytes the SMs read.
         sm_write: bytes the SMs write.
+        fan_out: rows written into the outputs per received row: `K / Et` for the expand layout (a row per (token,
+            local expert)), 1 otherwise.
         nvlink: bytes crossing this rank's NVLink.
         rdma: bytes crossing this rank's NIC.
         bottleneck: `"nvlink"`, `"rdma"`, or `"none"` when nothing leaves the rank.
@@ -340,6 +342,7 @@ class SmEstimate:
     expected_scaleout_groups: float | None
     sm_read: float
     sm_write: float
+    fan_out: float
     nvlink: float
     rdma: float
     bottleneck: str
@@ -351,14 +354,17 @@ class SmEstimate:
     def describe(self) -> str:
         """One line for logs: mode, traffic, bottleneck and the resulting SM count."""
         return (
-            f"{self.mode}: sm_read={self.sm_read:.3f} sm_write={self.sm_write:.3f} nvlink={self.nvlink:.3f} "
+            f"{self.mode}: sm_read={self.sm_read:.3f} sm_write={self.sm_write:.3f} "
+            + (f"(expand fan-out {self.fan_out:.2f}) " if self.fan_out != 1.0 else "")
+            + f"nvlink={self.nvlink:.3f} "
             f"rdma={self.rdma:.3f} bottleneck={self.bottleneck} ({self.bottleneck_gbs:.1f} GB/s) "
             f"n={self.num_sms_needed:.2f} -> num_sms={self.num_sms}"
         )
 
 
-def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmEstimate:
-    """DeepEP V2's SM count for dispatch/combine, with the intermediate numbers (DESIGN 2.4).
+def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int, do_expand: bool = False) -> SmEstimate:
+    """DeepEP V2's SM count for dispatch/combine, with the intermediate numbers (DESIGN 2.4), and the expand
+    layout's fan-out.
 
     Traffic per token, as fractions of one token's bytes, with `Et = E(num_ranks)`:
     - direct, `nvl` NVLink-reachable ranks: `sm_read = 1/Et`; `sm_write = nvl/num_ranks (+ 1/Et if any RDMA
@@ -372,10 +378,18 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmE
     `num_sms = min(num_device_sms, align2(max(4, ceil(1.25 n))))`. A rank that sends nothing over any link
     (one rank, or one NVLink rank with nothing remote) gets all SMs: there is no bandwidth to size for.
 
+    Expand layout (not in DeepEP's model): a received row is written once per local expert it goes to, `K / Et` on
+    average, so the term of the rows written into the outputs (`nvl/num_ranks` direct, the trailing `1` hybrid)
+    counts `K / Et` times. Without it the model sizes an expand dispatch for its link and the receivers' stores
+    become the limit: at EP2, top-8 of 256 the fan-out is ~4 rows per received row, 22 SMs -> 88; measured per SM,
+    a fan-out stores 56-61 GB/s on an H200, the model's 50 with its 1.25 headroom
+    (benchmarks/microbench/fanout_bench.cu, benchmarks/NOTES.md, eighteenth session).
+
     Arguments:
         topology: the ranks and link rates.
         num_experts: total experts, a multiple of `topology.num_ranks`.
         num_topk: experts per token, `1 <= num_topk <= num_experts`.
+        do_expand: size for the expand layout's dispatch (and its combine, which reads what it wrote).
 
     Returns:
         An `SmEstimate`; its `num_sms` is what `get_num_sms` returns.
@@ -385,6 +399,7 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmE
     # Validates num_experts against num_ranks (and so against S, which divides num_ranks).
     expected_rank_groups = expected_num_groups(num_experts, num_topk, num_ranks)
     inv_et = 1.0 / expected_rank_groups
+    fan_out = num_topk * inv_et if do_expand else 1.0
 
     expected_scaleout_groups: float | None
     if topology.is_hybrid:
@@ -392,7 +407,7 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmE
         num_groups = topology.num_scaleout_groups
         expected_scaleout_groups = expected_num_groups(num_experts, num_topk, num_groups)
         sm_read = inv_et + expected_scaleout_groups * inv_et
-        sm_write = inv_et + inv_et * (expected_scaleout_groups / num_groups) + 1.0
+        sm_write = inv_et + inv_et * (expected_scaleout_groups / num_groups) + fan_out
         rdma = inv_et * expected_scaleout_groups * (1.0 - 1.0 / num_groups)
         nvlink = 1.0 - 1.0 / topology.num_ranks_per_scaleout_group
     else:
@@ -401,7 +416,7 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmE
         nvl = topology.num_direct_nvl_ranks
         has_rdma_peer = nvl < num_ranks
         sm_read = inv_et
-        sm_write = nvl / num_ranks + (inv_et if has_rdma_peer else 0.0)
+        sm_write = nvl / num_ranks * fan_out + (inv_et if has_rdma_peer else 0.0)
         nvlink = nvl / num_ranks * (1.0 - 1.0 / nvl)
         rdma = (num_ranks - nvl) / num_ranks
 
@@ -427,6 +442,7 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmE
         expected_scaleout_groups=expected_scaleout_groups,
         sm_read=sm_read,
         sm_write=sm_write,
+        fan_out=fan_out,
         nvlink=nvlink,
         rdma=rdma,
         bottleneck=bottleneck,
@@ -437,19 +453,20 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int) -> SmE
     )
 
 
-def get_num_sms(topology: Topology, num_experts: int, num_topk: int) -> int:
+def get_num_sms(topology: Topology, num_experts: int, num_topk: int, do_expand: bool = False) -> int:
     """SMs to give dispatch/combine so the bottleneck link stays saturated (see `estimate_num_sms`).
 
     Arguments:
         topology: the ranks and link rates.
         num_experts: total experts, a multiple of `topology.num_ranks`.
         num_topk: experts per token, `1 <= num_topk <= num_experts`.
+        do_expand: for the expand layout (its receivers' fan-out counted).
 
     Returns:
         The SM count: even, at least 4 and at most `topology.num_device_sms`, or all device SMs when no
         traffic leaves the rank (or the device has fewer than 4).
     """
-    return estimate_num_sms(topology, num_experts, num_topk).num_sms
+    return estimate_num_sms(topology, num_experts, num_topk, do_expand).num_sms
 
 
 # ---------------------------------------------------------------------------------------------------------------

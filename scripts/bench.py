@@ -105,7 +105,7 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
                               "combine": timer(lambda: buf.combine(recv_x, handle, num_sms=num_sms))})
     hosts, per_host = buf.get_logical_domain_size()
     return {"backend": buf.backend, "path": f"hybrid {hosts} hosts x {per_host}" if buf.is_hybrid else "direct",
-            "theoretical_num_sms": buf.get_theoretical_num_sms(E, K), "rows": rows, "sweep": sweep}
+            "theoretical_num_sms": buf.get_theoretical_num_sms(E, K, expand), "rows": rows, "sweep": sweep}
 
 
 def jit_times() -> dict:

@@ -155,7 +155,8 @@ def overlap_rank(rank: int, world_size: int, args: dict) -> dict:
         for mode in MODES:
             row[f"gemm_{mode}_us"], row[f"step_{mode}_us"] = gemm_us(big, b, beside[mode], args["iters"])
         rows.append(row)
-    return {"rows": rows, "num_sms": sms or buf.get_theoretical_num_sms(E, K), "device": torch.cuda.get_device_name()}
+    return {"rows": rows, "num_sms": sms or buf.get_theoretical_num_sms(E, K, expand),
+            "device": torch.cuda.get_device_name()}
 
 
 def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:

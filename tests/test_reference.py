@@ -74,3 +74,24 @@ def test_baseline_agrees(pools):
     case = Case(seed=61, num_ranks=2, num_experts=8, num_topk=3, hidden=64, num_tokens=(40, 25),
                 num_max_tokens_per_rank=40)
     assert pools(2).run(baseline_agrees_rank, case) == [True, True]
+
+
+def default_num_sms_rank(rank: int, world_size: int, case: Case) -> list[int]:
+    from moe_comm.testing.routing import rank_inputs
+    buf = make_buffer(case)
+    x, idx, w = rank_inputs(case, rank)
+    counts = []
+    for do_expand in (False, True):
+        handle = buf.dispatch(x, idx, w, num_experts=case.num_experts, do_expand=do_expand)[3]
+        assert handle.num_sms == buf.get_theoretical_num_sms(case.num_experts, case.num_topk, do_expand)
+        counts.append(handle.num_sms)
+    return counts
+
+
+def test_default_num_sms_follows_the_layout(pools):
+    """`num_sms=0` is the model's count for the dispatch's layout: at EP2, top-8 of 256 on the H200 a CPU machine
+    assumes, 22 SMs, and 88 for the expand layout, whose receivers write ~4 rows per received row
+    (`sizing.estimate_num_sms`)."""
+    case = Case(seed=62, num_ranks=2, num_experts=256, num_topk=8, hidden=64, num_tokens=(24, 17),
+                num_max_tokens_per_rank=24)
+    assert pools(2).run(default_num_sms_rank, case) == [[22, 88], [22, 88]]

@@ -104,6 +104,42 @@ def test_direct_nvl_domain_larger_than_group():
     assert get_num_sms(wide, NUM_EXPERTS, NUM_TOPK) == 22
 
 
+def test_expand_counts_the_fan_out_by_hand():
+    # EP2 on H200 links, top-8 of 256: Et = 2 * (1 - C(128, 8) / C(256, 8)); a received row is written K / Et ~ 4.01
+    # times, so sm_write = 4.01 where the non-expand layout writes it once: n = (430.3 / 0.5) * 4.01 / 50 = 69.1,
+    # ceil(1.25 n) = 87 -> 88 SMs (22 without the fan-out).
+    topology = Topology.from_links(2, 2, link_gbs=H200_NVLINK_LINK_GBS, num_device_sms=132)
+    et = 2 * (1 - math.comb(128, 8) / math.comb(256, 8))
+    est = estimate_num_sms(topology, NUM_EXPERTS, NUM_TOPK, do_expand=True)
+    assert est.fan_out == pytest.approx(8 / et)
+    assert est.sm_write == pytest.approx(8 / et)
+    assert est.num_sms_needed == pytest.approx(0.9 * 18 * 26.5625 / 0.5 * (8 / et) / 50)
+    assert est.num_sms == get_num_sms(topology, NUM_EXPERTS, NUM_TOPK, do_expand=True) == 88
+    assert "expand fan-out 4.01" in est.describe() and "num_sms=88" in est.describe()
+    assert estimate_num_sms(topology, NUM_EXPERTS, NUM_TOPK).fan_out == 1.0
+
+
+@pytest.mark.parametrize("name, topology, golden", [pytest.param(n, t, g, id=n) for n, t, g in _golden_topologies()])
+def test_expand_only_adds_the_output_writes(name, topology, golden):
+    # The fan-out multiplies the term of the rows written into the outputs (direct: nvl / num_ranks; hybrid: the
+    # trailing 1) and nothing else; the golden (non-expand) counts stay.
+    plain = estimate_num_sms(topology, NUM_EXPERTS, NUM_TOPK)
+    expand = estimate_num_sms(topology, NUM_EXPERTS, NUM_TOPK, do_expand=True)
+    assert plain.num_sms == golden
+    fan_out = NUM_TOPK / plain.expected_rank_groups
+    output_term = 1.0 if topology.is_hybrid else topology.num_direct_nvl_ranks / topology.num_ranks
+    assert expand.fan_out == pytest.approx(fan_out)
+    assert expand.sm_write == pytest.approx(plain.sm_write + output_term * (fan_out - 1))
+    assert (expand.sm_read, expand.nvlink, expand.rdma, expand.bottleneck) == \
+        (plain.sm_read, plain.nvlink, plain.rdma, plain.bottleneck)
+    assert expand.num_sms >= plain.num_sms
+
+
+def test_expand_on_one_rank_gets_all_sms():
+    topology = Topology(1, 1, num_device_sms=132)
+    assert get_num_sms(topology, NUM_EXPERTS, NUM_TOPK, do_expand=True) == 132
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # E(G)
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,6 +275,9 @@ def test_num_sms_even_bounded(case):
     topology, num_experts, num_topk = case
     est = estimate_num_sms(topology, num_experts, num_topk)
     assert est.num_sms == get_num_sms(topology, num_experts, num_topk)
+    # The expand layout's fan-out (K / Et >= 1 rows per received row) never asks for fewer SMs.
+    expand = estimate_num_sms(topology, num_experts, num_topk, do_expand=True)
+    assert expand.fan_out >= 1.0 - 1e-12 and expand.num_sms >= est.num_sms
     assert est.num_sms % 2 == 0
     assert 4 <= est.num_sms <= topology.num_device_sms
     assert est.bottleneck in ("nvlink", "rdma", "none")
