@@ -10,6 +10,9 @@ An overlap record (`scripts/bench_overlap.py --json`): per op, bars of a GEMM's 
 GEMM alone. A primitives record (`scripts/bench_primitives.py --json`): GB/s against size, moe_comm and NCCL, and
 the GEMM beside each.
 
+A floor record (a microbenchmark's rows, e.g. `benchmarks/fanout-floor_*.json`): GB/s per SM against blocks, a
+line per method and a panel per case.
+
 Recipe metrics (`recipes/megatron_moe/train.py --metrics-json`, one file per dispatcher of the same preset and
 seed): loss and tokens/s per step, one line per file.
 
@@ -209,6 +212,31 @@ def plot_primitives(record: dict, path: str | pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_floor(record: dict, path: str | pathlib.Path) -> None:
+    """Write a floor record's plot to `path` (PNG): `record["floor"]` rows (`method`, `case`, `blocks`,
+    `gbs_per_sm`), GB/s per SM against blocks, a line per method, a panel per case."""
+    from matplotlib.figure import Figure
+
+    rows, meta = record["floor"], record["meta"]
+    cases = list(dict.fromkeys(row["case"] for row in rows))
+    fig = Figure(figsize=(5.2 * len(cases), 4.8), layout="constrained")
+    axes = fig.subplots(1, len(cases), squeeze=False)[0]
+    for ax, case in zip(axes, cases):
+        for k, method in enumerate(dict.fromkeys(row["method"] for row in rows)):
+            mine = [row for row in rows if row["case"] == case and row["method"] == method]
+            ax.plot([row["blocks"] for row in mine], [row["gbs_per_sm"] for row in mine], marker="o",
+                    color=f"C{k % 10}", linestyle="-" if k < 10 else "--", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("blocks (SMs)")
+        ax.set_ylabel("GB/s stored per SM")
+        ax.set_title(case, fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{record['title']}\ncommit {meta['commit'][:10]}, {meta['hardware']}, {record['date']}", fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
 def plot_recipe(runs: list[dict], path: str | pathlib.Path) -> None:
     """Write loss and tokens/s per step of recipe runs to `path` (PNG).
 
@@ -255,10 +283,13 @@ def main(argv: list[str] | None = None) -> None:
         first = records[0]["table"][0] if records[0]["table"] else {}
         plot = plot_primitives if "moe_gbs" in first else plot_overlap if "gemm_alone_us" in first else plot_bench
         plot(records[0], out)
+    elif len(records) == 1 and "floor" in records[0]:
+        plot_floor(records[0], out)
     elif all({"summary", "history"} <= record.keys() for record in records):
         plot_recipe(records, out)
     else:
-        parser.error("each file must be a bench JSON (a `table`) or recipe metrics (`summary` and `history`)")
+        parser.error("each file must be a bench JSON (a `table`), a floor record (`floor`) or recipe metrics "
+                     "(`summary` and `history`)")
     print(out)
 
 

@@ -184,3 +184,14 @@ def plots_from_json(record: dict, tmp_path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert png.stat().st_size > 10_000
+
+
+def test_floor_record_plot(tmp_path):
+    """A microbenchmark's floor record (benchmarks/fanout-floor_*.json) plots from the JSON alone; the committed
+    one holds a row per (method, fan-out, blocks) of its run."""
+    committed = json.loads((ROOT / "benchmarks" / "fanout-floor_h200x1_2026-12-02.json").read_text())
+    assert len(committed["floor"]) == 12 * 3 * 7 and committed["meta"]["commit"]
+    record = {"date": "2026-12-02", "title": "a floor", "meta": {"commit": "0123456789ab", "hardware": "H200"},
+              "floor": [{"method": m, "case": f"F={f}", "blocks": b, "gbs_per_sm": 60.0 - b / 10}
+                        for m in ("tma", "ldst") for f in (1, 8) for b in (4, 8, 16)]}
+    plots_from_json(record, tmp_path)
