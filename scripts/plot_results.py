@@ -10,6 +10,9 @@ An overlap record (`scripts/bench_overlap.py --json`): per op, bars of a GEMM's 
 GEMM alone. A primitives record (`scripts/bench_primitives.py --json`): GB/s against size, moe_comm and NCCL, and
 the GEMM beside each.
 
+A side-by-side record (`scripts/bench_deepep.py --json`): back-to-back time against tokens per op, moe_comm and
+DeepEP V1.
+
 A floor record (a microbenchmark's rows, e.g. `benchmarks/fanout-floor_*.json`): GB/s per SM against blocks, a
 line per method and a panel per case.
 
@@ -198,17 +201,48 @@ def plot_primitives(record: dict, path: str | pathlib.Path) -> None:
             gemm.plot(sizes, [row[f"gemm_{who}_ratio"] for row in rows], style, marker="o", color=f"C{k}",
                       label=label)
     gemm.axhline(1.03, color="k", linestyle="--", linewidth=1, label="+3% (the target)")
-    for ax, ylabel, title in ((speed, "GB/s per rank", "bandwidth against size"),
-                              (gemm, "GEMM time / GEMM alone", "a GEMM beside each call")):
+    _two_panels(fig, "MB per rank", ((speed, "GB/s per rank", "bandwidth against size"),
+                                     (gemm, "GEMM time / GEMM alone", "a GEMM beside each call")),
+                f"the buffer's primitives against NCCL, {config['num_ranks']} ranks", meta)
+    fig.savefig(path, dpi=110)
+
+
+def _two_panels(fig, xlabel: str, panels, what: str, meta: dict) -> None:
+    """Log2 x, labels, grid and legend on each `(ax, ylabel, title)` of `panels`; the figure's title: `what`, then
+    the run's commit, torch and date."""
+    for ax, ylabel, title in panels:
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("MB per rank")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     commit = "no checkout" if meta["commit"] is None else meta["commit"][:10]
-    fig.suptitle(f"the buffer's primitives against NCCL, {config['num_ranks']} ranks\ncommit {commit}, torch "
-                 f"{meta['torch']}, {meta['date_utc'][:10]}", fontsize=10)
+    fig.suptitle(f"{what}\ncommit {commit}, torch {meta['torch']}, {meta['date_utc'][:10]}", fontsize=10)
+
+
+def plot_versus(record: dict, path: str | pathlib.Path) -> None:
+    """Write a side-by-side record's plot (`scripts/bench_deepep.py --json`) to `path` (PNG): back-to-back us against
+    tokens per op, moe_comm solid and DeepEP dashed, and their ratio."""
+    from matplotlib.figure import Figure
+
+    table, config, meta = record["table"], record["config"], record["meta"]
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    times, ratios = fig.subplots(1, 2)
+    for k, op in enumerate(dict.fromkeys(row["op"] for row in table)):
+        rows = [row for row in table if row["op"] == op]
+        tokens = [row["tokens"] for row in rows]
+        times.plot(tokens, [row["moe_b2b_us"] for row in rows], "-", marker="o", color=f"C{k}",
+                   label=f"{op}, moe_comm")
+        times.plot(tokens, [row["deepep_b2b_us"] for row in rows], "--", marker="x", color=f"C{k}",
+                   label=f"{op}, DeepEP V1")
+        ratios.plot(tokens, [row["b2b_ratio"] for row in rows], "-", marker="o", color=f"C{k}", label=op)
+    ratios.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    times.set_yscale("log")
+    _two_panels(fig, "tokens per rank", ((times, "back-to-back us per call", "time per call"),
+                                         (ratios, "moe_comm / DeepEP", "moe_comm's time over DeepEP's (below 1: "
+                                                                       "faster)")),
+                f"moe_comm beside DeepEP V1, {config['num_ranks']} ranks, {config['num_sms']} SMs each", meta)
     fig.savefig(path, dpi=110)
 
 
@@ -281,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         if len(records) != 1:
             parser.error(f"one bench JSON at a time, got {len(records)}")
         first = records[0]["table"][0] if records[0]["table"] else {}
-        plot = plot_primitives if "moe_gbs" in first else plot_overlap if "gemm_alone_us" in first else plot_bench
+        plot = (plot_primitives if "moe_gbs" in first else plot_overlap if "gemm_alone_us" in first
+                else plot_versus if "deepep_b2b_us" in first else plot_bench)
         plot(records[0], out)
     elif len(records) == 1 and "floor" in records[0]:
         plot_floor(records[0], out)

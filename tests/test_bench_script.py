@@ -195,3 +195,46 @@ def test_floor_record_plot(tmp_path):
               "floor": [{"method": m, "case": f"F={f}", "blocks": b, "gbs_per_sm": 60.0 - b / 10}
                         for m in ("tma", "ldst") for f in (1, 8) for b in (4, 8, 16)]}
     plots_from_json(record, tmp_path)
+
+
+def test_bench_deepep_report_and_plot(tmp_path):
+    """moe_comm beside DeepEP: the slowest rank's times per op, their ratio, the row and combine checks; the plotter
+    draws the record from the JSON alone."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_deepep import OPS, report
+        from moe_comm.testing.bench import run_metadata
+    finally:
+        sys.path.pop(0)
+    config = {"num_ranks": 2, "tokens": [128, 4096], "hidden": 7168, "num_experts": 256, "num_topk": 8,
+              "num_sms": 24, "iters": 20, "share_gpu": False}
+
+    def rank(scale, same):
+        rows = []
+        for tokens in (128, 4096):
+            row = {"tokens": tokens, "recv_rows": tokens, "same_rows": same, "max_combine_diff": 0.5 * scale}
+            for op in OPS:
+                row.update({f"moe {op} us": 10.0 * scale, f"moe {op} b2b": 8.0 * scale,
+                            f"deepep {op} us": 12.0, f"deepep {op} b2b": 10.0})
+            rows.append(row)
+        return {"rows": rows, "deepep": "1.2.1", "device": "H200"}
+
+    text, record = report(config, [rank(1.0, True), rank(1.5, False)], run_metadata(["bench_deepep.py"]))
+    first = record["table"][0]
+    assert (first["moe_us"], first["moe_b2b_us"], first["deepep_b2b_us"], first["b2b_ratio"]) == (15.0, 12.0, 10.0,
+                                                                                                   1.2)
+    assert "| 128 | cached dispatch fp8 | 15.0 | 12.0 | 12.0 | 10.0 | 1.20 |" in text
+    assert "- 4096 tokens: received rows DIFFER on every rank; combined rows differ by at most 0.75" in text
+    plots_from_json(record, tmp_path)
+
+
+def test_bench_deepep_refuses_what_it_cannot_run():
+    """Checked before any rank starts: a rank count DeepEP's intranode kernels lack, an odd SM count, and (on this
+    CPU machine) GPUs that are not there."""
+    for argv, message in ((["--num-ranks", "3"], "2, 4 or 8 ranks"), (["--num-sms", "23"], "must be even"),
+                          ([], "needs 2 GPU(s)"), (["--share-gpu"], "--share-gpu needs 1 GPU(s)")):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_deepep.py"), *argv],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode == 2 and "deep_ep is not importable" in done.stderr and "--num-ranks" not in argv:
+            continue  # a machine with the GPUs and no DeepEP
+        assert done.returncode == 2 and message in done.stderr, (argv, done.stderr)
