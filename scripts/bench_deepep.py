@@ -141,7 +141,7 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
         same = all(r["rows"][i]["same_rows"] for r in per_rank)
         diff = max(r["rows"][i]["max_combine_diff"] for r in per_rank)
         checks.append(f"- {row['tokens']} tokens: received rows {'bitwise the same' if same else 'DIFFER'} on every "
-                      f"rank; combined rows differ by at most {diff:.3g} (bf16 sums in different orders)")
+                      f"rank; combined rows differ by at most {diff:.3g} (each sums in its own order)")
     lines += ["", "Checks of the same inputs through both:", *checks]
     record = {"date": meta["date_utc"][:10], "meta": meta, "config": config, "table": table, "per_rank": per_rank}
     return "\n".join(lines), record

@@ -224,7 +224,7 @@ def test_bench_deepep_report_and_plot(tmp_path):
     assert (first["moe_us"], first["moe_b2b_us"], first["deepep_b2b_us"], first["b2b_ratio"]) == (15.0, 12.0, 10.0,
                                                                                                    1.2)
     assert "| 128 | cached dispatch fp8 | 15.0 | 12.0 | 12.0 | 10.0 | 1.20 |" in text
-    assert "- 4096 tokens: received rows DIFFER on every rank; combined rows differ by at most 0.75" in text
+    assert "- 4096 tokens: received rows DIFFER on every rank; combined rows differ by at most 0.75 (each" in text
     plots_from_json(record, tmp_path)
 
 
