@@ -22,6 +22,12 @@
 #   scripts/gpu_check.sh recipe     the recipe (2 GPUs): `small` 50 steps bf16 with alltoall and moe_comm, `small` 50
 #                                   steps fp32 (max |loss diff| <= 1e-3), `dsv3` alltoall + grouped experts against
 #                                   moe_comm's sync-free layer (.whl with megatron-core, wandb and its needs)
+#   scripts/gpu_check.sh deepep     scripts/bench_deepep.py: DeepEP V1 beside moe_comm on the same inputs (2+ GPUs; needs
+#                                   DeepEP v1.2.1 built intranode-only on PYTHONPATH, never committed: NOTES.md,
+#                                   eighteenth session, says how) (~1 min)
+# Several steps run in order (`scripts/gpu_check.sh tests megatron`); every step runs even when one fails, and the
+# script exits with the last failing step's status. BUNDLE=F.tgz packs OUT into F after each step (a device call
+# brings back only a few files: one bundle holds them all, and what finished before a time limit).
 # Results worth keeping go to benchmarks/<theme>_<hardware>_<date>.{md,json,png} (dispatch-combine_h200x2_...,
 # layer_h200x2_..., recipe-small_h200x2_...), replacing that theme's older files (NOTES.md names those by git
 # commit); test logs stay out of benchmarks/.
@@ -32,7 +38,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
-case "${1:-}" in
+steps="tests bench overlap soak megatron layer recipe deepep"
+usage() { echo "usage: scripts/gpu_check.sh STEP [STEP ...], STEP one of: $steps" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+for name in "$@"; do
+    case " $steps " in *" $name "*) ;; *) usage ;; esac
+done
+
+step() {
+case "$1" in
     tests)
         python3 -m pytest -q -p no:cacheprovider --timeout 300 --durations=10 tests/test_gpu.py \
             tests/test_hybrid_gpu.py tests/test_shared_gpu.py tests/test_kernels_compile.py tests/test_quant.py 2>&1 \
@@ -61,20 +75,20 @@ case "${1:-}" in
             | grep -v -i warn | tail -16 ;;
     megatron)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl || exit 1
+            .whl/*.whl || return 1
         export PYTHONPATH=/tmp/site:$PYTHONPATH WANDB_MODE=offline
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_megatron.py tests/test_grouped_mlp.py 2>&1 \
             | tee "$out/megatron_gpu.log" | tail -20 ;;
     layer)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl || exit 1
+            .whl/*.whl || return 1
         export PYTHONPATH=/tmp/site:$PYTHONPATH
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/bench_layer.py --num-ranks "$gpus" --num-sms 0 66 132 --out "$out" 2>&1 | grep -v -i warn \
             | tail -30 ;;
     recipe)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl || exit 1
+            .whl/*.whl || return 1
         export PYTHONPATH=/tmp/site:$PYTHONPATH WANDB_MODE=offline
         train() {  # name, then train.py arguments
             local name=$1
@@ -93,7 +107,17 @@ case "${1:-}" in
         train dsv3-alltoall --preset dsv3 --dispatcher alltoall
         train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync
         python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" ;;
-    *)
-        echo "usage: scripts/gpu_check.sh tests|bench|overlap|soak|megatron|layer|recipe" >&2
-        exit 2 ;;
+    deepep)
+        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        python3 scripts/bench_deepep.py --num-ranks "$gpus" --json "$out/deepep.json" --md "$out/deepep.md" 2>&1 \
+            | grep -v -i warn | tail -25 ;;
 esac
+}
+
+rc=0
+for name in "$@"; do
+    echo "== gpu_check.sh $name"
+    step "$name" || rc=$?
+    if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$out" .; fi
+done
+exit $rc
