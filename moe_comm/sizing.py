@@ -382,8 +382,10 @@ def estimate_num_sms(topology: Topology, num_experts: int, num_topk: int, do_exp
     average, so the term of the rows written into the outputs (`nvl/num_ranks` direct, the trailing `1` hybrid)
     counts `K / Et` times. Without it the model sizes an expand dispatch for its link and the receivers' stores
     become the limit: at EP2, top-8 of 256 the fan-out is ~4 rows per received row, 22 SMs -> 88; measured per SM,
-    a fan-out stores 56-61 GB/s on an H200, the model's 50 with its 1.25 headroom
-    (benchmarks/microbench/fanout_bench.cu, benchmarks/NOTES.md, eighteenth session).
+    a fan-out stores 53-61 GB/s on an H200, the model's 50 with its 1.25 headroom
+    (benchmarks/fanout-floor_h200x1_2026-12-02.md). Left out: the hop of a remote row into the receive region
+    before its fan-out (one store more per row, within the headroom) and, in direct mode with RDMA peers, the
+    fan-out of the rows that arrive over the network (the term counts the NVLink ranks' rows, as without expand).
 
     Arguments:
         topology: the ranks and link rates.

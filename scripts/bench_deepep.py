@@ -71,7 +71,7 @@ def bench_on_device(rank: int, world_size: int, args: dict, device: torch.device
         # DeepEP reads the scales column-major (its tests build them with `.T.contiguous().T`); same values.
         x_fp8_theirs = (x_fp8[0], x_fp8[1].T.contiguous().T)
 
-        recv_x, _, _, handle, _ = ours.dispatch(x, idx, w, num_experts=E, num_sms=sms)
+        recv_x, recv_idx, recv_w, handle, _ = ours.dispatch(x, idx, w, num_experts=E, num_sms=sms)
         handle_fp8 = ours.dispatch(x_fp8, idx, w, num_experts=E, num_sms=sms)[3]
         our_ops = {"dispatch": lambda: ours.dispatch(x, idx, w, num_experts=E, num_sms=sms),
                    "cached dispatch": lambda: ours.dispatch(x, handle=handle),
@@ -84,18 +84,25 @@ def bench_on_device(rank: int, world_size: int, args: dict, device: torch.device
                                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
                                    config=dispatch_config)
 
-        their_recv_x, _, _, _, their_handle, _ = their_dispatch()
+        their_recv_x, their_idx, their_w, their_per_expert, their_handle, _ = their_dispatch()
         their_ops = {"dispatch": their_dispatch,
                      "cached dispatch": lambda: theirs.dispatch(x, handle=their_handle, config=dispatch_config),
                      "cached dispatch fp8": lambda: theirs.dispatch(x_fp8_theirs, handle=their_handle,
                                                                     config=dispatch_config),
                      "combine": lambda: theirs.combine(their_recv_x, their_handle, config=combine_config)}
 
-        same_rows = recv_x.shape == their_recv_x.shape and torch.equal(recv_x.view(torch.int16),
-                                                                       their_recv_x.view(torch.int16))
+        # What each received, compared bit for bit: BF16 rows, FP8 rows and scales, routing, counts per expert.
+        ours_fp8, theirs_fp8 = our_ops["cached dispatch fp8"]()[0], their_ops["cached dispatch fp8"]()[0]
+        local = recv_idx >= 0
+        same = {"bf16 rows": bitwise_equal(recv_x, their_recv_x),
+                "fp8 rows": bitwise_equal(ours_fp8[0], theirs_fp8[0]) and bitwise_equal(ours_fp8[1], theirs_fp8[1]),
+                "topk_idx": bitwise_equal(recv_idx.long(), their_idx.long()),
+                "topk_weights (local slots)": recv_w.shape == their_w.shape and torch.equal(recv_w[local],
+                                                                                           their_w[local]),
+                "tokens per expert": handle.num_recv_tokens_per_expert_list == list(their_per_expert)}
         combine_diff = (ours.combine(recv_x, handle)[0].float() - theirs.combine(their_recv_x, their_handle,
                                                                                  config=combine_config)[0].float())
-        row = {"tokens": num_tokens, "recv_rows": recv_x.shape[0], "same_rows": same_rows,
+        row = {"tokens": num_tokens, "recv_rows": recv_x.shape[0], "same": same,
                "max_combine_diff": combine_diff.abs().max().item() if combine_diff.numel() else 0.0}
         for who, ops in (("moe", our_ops), ("deepep", their_ops)):
             for op, fn in ops.items():
@@ -104,8 +111,14 @@ def bench_on_device(rank: int, world_size: int, args: dict, device: torch.device
         rows.append(row)
     theirs.destroy()
     ours.destroy()
-    return {"rows": rows, "deepep": getattr(deep_ep, "__version__", "v1.2.1 (no __version__)"),
+    return {"rows": rows, "deepep": getattr(deep_ep, "__version__", "(version unknown)"),
             "device": torch.cuda.get_device_name(device)}
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same bytes (values compared as raw bits, layouts made contiguous)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
@@ -115,14 +128,15 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
     lines = meta_lines(meta)
     lines += [f"moe_comm {moe_comm.__version__} (CUDA backend) beside DeepEP {first['deepep']} (intranode), "
               f"{config['num_ranks']} ranks on {first['device']}; hidden {config['hidden']} bf16, "
-              f"top-{config['num_topk']} of {config['num_experts']} experts; {config['num_sms']} SMs each; median of "
-              f"{config['iters']}, slowest rank"
+              f"top-{config['num_topk']} of {config['num_experts']} experts; {config['num_sms']} SMs each; "
+              "slowest rank"
               + ("; SHARING GPU 0 (a check of the script and the rows: the times mean nothing)"
                  if config["share_gpu"] else ""),
               "",
-              "us: one call on an idle stream, host issue time included; back-to-back: device time per call of "
-              f"{config['iters']} calls issued ahead of the GPU (DeepEP's measure). dispatch = fresh layout with a CPU "
-              "sync (DeepEP: get_dispatch_layout + non-cached dispatch); fp8 = pre-quantized fp8_block128 rows.",
+              f"us: median of {config['iters']} calls, each on an idle stream, host issue time included; "
+              f"back-to-back: device time per call of one loop of {config['iters']} calls issued ahead of the GPU "
+              "(DeepEP's measure). dispatch = fresh layout with a CPU sync (DeepEP: get_dispatch_layout + non-cached "
+              "dispatch); fp8 = pre-quantized fp8_block128 rows.",
               "",
               "| tokens | op | moe_comm us | moe_comm back-to-back us | DeepEP us | DeepEP back-to-back us | "
               "back-to-back moe_comm / DeepEP |",
@@ -138,10 +152,13 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
             table.append(entry)
             lines.append(f"| {row['tokens']} | {op} | {entry['moe_us']:.1f} | {entry['moe_b2b_us']:.1f} | "
                          f"{entry['deepep_us']:.1f} | {entry['deepep_b2b_us']:.1f} | {entry['b2b_ratio']:.2f} |")
-        same = all(r["rows"][i]["same_rows"] for r in per_rank)
+        differ = {what: [rank for rank, r in enumerate(per_rank) if not r["rows"][i]["same"][what]]
+                  for what in row["same"]}
+        same = [what for what, ranks in differ.items() if not ranks]
         diff = max(r["rows"][i]["max_combine_diff"] for r in per_rank)
-        checks.append(f"- {row['tokens']} tokens: received rows {'bitwise the same' if same else 'DIFFER'} on every "
-                      f"rank; combined rows differ by at most {diff:.3g} (each sums in its own order)")
+        checks.append(f"- {row['tokens']} tokens: bitwise the same on every rank: {', '.join(same) or 'nothing'}"
+                      + "".join(f"; {what} DIFFER on ranks {ranks}" for what, ranks in differ.items() if ranks)
+                      + f"; combined rows differ by at most {diff:.3g} (each sums in its own order)")
     lines += ["", "Checks of the same inputs through both:", *checks]
     record = {"date": meta["date_utc"][:10], "meta": meta, "config": config, "table": table, "per_rank": per_rank}
     return "\n".join(lines), record
@@ -165,6 +182,11 @@ def main() -> None:
         parser.error(f"--num-ranks={args.num_ranks}: DeepEP's intranode kernels run on 2, 4 or 8 ranks")
     if args.num_sms < 2 or args.num_sms % 2:
         parser.error(f"--num-sms={args.num_sms} must be even and >= 2 (DeepEP's set_num_sms)")
+    if args.iters < 1 or min(args.tokens) < 1:
+        parser.error(f"--iters={args.iters} and --tokens={args.tokens} must be >= 1")
+    if args.num_experts % args.num_ranks or not 1 <= args.num_topk <= args.num_experts:
+        parser.error(f"--num-experts={args.num_experts} must be a multiple of --num-ranks={args.num_ranks}, and "
+                     f"--num-topk={args.num_topk} in [1, num_experts]")
     if args.hidden % 128:
         parser.error(f"--hidden={args.hidden} must be a multiple of 128 (the FP8 rows' scale blocks)")
     needed = 1 if args.share_gpu else args.num_ranks

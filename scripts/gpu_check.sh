@@ -21,13 +21,16 @@
 #                                   (.whl as above)
 #   scripts/gpu_check.sh recipe     the recipe (2 GPUs): `small` 50 steps bf16 with alltoall and moe_comm, `small` 50
 #                                   steps fp32 (max |loss diff| <= 1e-3), `dsv3` alltoall + grouped experts against
-#                                   moe_comm's sync-free layer (.whl with megatron-core, wandb and its needs)
-#   scripts/gpu_check.sh deepep     scripts/bench_deepep.py: DeepEP V1 beside moe_comm on the same inputs (2+ GPUs; needs
-#                                   DeepEP v1.2.1 built intranode-only on PYTHONPATH, never committed: NOTES.md,
-#                                   eighteenth session, says how) (~1 min)
-# Several steps run in order (`scripts/gpu_check.sh tests megatron`); every step runs even when one fails, and the
-# script exits with the last failing step's status. BUNDLE=F.tgz packs OUT into F after each step (a device call
-# brings back only a few files: one bundle holds them all, and what finished before a time limit).
+#                                   moe_comm's sync-free layer (.whl with megatron-core; wandb and its needs too, else
+#                                   the runs go with --no-wandb)
+#   scripts/gpu_check.sh deepep     scripts/bench_deepep.py: DeepEP V1 beside moe_comm on the same inputs (one GPU:
+#                                   2 ranks sharing it, a check only); needs DeepEP v1.2.1 built intranode-only on
+#                                   PYTHONPATH, never committed (NOTES.md, eighteenth session, says how) (~1 min)
+# Several steps run in order (`scripts/gpu_check.sh tests megatron`), each in a subshell; every step runs even when
+# one fails (a step without its wheels stops alone), and the script exits with the last failure's status.
+# BUNDLE=F.tgz packs OUT into F after each step (a device call brings back only a few files: one bundle holds them
+# all, and what finished before a time limit); set BUNDLE before OUT on one command line (`BUNDLE=$OUT/x.tgz
+# OUT=$PWD/o`: bash assigns left to right, so the other order puts the bundle in the new OUT).
 # Results worth keeping go to benchmarks/<theme>_<hardware>_<date>.{md,json,png} (dispatch-combine_h200x2_...,
 # layer_h200x2_..., recipe-small_h200x2_...), replacing that theme's older files (NOTES.md names those by git
 # commit); test logs stay out of benchmarks/.
@@ -42,10 +45,14 @@ steps="tests bench overlap soak megatron layer recipe deepep"
 usage() { echo "usage: scripts/gpu_check.sh STEP [STEP ...], STEP one of: $steps" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 for name in "$@"; do
-    case " $steps " in *" $name "*) ;; *) usage ;; esac
+    known=0
+    for s in $steps; do [ "$s" = "$name" ] && known=1; done
+    [ "$known" = 1 ] || usage
 done
 
+# One step; its status is the last failure among its commands (a step that runs several keeps going after one fails).
 step() {
+local st=0
 case "$1" in
     tests)
         python3 -m pytest -q -p no:cacheprovider --timeout 300 --durations=10 tests/test_gpu.py \
@@ -54,21 +61,21 @@ case "$1" in
     bench)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --json "$out/bench.json" --md "$out/bench.md" \
-            2>&1 | tail -45
+            2>&1 | tail -45 || st=$?
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --expand --sms 12 22 32 48 66 96 132 \
-            --json "$out/bench-expand.json" --md "$out/bench-expand.md" 2>&1 | tail -30
+            --json "$out/bench-expand.json" --md "$out/bench-expand.md" 2>&1 | tail -30 || st=$?
         if [ "$gpus" -ge 2 ]; then
             python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --ranks-per-host 1 --sms 22 \
-                --json "$out/bench-hybrid.json" --md "$out/bench-hybrid.md" 2>&1 | tail -30
+                --json "$out/bench-hybrid.json" --md "$out/bench-hybrid.md" 2>&1 | tail -30 || st=$?
         fi ;;
     overlap)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         for e in "" "--expand"; do
             python3 scripts/bench_overlap.py --num-ranks "$gpus" $e --json "$out/overlap$e.json" \
-                --md "$out/overlap$e.md" 2>&1 | tail -16
+                --md "$out/overlap$e.md" 2>&1 | tail -16 || st=$?
         done
         python3 scripts/bench_primitives.py --num-ranks "$gpus" --json "$out/primitives.json" \
-            --md "$out/primitives.md" 2>&1 | tail -24 ;;
+            --md "$out/primitives.md" 2>&1 | tail -24 || st=$? ;;
     soak)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
         python3 scripts/soak.py --iters 10000 --num-ranks "$gpus" --backend cuda --json "$out/soak.json" 2>&1 \
@@ -100,27 +107,35 @@ case "$1" in
                 --out /tmp/runs --metrics-json "$out/metrics-$name.json" "$@" 2>&1 | tee "$out/train-$name.log" \
                 | grep -E "^(SUMMARY|wandb)"
         }
-        train small-alltoall --preset small --dispatcher alltoall
-        train small-moe_comm --preset small --dispatcher moe_comm
-        python3 recipes/megatron_moe/compare.py "$out/metrics-small-moe_comm.json" "$out/metrics-small-alltoall.json"
-        train fp32-alltoall --preset small --dtype float32 --dispatcher alltoall
-        train fp32-moe_comm --preset small --dtype float32 --dispatcher moe_comm
+        train small-alltoall --preset small --dispatcher alltoall || st=$?
+        train small-moe_comm --preset small --dispatcher moe_comm || st=$?
+        python3 recipes/megatron_moe/compare.py "$out/metrics-small-moe_comm.json" "$out/metrics-small-alltoall.json" \
+            || st=$?
+        train fp32-alltoall --preset small --dtype float32 --dispatcher alltoall || st=$?
+        train fp32-moe_comm --preset small --dtype float32 --dispatcher moe_comm || st=$?
         python3 recipes/megatron_moe/compare.py --max-loss-diff 1e-3 "$out/metrics-fp32-moe_comm.json" \
-            "$out/metrics-fp32-alltoall.json"
-        train dsv3-alltoall --preset dsv3 --dispatcher alltoall
-        train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync
-        python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" ;;
+            "$out/metrics-fp32-alltoall.json" || st=$?
+        train dsv3-alltoall --preset dsv3 --dispatcher alltoall || st=$?
+        train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync || st=$?
+        python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" \
+            || st=$? ;;
     deepep)
         gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
-        python3 scripts/bench_deepep.py --num-ranks "$gpus" --json "$out/deepep.json" --md "$out/deepep.md" 2>&1 \
+        # One GPU: two ranks sharing it, a check of the script and of the rows (no meaningful times).
+        if [ "$gpus" -ge 2 ]; then ranks=(--num-ranks "$gpus"); else ranks=(--num-ranks 2 --share-gpu); fi
+        python3 scripts/bench_deepep.py "${ranks[@]}" --json "$out/deepep.json" --md "$out/deepep.md" 2>&1 \
             | grep -v -i warn | tail -25 ;;
 esac
+st=$(( st ? st : $? ))
+return $st
 }
 
 rc=0
 for name in "$@"; do
     echo "== gpu_check.sh $name"
-    step "$name" || rc=$?
-    if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$out" .; fi
+    ( step "$name" ) || rc=$?  # a subshell: one step's exports (PYTHONPATH=/tmp/site) stay out of the next
+    if [ -n "${BUNDLE:-}" ]; then  # written aside and renamed: a time limit mid-tar leaves the last whole bundle
+        tar czf "$BUNDLE.part" --exclude="$(basename "$BUNDLE")*" -C "$out" . && mv "$BUNDLE.part" "$BUNDLE"
+    fi
 done
 exit $rc

@@ -267,7 +267,8 @@ def plot_floor(record: dict, path: str | pathlib.Path) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{record['title']}\ncommit {meta['commit'][:10]}, {meta['hardware']}, {record['date']}", fontsize=10)
+    commit = (meta.get("commit") or "no checkout")[:10]
+    fig.suptitle(f"{record['title']}\ncommit {commit}, {meta['hardware']}, {record['date']}", fontsize=10)
     fig.savefig(path, dpi=110)
 
 

@@ -125,9 +125,9 @@ __global__ void tma_fanout(Job job, int chunk_bytes) {
                                                     offset_in_row(i));
                 for (int64_t v = lane; v < n; v += 32) dst[v] = chunk[v];
             }
-            // Every lane's reads of the buffer before lane 0's next bulk load into it.
-            __syncwarp();
+            // Every lane's reads of the buffer (generic proxy) ordered before lane 0's next bulk load into it.
             fence_proxy_async();
+            __syncwarp();
             if (!kRefillFirst && lane == 0 && i + kStages < my_items) load(i + kStages);
             continue;
         }
@@ -157,7 +157,8 @@ int main() {
     cudaEvent_t start, stop;
     CHECK(cudaEventCreate(&start));
     CHECK(cudaEventCreate(&stop));
-#define ALLOW_SMEM(...) CHECK(cudaFuncSetAttribute(__VA_ARGS__, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024))
+#define ALLOW_SMEM(...) \
+    CHECK(cudaFuncSetAttribute(__VA_ARGS__, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024))
     ALLOW_SMEM(tma_fanout<2, true, false>);
     ALLOW_SMEM(tma_fanout<3, true, false>);
     ALLOW_SMEM(tma_fanout<4, true, false>);

@@ -30,7 +30,8 @@ class MoECommConfig:
             forward or backward waits for the host and the step can be captured in a CUDA graph. Needs
             `do_expand=True` and experts that take device counts (`MoECommGroupedMLP`); the worst case costs
             memory: `ranks * num_max_tokens_per_rank * min(top-k, local experts)` rows per layer.
-        num_sms: SMs for the communication kernels; 0 = `Buffer.get_theoretical_num_sms` (analytical model).
+        num_sms: SMs for the communication kernels; 0 = `Buffer.get_theoretical_num_sms` (analytical model; with
+            the expand layout it counts the receivers' fan-out: 88 SMs at EP2, top-8 of 256, against 22).
         async_comm: run dispatch and combine on the comm stream and wait only where the result is used
             (`dispatch_postprocess` / `combine_postprocess`), so work scheduled in between (shared experts,
             EP-overlap schedules) overlaps with the communication.
