@@ -126,11 +126,16 @@ def test_generated_header_is_in_the_cache_key(nvcc):
     assert a.key != b.key
 
 
-def test_copy_microbenchmark_compiles_for_sm90a(nvcc):
-    """benchmarks/microbench/copy_bench.cu (the per-SM copy floor the kernels are measured against) still builds."""
-    source = Path(__file__).resolve().parents[1] / "benchmarks" / "microbench" / "copy_bench.cu"
+MICROBENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "microbench"
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in MICROBENCH.glob("*.cu")))
+def test_microbenchmark_compiles_for_sm90a(name, nvcc):
+    """Every benchmarks/microbench/*.cu (the per-SM copy and fan-out floors the kernels are measured against) still
+    builds."""
+    source = MICROBENCH / f"{name}.cu"
     seconds = jit.compile_check([source], include_dirs=[cuda_kernels.INCLUDE_DIR], arch="sm_90a")
-    print(f"copy_bench: {seconds:.1f} s")
+    print(f"{name}: {seconds:.1f} s")
 
 
 # --- The host extension (csrc/torch/ops.cpp): allocations and per-call pointers, checked through fake launchers ---
