@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -240,3 +241,24 @@ def test_bench_deepep_refuses_what_it_cannot_run():
                               capture_output=True, text=True, timeout=120,
                               env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # no GPU, on any machine
         assert done.returncode == 2 and message in done.stderr, (argv, done.stderr)
+
+
+def test_gpu_check_runs_every_step_and_bundles(tmp_path):
+    """scripts/gpu_check.sh: an unknown step is refused before anything runs; known steps all run, the script exits
+    with the failure's status, and BUNDLE (inside OUT here) packs OUT after each step without packing itself."""
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path / "o"),
+           "BUNDLE": str(tmp_path / "o" / "all.tgz"),
+           "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # python3 = this one
+    refused = subprocess.run(["bash", script, "deepep", "tests bench"], capture_output=True, text=True, env=env,
+                             timeout=60)
+    assert refused.returncode == 2 and "usage: scripts/gpu_check.sh STEP" in refused.stderr
+    assert not (tmp_path / "o" / "all.tgz").exists()
+    # No GPU: the deepep step falls back to two ranks sharing one GPU, which bench_deepep refuses (status 2).
+    done = subprocess.run(["bash", script, "deepep", "deepep"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.count("== gpu_check.sh deepep") == 2
+    assert done.stdout.count("--share-gpu needs 1 GPU(s)") == 2
+    with tarfile.open(tmp_path / "o" / "all.tgz") as bundle:
+        assert not any("all.tgz" in name for name in bundle.getnames())
+    assert not (tmp_path / "o" / "all.tgz.part").exists()
