@@ -19,18 +19,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cuda_check.h"
 #include "moe_comm/common/copy.cuh"
 
 using namespace moe_comm;
-
-#define CHECK(call)                                                                              \
-    do {                                                                                         \
-        cudaError_t err_ = (call);                                                               \
-        if (err_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
 
 struct Job {
     const uint8_t* src;
