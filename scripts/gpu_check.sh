@@ -50,6 +50,8 @@ for name in "$@"; do
     [ "$known" = 1 ] || usage
 done
 
+num_gpus() { python3 -c "import torch; print(min(torch.cuda.device_count(), 8))"; }  # one rank per GPU, at most 8
+
 # One step; its status is the last failure among its commands (a step that runs several keeps going after one fails).
 step() {
 local st=0
@@ -61,7 +63,7 @@ case "$1" in
             tests/test_hybrid_gpu.py tests/test_shared_gpu.py tests/test_kernels_compile.py tests/test_quant.py \
             -k "not compiles_for_sm90a and not does_not_compile" 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
     bench)
-        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        gpus=$(num_gpus)
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --json "$out/bench.json" --md "$out/bench.md" \
             2>&1 | tail -45 || st=$?
         python3 scripts/bench.py --num-ranks "$gpus" --backend cuda --expand --sms 12 22 32 48 66 96 132 \
@@ -71,7 +73,7 @@ case "$1" in
                 --json "$out/bench-hybrid.json" --md "$out/bench-hybrid.md" 2>&1 | tail -30 || st=$?
         fi ;;
     overlap)
-        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        gpus=$(num_gpus)
         for e in "" "--expand"; do
             python3 scripts/bench_overlap.py --num-ranks "$gpus" $e --json "$out/overlap$e.json" \
                 --md "$out/overlap$e.md" 2>&1 | tail -16 || st=$?
@@ -79,7 +81,7 @@ case "$1" in
         python3 scripts/bench_primitives.py --num-ranks "$gpus" --json "$out/primitives.json" \
             --md "$out/primitives.md" 2>&1 | tail -24 || st=$? ;;
     soak)
-        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        gpus=$(num_gpus)
         python3 scripts/soak.py --iters 10000 --num-ranks "$gpus" --backend cuda --json "$out/soak.json" 2>&1 \
             | grep -v -i warn | tail -16 ;;
     megatron)
@@ -92,7 +94,7 @@ case "$1" in
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || return 1
         export PYTHONPATH=/tmp/site:$PYTHONPATH
-        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        gpus=$(num_gpus)
         python3 scripts/bench_layer.py --num-ranks "$gpus" --num-sms 0 66 132 --out "$out" 2>&1 | grep -v -i warn \
             | tail -30 ;;
     recipe)
@@ -122,7 +124,7 @@ case "$1" in
         python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" \
             || st=$? ;;
     deepep)
-        gpus=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+        gpus=$(num_gpus)
         # One GPU: two ranks sharing it, a check of the script and of the rows (no meaningful times).
         if [ "$gpus" -ge 2 ]; then ranks=(--num-ranks "$gpus"); else ranks=(--num-ranks 2 --share-gpu); fi
         python3 scripts/bench_deepep.py "${ranks[@]}" --json "$out/deepep.json" --md "$out/deepep.md" 2>&1 \

@@ -3,6 +3,7 @@ scripts/plot_results.py draws a PNG from that JSON."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -13,8 +14,20 @@ import tarfile
 
 import pytest
 
+from moe_comm.testing.bench import run_metadata
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def script_module(name: str):
+    """scripts/<name>.py as a module, imported with scripts/ on sys.path (the scripts import each other as they do
+    when run)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +119,8 @@ def test_bench_expand_counts_tokens_on_the_wire(tmp_path):
 
 def test_bench_layer_runs_and_report():
     """Route A once per SM count; the table gives both timings against the floor, the slowest rank's."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from bench_layer import report, runs
-    finally:
-        sys.path.pop(0)
+    module = script_module("bench_layer")
+    report, runs = module.report, module.runs
     assert runs(["alltoall + grouped", "route A (CPU sync)", "floor"], [0, 32]) == [
         ("alltoall + grouped", "alltoall + grouped", 0), ("route A (CPU sync)", "route A (CPU sync)", 0),
         ("route A (CPU sync), 32 SMs", "route A (CPU sync)", 32), ("floor", "floor", 0)]
@@ -127,12 +137,7 @@ def test_bench_layer_runs_and_report():
 def test_bench_overlap_report_and_plot(tmp_path):
     """The overlap table: the slowest rank's GEMM times and their ratios to the GEMM alone; the plotter draws the
     record's bars from the JSON alone."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from bench_overlap import report
-        from moe_comm.testing.bench import run_metadata
-    finally:
-        sys.path.pop(0)
+    report = script_module("bench_overlap").report
     config = {"num_ranks": 2, "tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8, "num_sms": 0,
               "expand": False, "iters": 20}
     row = lambda op, alone, hook: {"op": op, "op_us": 300.0, "op_hooked_us": 310.0, "gemm_rows": 1024,  # noqa: E731
@@ -155,12 +160,7 @@ def test_bench_overlap_report_and_plot(tmp_path):
 def test_bench_primitives_report_and_plot(tmp_path):
     """The primitives table: the slowest rank's times, GB/s from the bytes per rank, the GEMM ratios; the plotter
     draws the record from the JSON alone."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from bench_primitives import report
-        from moe_comm.testing.bench import run_metadata
-    finally:
-        sys.path.pop(0)
+    report = script_module("bench_primitives").report
     config = {"num_ranks": 2, "sizes_mb": [1, 4], "iters": 3}
 
     def rank(scale):
@@ -202,12 +202,8 @@ def test_floor_record_plot(tmp_path):
 def test_bench_deepep_report_and_plot(tmp_path):
     """moe_comm beside DeepEP: the slowest rank's times per op, their ratio, the row and combine checks; the plotter
     draws the record from the JSON alone."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from bench_deepep import OPS, report
-        from moe_comm.testing.bench import run_metadata
-    finally:
-        sys.path.pop(0)
+    module = script_module("bench_deepep")
+    OPS, report = module.OPS, module.report
     config = {"num_ranks": 2, "tokens": [128, 4096], "hidden": 7168, "num_experts": 256, "num_topk": 8,
               "num_sms": 24, "iters": 20, "share_gpu": False}
 
