@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 import moe_comm
 from moe_comm.backends.cuda import CudaTuning
@@ -20,14 +21,24 @@ from moe_comm.backends.cuda import CudaTuning
 
 @contextlib.contextmanager
 def on_gpu0():
-    """The gloo world group's buffers on cuda:0."""
+    """The gloo world group's buffers on cuda:0, each rank sized for its share of the GPU's SMs (the sizing model's
+    `num_sms=0` default would give every rank a whole GPU's worth: the ranks' kernels would then wait for SMs that
+    the others hold, which makes the tests slow, not wrong)."""
     torch.cuda.set_device(0)
-    original = moe_comm.Buffer.__dict__["group_device"]  # the staticmethod itself
+    original_device = moe_comm.Buffer.__dict__["group_device"]  # the staticmethod itself
+    original_topology = moe_comm.Buffer._machine_topology
+
+    def topology(self):
+        whole = original_topology(self)
+        return dataclasses.replace(whole, num_device_sms=max(2, whole.num_device_sms // dist.get_world_size() // 2 * 2))
+
     moe_comm.Buffer.group_device = staticmethod(lambda group: torch.device("cuda", 0))
+    moe_comm.Buffer._machine_topology = topology
     try:
         yield
     finally:
-        moe_comm.Buffer.group_device = original
+        moe_comm.Buffer.group_device = original_device
+        moe_comm.Buffer._machine_topology = original_topology
 
 
 @contextlib.contextmanager
