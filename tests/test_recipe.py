@@ -55,3 +55,18 @@ def test_tiny_preset_on_hybrid_path(tmp_path):
     stdout, data = run_tiny(tmp_path, 4, MOE_COMM_RANKS_PER_NODE="2")
     assert data["summary"]["domains"] == "2x2", data["summary"]
     assert re.search(r"^SUMMARY .*\| domains 2x2$", stdout, re.M), stdout
+
+
+def test_one_rank_with_megatron_experts_is_refused_before_building(monkeypatch, capsys):
+    """Megatron's SequentialMLP fails at expert parallelism 1 deep in its own mlp.py (an in-place bias add on a
+    view); the recipe says so up front and names the way out, and the grouped MLP's one-rank run is accepted."""
+    sys.path.insert(0, ROOT)
+    from recipes.megatron_moe.train import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "tiny"])
+    assert "--grouped-experts" in capsys.readouterr().err
+    assert parse_args(["--preset", "tiny", "--grouped-experts"]).grouped_experts
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parse_args(["--preset", "tiny"]).preset == "tiny"

@@ -95,6 +95,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--log-interval={args.log_interval} must be >= 1")
     if args.no_cpu_sync and args.dispatcher != "moe_comm":
         p.error(f"--no-cpu-sync is route A's (--dispatcher moe_comm), got --dispatcher {args.dispatcher}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1 and not (PRESETS[args.preset].grouped_experts or args.grouped_experts or args.no_cpu_sync):
+        # Megatron's expert MLP adds its bias in place to the output of a tensor-parallel reduce, which at expert
+        # parallelism 1 returns its input as-is (a view to autograd): "Output 0 of _ReduceFromModelParallelRegion
+        # is a view and is being modified inplace", in megatron-core 0.16.1 and 0.19.2 alike, any dispatcher.
+        p.error(f"one rank (WORLD_SIZE={world_size}): Megatron-core's SequentialMLP experts fail at expert "
+                f"parallelism 1 (mlp.py adds the bias in place to a view); run 2 or more ranks, or pass "
+                f"--grouped-experts (moe_comm's grouped MLP)")
     return args
 
 
