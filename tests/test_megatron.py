@@ -1045,3 +1045,63 @@ def test_gpu_sync_free_layer():
         assert_parity([result["parity"]], exact=False, rel_tol=BF16_REL_TOL)
         for replay in result["graph"]:
             assert_parity([replay], exact=False, rel_tol=BF16_REL_TOL)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared-GPU tier: the GPU cases above with two ranks on one GPU, for a machine with a single GPU: a gloo world
+# (NCCL refuses two ranks on one device; gloo stages Megatron's CUDA tensors through the host), moe_comm's buffers
+# on that GPU with their peers mapped by CUDA IPC (`moe_comm.testing.shared_gpu`), so route A and B run the CUDA
+# kernels at EP2. Correctness only.
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shared_gpu_pool():
+    with WorkerPool(2, backend="gloo", timeout_s=600) as pool:
+        yield pool
+
+
+def on_shared_gpu(rank: int, world_size: int, fn, *args):
+    """`fn(rank, world_size, *args)` with this rank's CUDA buffers on GPU 0, their peers over IPC."""
+    from moe_comm.testing.shared_gpu import every_buffer_over_ipc
+
+    with every_buffer_over_ipc():
+        return fn(rank, world_size, *args)
+
+
+SHARED_GPU_CASES = [case for case in GPU_CASES if case.topk != 1 or case.dtype == "float32"]
+
+
+@pytest.mark.parametrize("case", SHARED_GPU_CASES, ids=str)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_gpu_moe_layer_parity(shared_gpu_pool, case):
+    results = shared_gpu_pool.run(on_shared_gpu, layer_parity_rank, case, GPU_DIMS, {})
+    assert_parity(results, exact=False, rel_tol=_gpu_rel_tol(case))
+
+
+@pytest.mark.parametrize("route", ["A", "B"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_gpu_gpt_parity_bf16(shared_gpu_pool, route):
+    case = Case(route, 2, do_expand=route == "A", backend="auto", dtype="bfloat16")
+    results = shared_gpu_pool.run(on_shared_gpu, gpt_parity_rank, case, dataclasses.replace(GPT_DIMS, hidden_size=256),
+                                  3)
+    assert_parity(results, exact=False, rel_tol=BF16_REL_TOL)
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_gpu_fp8_wire(shared_gpu_pool, do_expand):
+    case = Case("A", 2, do_expand=do_expand, backend="auto", dtype="bfloat16")
+    results = shared_gpu_pool.run(on_shared_gpu, dispatcher_parity_rank, case, GPU_DIMS, 16, "fp8_block128")
+    assert_parity(results, exact=False, rel_tol=BF16_REL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_gpu_sync_free_layer(shared_gpu_pool):
+    """EP2 on one GPU: parity with alltoall + SequentialMLP and no host sync (the graph replay runs on one GPU per
+    rank in test_gpu_sync_free_layer)."""
+    results = shared_gpu_pool.run(on_shared_gpu, sync_free_layer_rank, "bfloat16", 2, False)
+    for result in results:
+        assert_parity([result["parity"]], exact=False, rel_tol=BF16_REL_TOL)
