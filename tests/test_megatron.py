@@ -1060,11 +1060,16 @@ def shared_gpu_pool():
 
 
 def on_shared_gpu(rank: int, world_size: int, fn, *args):
-    """`fn(rank, world_size, *args)` with this rank's CUDA buffers on GPU 0, their peers over IPC."""
+    """`fn(rank, world_size, *args)` with this rank's CUDA buffers on GPU 0, their peers over IPC; checks that the
+    integration's buffers ran the CUDA backend (backend "auto" would fall back to the reference with a warning)."""
+    from moe_comm.integrations.megatron.buffers import _buffers
     from moe_comm.testing.shared_gpu import every_buffer_over_ipc
 
     with every_buffer_over_ipc():
-        return fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args)
+    backends = {buf._impl.name for buf in _buffers.values()}
+    assert backends == {"cuda"}, f"the integration's buffers ran {backends or 'nothing'}, not the CUDA backend"
+    return result
 
 
 SHARED_GPU_CASES = [case for case in GPU_CASES if case.topk != 1 or case.dtype == "float32"]
