@@ -17,7 +17,9 @@ schedule with plain steps of the same model instead, bitwise.
 
 The fast subset runs in CI; the full matrix (routes x top-k 1/2/4 x expand x sync/async) is marked `slow`.
 GPU tier (`gpu`, skipped without 2 GPUs): the same on NCCL with backend "auto" (the CUDA backend where
-built), fp32 and bf16, plus FP8 on the wire against alltoall over quantize-dequantized inputs.
+built), fp32 and bf16, plus FP8 on the wire against alltoall over quantize-dequantized inputs. Shared-GPU tier
+(`gpu`, any GPU): those cases with two ranks on GPU 0 (gloo, moe_comm's buffers over CUDA IPC), so a one-GPU
+machine runs routes A and B on the CUDA kernels at EP2.
 """
 
 from __future__ import annotations
