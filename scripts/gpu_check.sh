@@ -23,7 +23,8 @@
 #   scripts/gpu_check.sh recipe     the recipe (2 GPUs): `small` 50 steps bf16 with alltoall and moe_comm, `small` 50
 #                                   steps fp32 (max |loss diff| <= 1e-3), `dsv3` alltoall + grouped experts against
 #                                   moe_comm's sync-free layer (.whl with megatron-core; wandb and its needs too, else
-#                                   the runs go with --no-wandb)
+#                                   the runs go with --no-wandb); one GPU: the `small` runs with 2 ranks sharing it
+#                                   (--share-gpu: the loss curves hold, the times mean nothing), no dsv3
 #   scripts/gpu_check.sh deepep     scripts/bench_deepep.py: DeepEP V1 beside moe_comm on the same inputs (one GPU:
 #                                   2 ranks sharing it, a check only); needs DeepEP v1.2.1 built intranode-only on
 #                                   PYTHONPATH, never committed (NOTES.md, eighteenth session, says how) (~1 min)
@@ -105,11 +106,14 @@ case "$1" in
         # Without wandb's wheels in .whl the runs still give their metrics JSON (the comparison reads those).
         local no_wandb=""
         python3 -c "import wandb" 2>/dev/null || { no_wandb=--no-wandb; echo "wandb not importable: --no-wandb"; }
+        # One GPU: the two ranks share it (gloo, buffers over CUDA IPC): the loss curves hold, the times do not.
+        local share=""
+        [ "$(num_gpus)" -ge 2 ] || share=--share-gpu
         train() {  # name, then train.py arguments
             local name=$1
             shift
             python3 -m torch.distributed.run --standalone --nproc-per-node 2 recipes/megatron_moe/train.py $no_wandb \
-                --out /tmp/runs --metrics-json "$out/metrics-$name.json" "$@" 2>&1 | tee "$out/train-$name.log" \
+                $share --out /tmp/runs --metrics-json "$out/metrics-$name.json" "$@" 2>&1 | tee "$out/train-$name.log" \
                 | grep -E "^(SUMMARY|wandb)"
         }
         train small-alltoall --preset small --dispatcher alltoall || st=$?
@@ -120,6 +124,7 @@ case "$1" in
         train fp32-moe_comm --preset small --dtype float32 --dispatcher moe_comm || st=$?
         python3 recipes/megatron_moe/compare.py --max-loss-diff 1e-3 "$out/metrics-fp32-moe_comm.json" \
             "$out/metrics-fp32-alltoall.json" || st=$?
+        [ -z "$share" ] || return $st  # dsv3: ~114 GB per rank, one rank per GPU
         train dsv3-alltoall --preset dsv3 --dispatcher alltoall || st=$?
         train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync || st=$?
         python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" \

@@ -70,3 +70,15 @@ def test_one_rank_with_megatron_experts_is_refused_before_building(monkeypatch, 
     assert parse_args(["--preset", "tiny", "--grouped-experts"]).grouped_experts
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert parse_args(["--preset", "tiny"]).preset == "tiny"
+
+
+def test_share_gpu_needs_cuda(monkeypatch, capsys):
+    """`--share-gpu` (every rank on GPU 0) is refused up front on a machine without CUDA."""
+    sys.path.insert(0, ROOT)
+    from recipes.megatron_moe.train import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "tiny", "--share-gpu"])
+    assert "--share-gpu" in capsys.readouterr().err

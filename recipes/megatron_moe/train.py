@@ -19,6 +19,7 @@ for `compare.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -88,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wandb-run-name", default=None)
     p.add_argument("--no-wandb", action="store_true")
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every rank on GPU 0, gloo between them, moe_comm's buffers over CUDA IPC: results of expert "
+                        "parallelism > 1 (loss curves) on a one-GPU machine; its times mean nothing")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps={args.steps} must be >= 1")
@@ -95,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--log-interval={args.log_interval} must be >= 1")
     if args.no_cpu_sync and args.dispatcher != "moe_comm":
         p.error(f"--no-cpu-sync is route A's (--dispatcher moe_comm), got --dispatcher {args.dispatcher}")
+    if args.share_gpu and not torch.cuda.is_available():
+        p.error("--share-gpu puts every rank on GPU 0 and needs CUDA; this torch sees no GPU")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 and not (PRESETS[args.preset].grouped_experts or args.grouped_experts or args.no_cpu_sync):
         # Megatron's expert MLP adds its bias in place to the output of a tensor-parallel reduce, which at expert
@@ -267,7 +273,7 @@ def main(argv=None) -> int:
     steps = args.steps or preset.steps
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(1)  # one core per rank
         from recipes.megatron_moe.cpu_shims import apply_cpu_shims
@@ -275,7 +281,22 @@ def main(argv=None) -> int:
         apply_cpu_shims()
     if preset.dtype == torch.bfloat16 and not use_cuda:
         print("warning: the bf16 preset on CPU is slow; use --preset tiny", file=sys.stderr)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    # NCCL refuses two ranks on one GPU; gloo stages the CUDA tensors of Megatron's collectives through the host.
+    dist.init_process_group("nccl" if use_cuda and not args.share_gpu else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    with contextlib.ExitStack() as stack:
+        if args.share_gpu:
+            from moe_comm.testing.shared_gpu import every_buffer_over_ipc
+
+            stack.enter_context(every_buffer_over_ipc())
+        train(args, preset, grouped, steps, use_cuda)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool) -> None:
+    """Build the model and run `steps` training steps; rank 0 logs, writes the metrics and prints the summary."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     initialize_megatron(world_size, args.seed)
@@ -349,7 +370,7 @@ def main(argv=None) -> int:
         run_dir = os.path.dirname(run.dir) if run is not None else "none (--no-wandb)"
         summary = dict(preset=args.preset, dispatcher=args.dispatcher, steps=steps, seed=args.seed,
                        world_size=world_size, first_loss=history[0]["loss"], final_loss=history[-1]["loss"],
-                       domains=domains_in_use(args.dispatcher), wandb_run_dir=run_dir,
+                       domains=domains_in_use(args.dispatcher), share_gpu=args.share_gpu, wandb_run_dir=run_dir,
                        **{f"mean_{k}": v for k, v in mean.items()})
         if run is not None:
             run.summary.update({k: v for k, v in summary.items() if k != "wandb_run_dir"})
@@ -360,13 +381,11 @@ def main(argv=None) -> int:
         print(f"SUMMARY preset={args.preset} dispatcher={args.dispatcher} steps={steps} "
               f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
               f"{mean['tokens_per_s']:.0f} tokens/s | dispatch {mean['dispatch_ms']:.2f} ms, "
-              f"combine {mean['combine_ms']:.2f} ms per step | domains {summary['domains']}")
+              f"combine {mean['combine_ms']:.2f} ms per step | domains {summary['domains']}"
+              + (" | SHARING GPU 0 (times mean nothing)" if args.share_gpu else ""))
         print(f"wandb run directory: {run_dir}")
     if restore_flex is not None:
         restore_flex()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
