@@ -19,24 +19,26 @@ pytest.importorskip("wandb", reason="wandb is not installed (pip install 'moe_co
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_tiny(tmp_path, num_ranks: int, **env_vars: str) -> tuple[str, dict]:
-    """`tiny`, 4 steps on `num_ranks` gloo processes; (stdout, metrics JSON) after checking the log lines."""
-    metrics = tmp_path / "metrics.json"
+def run_tiny(tmp_path, num_ranks: int, *args: str, dispatcher: str = "moe_comm", **env_vars: str) -> tuple[str, dict]:
+    """`tiny`, 4 steps on `num_ranks` gloo processes with train.py's `args`; (stdout, metrics JSON) after checking the
+    log lines."""
+    metrics = tmp_path / f"metrics-{dispatcher}.json"
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ROOT, **env_vars}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(num_ranks),
            os.path.join(ROOT, "recipes", "megatron_moe", "train.py"), "--preset", "tiny", "--steps", "4",
-           "--log-interval", "2", "--out", str(tmp_path), "--metrics-json", str(metrics), "--timeout-s", "60"]
+           "--log-interval", "2", "--out", str(tmp_path), "--metrics-json", str(metrics), "--timeout-s", "60",
+           "--dispatcher", dispatcher, *args]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
-    assert re.search(r"^step +4/4 \| loss [0-9.]+ \|.*\| moe_comm$", proc.stdout, re.M), proc.stdout
-    assert re.search(r"^SUMMARY preset=tiny dispatcher=moe_comm steps=4 ", proc.stdout, re.M), proc.stdout
+    assert re.search(rf"^step +4/4 \| loss [0-9.]+ \|.*\| {dispatcher}$", proc.stdout, re.M), proc.stdout
+    assert re.search(rf"^SUMMARY preset=tiny dispatcher={dispatcher} steps=4 ", proc.stdout, re.M), proc.stdout
     data = json.loads(metrics.read_text())
     assert "train.py" in data["metadata"]["command"] and data["metadata"]["torch"], data["metadata"]
     assert [h["step"] for h in data["history"]] == [1, 2, 3, 4]
     for h in data["history"]:
         assert math.isfinite(h["loss"]) and h["tokens_per_s"] > 0 and h["dispatch_ms"] > 0 and h["combine_ms"] > 0, h
-        assert h["num_sms"] > 0, h
+        assert h["num_sms"] > 0 or dispatcher == "alltoall", h
     return proc.stdout, data
 
 
@@ -82,3 +84,12 @@ def test_share_gpu_needs_cuda(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--preset", "tiny", "--share-gpu"])
     assert "--share-gpu" in capsys.readouterr().err
+
+
+def test_deterministic_expand_run_reproduces_alltoall_losses(tmp_path):
+    """`--deterministic` (the GPU loss-curve comparison's setting) with route A's expand layout against Megatron's
+    alltoall, fp32: every step's loss bitwise the same (a token's rows are summed in Megatron's order)."""
+    _, ours = run_tiny(tmp_path, 2, "--deterministic", "--do-expand", "--no-wandb")
+    _, theirs = run_tiny(tmp_path, 2, "--deterministic", "--no-wandb", dispatcher="alltoall")
+    assert ours["summary"]["deterministic"] and ours["summary"]["do_expand"] and ours["summary"]["dtype"] == "float32"
+    assert [h["loss"] for h in ours["history"]] == [h["loss"] for h in theirs["history"]]

@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wandb-run-name", default=None)
     p.add_argument("--no-wandb", action="store_true")
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms and Megatron's deterministic_mode: two runs with one seed "
+                        "give the same losses on GPUs too (Megatron's unpermute then adds with index_add_, not "
+                        "scatter_add_'s atomics); for loss-curve comparisons")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0, gloo between them, moe_comm's buffers over CUDA IPC: results of expert "
                         "parallelism > 1 (loss curves) on a one-GPU machine; its times mean nothing")
@@ -272,6 +276,9 @@ def main(argv=None) -> int:
     grouped = preset.grouped_experts or args.grouped_experts or args.no_cpu_sync
     steps = args.steps or preset.steps
     use_cuda = torch.cuda.is_available()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: torch requires it
+        torch.use_deterministic_algorithms(True)
     if use_cuda:
         torch.cuda.set_device(0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", "0")))
     else:
@@ -312,7 +319,8 @@ def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool) -> No
             moe_comm_config = MoECommConfig(backend=args.backend, do_expand=args.do_expand or args.no_cpu_sync,
                                             do_cpu_sync=not args.no_cpu_sync, quantize=args.quantize)
     swiglu = dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu) if preset.swiglu else {}
-    config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype, **swiglu)
+    config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype,
+                                deterministic_mode=args.deterministic, **swiglu)
     model = build_gpt(config, preset.dims, args.dispatcher, moe_comm_config, grouped_experts=grouped).to(device)
     timer = CommTimer(use_cuda)
     for layer in model.decoder.layers:
@@ -370,7 +378,9 @@ def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool) -> No
         run_dir = os.path.dirname(run.dir) if run is not None else "none (--no-wandb)"
         summary = dict(preset=args.preset, dispatcher=args.dispatcher, steps=steps, seed=args.seed,
                        world_size=world_size, first_loss=history[0]["loss"], final_loss=history[-1]["loss"],
-                       domains=domains_in_use(args.dispatcher), share_gpu=args.share_gpu, wandb_run_dir=run_dir,
+                       domains=domains_in_use(args.dispatcher), dtype=str(preset.dtype).replace("torch.", ""),
+                       do_expand=args.do_expand or args.no_cpu_sync, deterministic=args.deterministic,
+                       share_gpu=args.share_gpu, wandb_run_dir=run_dir,
                        **{f"mean_{k}": v for k, v in mean.items()})
         if run is not None:
             run.summary.update({k: v for k, v in summary.items() if k != "wandb_run_dir"})
