@@ -272,36 +272,54 @@ def plot_floor(record: dict, path: str | pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plot_recipe(runs: list[dict], path: str | pathlib.Path) -> None:
-    """Write loss and tokens/s per step of recipe runs to `path` (PNG).
+def plot_recipe(runs: list[dict], path: str | pathlib.Path, labels: list[str] | None = None) -> None:
+    """Write loss and tokens/s per step of recipe runs to `path` (PNG), and with several runs each one's loss
+    difference from the first run's.
 
     Arguments:
-        runs: metrics records (`train.py --metrics-json`), one line each, labelled by dispatcher.
+        runs: metrics records (`train.py --metrics-json`), one line each.
         path: where the PNG goes.
+        labels: one per run (default: the dispatchers).
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 4.8), layout="constrained")
-    loss_ax, speed_ax = fig.subplots(1, 2)
-    for run in runs:
+    labels = labels or [run["summary"]["dispatcher"] for run in runs]
+    panels = 3 if len(runs) > 1 else 2
+    fig = Figure(figsize=(6.5 * panels, 4.8), layout="constrained")
+    axes = fig.subplots(1, panels)
+    loss_ax, speed_ax = axes[:2]
+    base = {h["step"]: h["loss"] for h in runs[0]["history"]}
+    for i, (run, label) in enumerate(zip(runs, labels)):
         summary, history = run["summary"], run["history"]
         steps = [h["step"] for h in history]
-        loss_ax.plot(steps, [h["loss"] for h in history], label=summary["dispatcher"])
+        color = f"C{i % 10}"  # one color per run in every panel (the difference panel has no first run)
+        loss_ax.plot(steps, [h["loss"] for h in history], label=label, color=color)
         # Step 1 is the warm-up (JIT, allocator): it would squash the axis.
-        speed_ax.plot(steps[1:], [h["tokens_per_s"] / 1e3 for h in history[1:]],
-                      label=f"{summary['dispatcher']} (mean {summary['mean_tokens_per_s'] / 1e3:.1f}k)")
+        speed_ax.plot(steps[1:], [h["tokens_per_s"] / 1e3 for h in history[1:]], color=color,
+                      label=f"{label} (mean {summary['mean_tokens_per_s'] / 1e3:.1f}k)")
+        if panels == 3 and i > 0:
+            both = [h for h in history if h["step"] in base]
+            axes[2].plot([h["step"] for h in both], [abs(h["loss"] - base[h["step"]]) for h in both], label=label,
+                         color=color)
+    if panels == 3:
+        axes[2].set_yscale("symlog", linthresh=1e-6)  # 0 (bitwise the same) stays on the axis
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel(f"|loss - loss of {labels[0]}|")
+        axes[2].set_title(f"difference from {labels[0]}", fontsize=10)
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss")
     loss_ax.set_title("loss per step", fontsize=10)
     speed_ax.set_xlabel("step")
     speed_ax.set_ylabel("thousand tokens/s")
     speed_ax.set_title("throughput per step (from step 2)", fontsize=10)
-    for ax in (loss_ax, speed_ax):
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     first = runs[0]["summary"]
+    shared = any(run["summary"].get("share_gpu") for run in runs)
     fig.suptitle(f"recipe preset {first['preset']}, {first['steps']} steps, seed {first['seed']}, "
-                 f"{first['world_size']} ranks", fontsize=10)
+                 f"{first['world_size']} ranks" + (", sharing one GPU (times mean nothing)" if shared else ""),
+                 fontsize=10)
     fig.savefig(path, dpi=110)
 
 
@@ -323,9 +341,11 @@ def main(argv: list[str] | None = None) -> None:
         plot_floor(records[0], out)
     elif all({"summary", "history"} <= record.keys() for record in records):
         plot_recipe(records, out)
+    elif len(records) == 1 and "runs" in records[0]:  # recipe runs gathered in one file, each with its label
+        plot_recipe(records[0]["runs"], out, [run["label"] for run in records[0]["runs"]])
     else:
-        parser.error("each file must be a bench JSON (a `table`), a floor record (`floor`) or recipe metrics "
-                     "(`summary` and `history`)")
+        parser.error("each file must be a bench JSON (a `table`), a floor record (`floor`), recipe metrics "
+                     "(`summary` and `history`) or recipe runs gathered under `runs`")
     print(out)
 
 

@@ -199,6 +199,20 @@ def test_floor_record_plot(tmp_path):
     plots_from_json(record, tmp_path)
 
 
+def test_recipe_runs_plot(tmp_path):
+    """Recipe runs gathered under `runs` (benchmarks/loss-curves_*.json) plot from the JSON alone, with a panel of
+    each run's loss difference from the first run's (a run equal to it bit for bit stays on the axis at 0)."""
+    def run(label, losses):
+        history = [{"step": i + 1, "loss": loss, "tokens_per_s": 1e4 + i} for i, loss in enumerate(losses)]
+        return {"label": label, "summary": {"dispatcher": label.split()[0], "preset": "small", "steps": len(losses),
+                                            "seed": 1234, "world_size": 2, "share_gpu": True,
+                                            "mean_tokens_per_s": 1e4},
+                "history": history}
+    record = {"runs": [run("alltoall", [10.0, 9.5, 9.2]), run("alltoall again", [10.0, 9.5, 9.2]),
+                       run("moe_comm expand", [10.0, 9.5000001, 9.1])]}
+    plots_from_json(record, tmp_path)
+
+
 def test_bench_deepep_report_and_plot(tmp_path):
     """moe_comm beside DeepEP: the slowest rank's times per op, their ratio, the row and combine checks; the plotter
     draws the record from the JSON alone."""
