@@ -118,10 +118,6 @@ case "$1" in
                 $share --out /tmp/runs --metrics-json "$out/metrics-$name.json" "$@" 2>&1 | tee "$out/train-$name.log" \
                 | grep -E "^(SUMMARY|wandb)"
         }
-        train small-alltoall --preset small --dispatcher alltoall || st=$?
-        train small-moe_comm --preset small --dispatcher moe_comm || st=$?
-        python3 recipes/megatron_moe/compare.py "$out/metrics-small-moe_comm.json" "$out/metrics-small-alltoall.json" \
-            || st=$?
         # fp32 loss curves: without deterministic algorithms alltoall differs from itself run to run (Megatron's
         # unpermute adds with atomics) and training amplifies it past 1e-3 within ~20 steps (NOTES.md, nineteenth
         # session); so --deterministic, and the expand layout, which sums a token's rows in Megatron's order
@@ -133,6 +129,10 @@ case "$1" in
         train fp32-moe_comm-rows --preset small --dtype float32 --deterministic --dispatcher moe_comm || st=$?
         python3 recipes/megatron_moe/compare.py "$out/metrics-fp32-moe_comm-rows.json" \
             "$out/metrics-fp32-alltoall.json" || st=$?
+        train small-alltoall --preset small --dispatcher alltoall || st=$?
+        train small-moe_comm --preset small --dispatcher moe_comm || st=$?
+        python3 recipes/megatron_moe/compare.py "$out/metrics-small-moe_comm.json" "$out/metrics-small-alltoall.json" \
+            || st=$?
         [ -z "$share" ] || return $st  # dsv3: ~114 GB per rank, one rank per GPU
         train dsv3-alltoall --preset dsv3 --dispatcher alltoall || st=$?
         train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync || st=$?
