@@ -19,6 +19,9 @@ rank is reported):
   experts' probabilities are constants there, so the floor leaves out their gradient's small reduction: it is a
   little low, and the ratios against it a little pessimistic.
 
+`--share-gpu` runs the ranks on GPU 0 (gloo between them, moe_comm's buffers over CUDA IPC): every variant's code at
+EP > 1 on a one-GPU machine, a check before a run on real GPUs; its times mean nothing.
+
 `--num-sms 0 32 132` runs each route A variant once per SM count of moe_comm's kernels (0: the analytical model,
 whose count keeps NVLink busy; the expand layout's receivers also write each token once per local expert it chose).
 
@@ -98,6 +101,15 @@ def _time_b2b_ms(step, iters: int) -> float:
 
 
 def bench_rank(rank: int, world_size: int, args: dict) -> dict:
+    if not args.get("share_gpu"):
+        return _bench_variants(rank, world_size, args)
+    from moe_comm.testing.shared_gpu import every_buffer_over_ipc
+
+    with every_buffer_over_ipc():
+        return _bench_variants(rank, world_size, args)
+
+
+def _bench_variants(rank: int, world_size: int, args: dict) -> dict:
     from recipes.megatron_moe import model as recipe_model
 
     recipe_model.initialize_megatron(world_size, 0)
@@ -195,7 +207,9 @@ def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
     base = ms.get("alltoall + grouped")
     lines = [f"MoE layer forward + backward, EP{config['num_ranks']} ({meta.get('gpu')}), hidden {config['hidden']}, "
              f"{config['num_experts']} experts, top-{config['topk']}, moe ffn {config['ffn']}, SwiGLU, bf16, "
-             f"{config['tokens']} tokens per rank; median of {config['iters']}, slowest rank",
+             f"{config['tokens']} tokens per rank; median of {config['iters']}, slowest rank"
+             + ("; SHARING GPU 0 (a check of the code at EP > 1: the times mean nothing)" if config.get("share_gpu")
+                else ""),
              f"commit {meta.get('commit')} (dirty: {meta.get('dirty')}), torch {meta.get('torch')}, CUDA "
              f"{meta.get('cuda')}, NCCL {meta.get('nccl')}, Python {meta.get('python')}",
              f"command: `{meta.get('command')}`", "",
@@ -258,18 +272,23 @@ def main() -> None:
     parser.add_argument("--num-sms", type=int, nargs="+", default=[0],
                         help="SMs of moe_comm's kernels in the route A variants, one run per value (0: the model's)")
     parser.add_argument("--out", default=None, help="write bench_layer.md/.json/.png here")
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="every rank on GPU 0 (gloo, buffers over CUDA IPC): checks EP > 1 on one GPU, no timings")
     args = parser.parse_args()
-    if torch.cuda.device_count() < args.num_ranks:
+    if args.share_gpu and torch.cuda.device_count() < 1:
+        parser.error("--share-gpu puts every rank on GPU 0 and needs CUDA; this torch sees no GPU")
+    if torch.cuda.device_count() < args.num_ranks and not args.share_gpu:
         parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs, found {torch.cuda.device_count()}")
     if len(set(args.num_sms)) < len(args.num_sms) or any(n < 0 or n == 1 for n in args.num_sms):
         parser.error(f"--num-sms={args.num_sms}: distinct values, each 0 (the model's count) or at least 2 (a "
                      f"sender and a receiver block)")
     config = {k: getattr(args, k) for k in ("tokens", "hidden", "num_experts", "topk", "ffn", "iters", "seed",
                                             "variants", "num_sms")}
-    config["num_ranks"] = args.num_ranks
+    config.update(num_ranks=args.num_ranks, share_gpu=args.share_gpu)
     meta = run_metadata(sys.argv)
     start = time.monotonic()
-    per_rank = parallel_launch(args.num_ranks, bench_rank, config, backend="nccl", timeout_s=1800)
+    per_rank = parallel_launch(args.num_ranks, bench_rank, config, backend="gloo" if args.share_gpu else "nccl",
+                               timeout_s=1800)
     text, record = report(config, per_rank, meta)
     print(text)
     print(f"({time.monotonic() - start:.0f} s)")

@@ -20,7 +20,8 @@
 #                                   --python-version 3.12 -d .whl)
 #   scripts/gpu_check.sh layer      scripts/bench_layer.py: one DeepSeek-V3-shaped MoE layer with every dispatcher
 #                                   against its compute-only floor, route A at the model's SM count, 66 and 132
-#                                   (.whl as above)
+#                                   (.whl as above); one GPU: EP1, then every variant at EP2 with 2 ranks sharing
+#                                   it (--share-gpu, 1024 tokens: a check of the code, no timings)
 #   scripts/gpu_check.sh recipe     the recipe (2 GPUs): `small` 50 steps bf16 with alltoall and moe_comm, `small` 50
 #                                   steps fp32 deterministic (expand layout: max |loss diff| <= 1e-3; the other one
 #                                   reported), `dsv3` alltoall + grouped experts against moe_comm's sync-free layer
@@ -100,7 +101,11 @@ case "$1" in
         export PYTHONPATH=/tmp/site:$PYTHONPATH
         gpus=$(num_gpus)
         python3 scripts/bench_layer.py --num-ranks "$gpus" --num-sms 0 66 132 --out "$out" 2>&1 | grep -v -i warn \
-            | tail -30 ;;
+            | tail -30 || st=$?
+        if [ "$gpus" -lt 2 ]; then  # every variant at EP2 with 2 ranks sharing the GPU: a check, not a timing
+            python3 scripts/bench_layer.py --num-ranks 2 --share-gpu --tokens 1024 --iters 3 --out "$out/shared" \
+                2>&1 | grep -v -i warn | tail -12 || st=$?
+        fi ;;
     recipe)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || return 1

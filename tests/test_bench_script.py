@@ -253,6 +253,16 @@ def test_bench_deepep_refuses_what_it_cannot_run():
         assert done.returncode == 2 and message in done.stderr, (argv, done.stderr)
 
 
+def test_bench_layer_refuses_missing_gpus():
+    """Checked before any rank starts: one GPU per rank, or at least one for `--share-gpu` (GPUs hidden)."""
+    for argv, message in ((["--num-ranks", "2"], "--num-ranks=2 needs as many GPUs"),
+                          (["--share-gpu"], "--share-gpu puts every rank on GPU 0 and needs CUDA")):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer.py"), *argv],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # no GPU, on any machine
+        assert done.returncode == 2 and message in done.stderr, (argv, done.stderr)
+
+
 def test_gpu_check_runs_every_step_and_bundles(tmp_path):
     """scripts/gpu_check.sh: an unknown step is refused before anything runs; known steps all run, the script exits
     with the failure's status, and BUNDLE (inside OUT here) packs OUT after each step without packing itself."""
