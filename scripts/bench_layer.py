@@ -34,6 +34,7 @@ Writes a markdown table, a JSON record (with `moe_comm.testing.bench.run_metadat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -101,11 +102,9 @@ def _time_b2b_ms(step, iters: int) -> float:
 
 
 def bench_rank(rank: int, world_size: int, args: dict) -> dict:
-    if not args.get("share_gpu"):
-        return _bench_variants(rank, world_size, args)
     from moe_comm.testing.shared_gpu import every_buffer_over_ipc
 
-    with every_buffer_over_ipc():
+    with every_buffer_over_ipc() if args["share_gpu"] else contextlib.nullcontext():
         return _bench_variants(rank, world_size, args)
 
 

@@ -17,7 +17,9 @@ A floor record (a microbenchmark's rows, e.g. `benchmarks/fanout-floor_*.json`):
 line per method and a panel per case.
 
 Recipe metrics (`recipes/megatron_moe/train.py --metrics-json`, one file per dispatcher of the same preset and
-seed): loss and tokens/s per step, one line per file.
+seed): loss and tokens/s per step, one line per file; with several runs a third panel has each run's |loss
+difference| from the first run's at the steps both have. Runs gathered in one file under `runs`, each with its
+`label` (`benchmarks/loss-curves_*.json`), plot the same way.
 
     python scripts/plot_results.py RESULT.json [-o RESULT.png]
     python scripts/plot_results.py METRICS.json [METRICS.json ...] -o OUT.png
@@ -317,7 +319,8 @@ def plot_recipe(runs: list[dict], path: str | pathlib.Path, labels: list[str] | 
         ax.legend(fontsize=8)
     first = runs[0]["summary"]
     shared = any(run["summary"].get("share_gpu") for run in runs)
-    fig.suptitle(f"recipe preset {first['preset']}, {first['steps']} steps, seed {first['seed']}, "
+    num_steps = sorted({run["summary"]["steps"] for run in runs})
+    fig.suptitle(f"recipe preset {first['preset']}, {' or '.join(map(str, num_steps))} steps, seed {first['seed']}, "
                  f"{first['world_size']} ranks" + (", sharing one GPU (times mean nothing)" if shared else ""),
                  fontsize=10)
     fig.savefig(path, dpi=110)

@@ -1063,10 +1063,12 @@ def shared_gpu_pool():
 
 def on_shared_gpu(rank: int, world_size: int, fn, *args):
     """`fn(rank, world_size, *args)` with this rank's CUDA buffers on GPU 0, their peers over IPC; checks that the
-    integration's buffers ran the CUDA backend (backend "auto" would fall back to the reference with a warning)."""
-    from moe_comm.integrations.megatron.buffers import _buffers
+    integration's buffers, made afresh for the call, ran the CUDA backend (backend "auto" would fall back to the
+    reference with a warning)."""
+    from moe_comm.integrations.megatron.buffers import _buffers, clear_buffers
     from moe_comm.testing.shared_gpu import every_buffer_over_ipc
 
+    clear_buffers()
     with every_buffer_over_ipc():
         result = fn(rank, world_size, *args)
     backends = {buf._impl.name for buf in _buffers.values()}
@@ -1074,10 +1076,7 @@ def on_shared_gpu(rank: int, world_size: int, fn, *args):
     return result
 
 
-SHARED_GPU_CASES = [case for case in GPU_CASES if case.topk != 1 or case.dtype == "float32"]
-
-
-@pytest.mark.parametrize("case", SHARED_GPU_CASES, ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shared_gpu_moe_layer_parity(shared_gpu_pool, case):
@@ -1095,12 +1094,13 @@ def test_shared_gpu_gpt_parity_bf16(shared_gpu_pool, route):
     assert_parity(results, exact=False, rel_tol=BF16_REL_TOL)
 
 
+@pytest.mark.parametrize("quantize", ["fp8_block128", "mxfp8"])
 @pytest.mark.parametrize("do_expand", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_shared_gpu_fp8_wire(shared_gpu_pool, do_expand):
+def test_shared_gpu_fp8_wire(shared_gpu_pool, quantize, do_expand):
     case = Case("A", 2, do_expand=do_expand, backend="auto", dtype="bfloat16")
-    results = shared_gpu_pool.run(on_shared_gpu, dispatcher_parity_rank, case, GPU_DIMS, 16, "fp8_block128")
+    results = shared_gpu_pool.run(on_shared_gpu, dispatcher_parity_rank, case, GPU_DIMS, 16, quantize)
     assert_parity(results, exact=False, rel_tol=BF16_REL_TOL)
 
 

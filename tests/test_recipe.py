@@ -59,37 +59,51 @@ def test_tiny_preset_on_hybrid_path(tmp_path):
     assert re.search(r"^SUMMARY .*\| domains 2x2$", stdout, re.M), stdout
 
 
+def refused(parse_args, argv: list[str], capsys) -> str:
+    """train.py's message for `argv` (its parser exits with status 2), without the usage line."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
 def test_one_rank_with_megatron_experts_is_refused_before_building(monkeypatch, capsys):
     """Megatron's SequentialMLP fails at expert parallelism 1 deep in its own mlp.py (an in-place bias add on a
-    view); the recipe says so up front and names the way out, and the grouped MLP's one-rank run is accepted."""
-    sys.path.insert(0, ROOT)
+    view); the recipe says so up front and names the way out, and the grouped MLP's one-rank run is accepted.
+    Started without torchrun, it says to use torchrun."""
+    monkeypatch.syspath_prepend(ROOT)
     from recipes.megatron_moe.train import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(SystemExit):
-        parse_args(["--preset", "tiny"])
-    assert "--grouped-experts" in capsys.readouterr().err
+    assert "SequentialMLP experts fail at expert parallelism 1" in refused(parse_args, ["--preset", "tiny"], capsys)
     assert parse_args(["--preset", "tiny", "--grouped-experts"]).grouped_experts
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert parse_args(["--preset", "tiny"]).preset == "tiny"
+    monkeypatch.delenv("WORLD_SIZE")
+    assert "start the recipe with torchrun" in refused(parse_args, ["--preset", "tiny"], capsys)
 
 
-def test_share_gpu_needs_cuda(monkeypatch, capsys):
-    """`--share-gpu` (every rank on GPU 0) is refused up front on a machine without CUDA."""
-    sys.path.insert(0, ROOT)
+def test_share_gpu_refusals(monkeypatch, capsys):
+    """`--share-gpu` (every rank on GPU 0) is refused up front on a machine without CUDA, and with moe_comm's
+    reference backend, whose buffers stay on the CPU."""
+    monkeypatch.syspath_prepend(ROOT)
     from recipes.megatron_moe.train import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(SystemExit):
-        parse_args(["--preset", "tiny", "--share-gpu"])
-    assert "--share-gpu" in capsys.readouterr().err
+    assert "needs CUDA" in refused(parse_args, ["--preset", "tiny", "--share-gpu"], capsys)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert "--backend torch keeps its buffers on the CPU" in refused(
+        parse_args, ["--preset", "tiny", "--share-gpu", "--backend", "torch"], capsys)
+    assert parse_args(["--preset", "tiny", "--share-gpu"]).share_gpu
 
 
 def test_deterministic_expand_run_reproduces_alltoall_losses(tmp_path):
-    """`--deterministic` (the GPU loss-curve comparison's setting) with route A's expand layout against Megatron's
-    alltoall, fp32: every step's loss bitwise the same (a token's rows are summed in Megatron's order)."""
+    """The GPU loss-curve check's runs (`--deterministic`, route A's expand layout against Megatron's alltoall, fp32)
+    on CPU, where every kernel is deterministic anyway: the flags run and are recorded, and every step's loss is
+    bitwise alltoall's (a token's rows are summed in Megatron's order)."""
     _, ours = run_tiny(tmp_path, 2, "--deterministic", "--do-expand", "--no-wandb")
     _, theirs = run_tiny(tmp_path, 2, "--deterministic", "--no-wandb", dispatcher="alltoall")
-    assert ours["summary"]["deterministic"] and ours["summary"]["do_expand"] and ours["summary"]["dtype"] == "float32"
+    assert ours["summary"]["deterministic"] and theirs["summary"]["deterministic"], (ours["summary"], theirs["summary"])
+    assert ours["summary"]["do_expand"] and ours["summary"]["dtype"] == "float32", ours["summary"]
     assert [h["loss"] for h in ours["history"]] == [h["loss"] for h in theirs["history"]]

@@ -90,9 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-wandb", action="store_true")
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
     p.add_argument("--deterministic", action="store_true",
-                   help="torch.use_deterministic_algorithms and Megatron's deterministic_mode: two runs with one seed "
-                        "give the same losses on GPUs too (Megatron's unpermute then adds with index_add_, not "
-                        "scatter_add_'s atomics); for loss-curve comparisons")
+                   help="torch.use_deterministic_algorithms (and cuBLAS's workspace setting it needs), for loss-curve "
+                        "comparisons on GPUs: Megatron's unpermute then adds with index_add_ instead of scatter_add_'s "
+                        "atomics; torch raises on an op that has no deterministic CUDA implementation")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0, gloo between them, moe_comm's buffers over CUDA IPC: results of expert "
                         "parallelism > 1 (loss curves) on a one-GPU machine; its times mean nothing")
@@ -105,7 +105,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--no-cpu-sync is route A's (--dispatcher moe_comm), got --dispatcher {args.dispatcher}")
     if args.share_gpu and not torch.cuda.is_available():
         p.error("--share-gpu puts every rank on GPU 0 and needs CUDA; this torch sees no GPU")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.share_gpu and args.backend == "torch" and args.dispatcher != "alltoall":
+        p.error("--share-gpu runs moe_comm's CUDA backend over CUDA IPC; --backend torch keeps its buffers on the CPU "
+                "(use --backend auto or cuda)")
+    if "WORLD_SIZE" not in os.environ:
+        p.error("start the recipe with torchrun (WORLD_SIZE is not set), e.g. torchrun --standalone --nproc-per-node 2 "
+                "recipes/megatron_moe/train.py --preset tiny")
+    world_size = int(os.environ["WORLD_SIZE"])
     if world_size == 1 and not (PRESETS[args.preset].grouped_experts or args.grouped_experts or args.no_cpu_sync):
         # Megatron's expert MLP adds its bias in place to the output of a tensor-parallel reduce, which at expert
         # parallelism 1 returns its input as-is (a view to autograd): "Output 0 of _ReduceFromModelParallelRegion
@@ -296,31 +302,30 @@ def main(argv=None) -> int:
             from moe_comm.testing.shared_gpu import every_buffer_over_ipc
 
             stack.enter_context(every_buffer_over_ipc())
-        train(args, preset, grouped, steps, use_cuda)
+        train(args, preset, grouped, steps, use_cuda, stack)
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool) -> None:
-    """Build the model and run `steps` training steps; rank 0 logs, writes the metrics and prints the summary."""
+def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool, stack: contextlib.ExitStack) -> None:
+    """Build the model and run `steps` training steps; rank 0 logs, writes the metrics and prints the summary.
+    What must be undone after the run (route B's installed dispatcher) goes on `stack`."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     initialize_megatron(world_size, args.seed)
 
-    restore_flex = None
     moe_comm_config = None
     if args.dispatcher.startswith("moe_comm"):
         from moe_comm.integrations.megatron import MoECommConfig, install_flex_dispatcher
 
         if args.dispatcher == "moe_comm_flex":
-            restore_flex = install_flex_dispatcher(backend=args.backend, quantize=args.quantize)
+            stack.callback(install_flex_dispatcher(backend=args.backend, quantize=args.quantize))
         else:
             moe_comm_config = MoECommConfig(backend=args.backend, do_expand=args.do_expand or args.no_cpu_sync,
                                             do_cpu_sync=not args.no_cpu_sync, quantize=args.quantize)
     swiglu = dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu) if preset.swiglu else {}
-    config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype,
-                                deterministic_mode=args.deterministic, **swiglu)
+    config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype, **swiglu)
     model = build_gpt(config, preset.dims, args.dispatcher, moe_comm_config, grouped_experts=grouped).to(device)
     timer = CommTimer(use_cuda)
     for layer in model.decoder.layers:
@@ -394,8 +399,6 @@ def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool) -> No
               f"combine {mean['combine_ms']:.2f} ms per step | domains {summary['domains']}"
               + (" | SHARING GPU 0 (times mean nothing)" if args.share_gpu else ""))
         print(f"wandb run directory: {run_dir}")
-    if restore_flex is not None:
-        restore_flex()
 
 
 if __name__ == "__main__":
