@@ -10,6 +10,8 @@ rank is reported):
 - `alltoall + grouped`: Megatron's alltoall dispatcher and moe_comm's MoECommGroupedMLP (one grouped GEMM per
   projection), the baseline that differs from the moe_comm rows only in communication;
 - `route A (CPU sync)`: moe_comm's dispatcher (expand layout, host counts), grouped experts;
+- `route A non-expand`: the same with `MoECommConfig`'s default layout (one row per (token, rank), permuted into
+  expert blocks on the receiver by torch ops, summed back per row before the combine);
 - `route A sync-free`: expand layout without CPU sync (device counts, worst-case rows), grouped experts;
 - `route A FP8`: route A with FP8 (fp8_block128) on the wire, dequantized on arrival;
 - `route B`: Megatron's flex dispatcher on moe_comm (Megatron's own permutation), grouped experts (EP > 1 only);
@@ -52,8 +54,8 @@ from moe_comm.testing import parallel_launch  # noqa: E402
 from moe_comm.testing.bench import median_time_us, run_metadata  # noqa: E402
 from recipes.megatron_moe.model import ModelDims  # noqa: E402
 
-VARIANTS = ("alltoall + sequential", "alltoall + grouped", "route A (CPU sync)", "route A sync-free", "route A FP8",
-            "route B", "floor")
+VARIANTS = ("alltoall + sequential", "alltoall + grouped", "route A (CPU sync)", "route A non-expand",
+            "route A sync-free", "route A FP8", "route B", "floor")
 DSV3 = ModelDims(num_layers=1, hidden_size=7168, num_attention_heads=56, num_experts=256, moe_router_topk=8,
                  moe_ffn_hidden_size=2048)
 
@@ -71,7 +73,8 @@ def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int, num_sms: int 
                                                   "alltoall")
     options = None
     if variant.startswith("route A"):
-        options = MoECommConfig(do_expand=True, do_cpu_sync=variant != "route A sync-free", num_sms=num_sms,
+        options = MoECommConfig(do_expand=variant != "route A non-expand", do_cpu_sync=variant != "route A sync-free",
+                                num_sms=num_sms,
                                 quantize="fp8_block128" if variant == "route A FP8" else None)
     config = transformer_config(dims, dispatcher, ep_size, torch.bfloat16, gated_linear_unit=True,
                                 activation_func=torch.nn.functional.silu, add_bias_linear=False,
