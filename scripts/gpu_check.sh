@@ -26,8 +26,8 @@
 #                                   steps fp32 deterministic (expand layout: max |loss diff| <= 1e-3; the other one
 #                                   reported), `dsv3` alltoall + grouped experts against moe_comm's sync-free layer
 #                                   (.whl with megatron-core; wandb and its needs too, else the runs go with
-#                                   --no-wandb); one GPU: the `small` runs with 2 ranks sharing it
-#                                   (--share-gpu: the loss curves hold, the times mean nothing), no dsv3
+#                                   --no-wandb); one GPU: the fp32 runs only, with 2 ranks sharing it
+#                                   (--share-gpu: the loss curves hold, the times mean nothing; ~5 min)
 #   scripts/gpu_check.sh deepep     scripts/bench_deepep.py: DeepEP V1 beside moe_comm on the same inputs (one GPU:
 #                                   2 ranks sharing it, a check only); needs DeepEP v1.2.1 built intranode-only on
 #                                   PYTHONPATH, never committed (NOTES.md, eighteenth session, says how) (~1 min)
@@ -134,11 +134,12 @@ case "$1" in
         train fp32-moe_comm-rows --preset small --dtype float32 --deterministic --dispatcher moe_comm || st=$?
         python3 recipes/megatron_moe/compare.py "$out/metrics-fp32-moe_comm-rows.json" \
             "$out/metrics-fp32-alltoall.json" || st=$?
+        # One GPU: the loss curves only (bf16 tokens/s of ranks sharing a GPU mean nothing; dsv3 needs ~114 GB a rank).
+        [ -z "$share" ] || return $st
         train small-alltoall --preset small --dispatcher alltoall || st=$?
         train small-moe_comm --preset small --dispatcher moe_comm || st=$?
         python3 recipes/megatron_moe/compare.py "$out/metrics-small-moe_comm.json" "$out/metrics-small-alltoall.json" \
             || st=$?
-        [ -z "$share" ] || return $st  # dsv3: ~114 GB per rank, one rank per GPU
         train dsv3-alltoall --preset dsv3 --dispatcher alltoall || st=$?
         train dsv3-moe_comm --preset dsv3 --dispatcher moe_comm --no-cpu-sync || st=$?
         python3 recipes/megatron_moe/compare.py "$out/metrics-dsv3-moe_comm.json" "$out/metrics-dsv3-alltoall.json" \
