@@ -13,8 +13,8 @@
 #                                   reduce_scatter against NCCL, 1-512 MB, the GEMM beside each) (~4 min)
 #   scripts/gpu_check.sh soak       scripts/soak.py, 10,000 iterations of every path on the CUDA backend, one rank per
 #                                   GPU (~7 min: 2,000 took 77 s on one H200; issue 13 asks for 10,000 on 2 GPUs)
-#   scripts/gpu_check.sh megatron   Megatron GPU tier: parity on 2 GPUs, the same cases with 2 ranks sharing GPU 0
-#                                   (any GPU: EP2 over CUDA IPC), grouped experts, the sync-free layer (no host
+#   scripts/gpu_check.sh megatron   Megatron GPU tier: parity on 2 GPUs (one GPU: the same cases with 2 ranks
+#                                   sharing it, EP2 over CUDA IPC), grouped experts, the sync-free layer (no host
 #                                   sync, CUDA graph replay) (~2 min on one H200); needs megatron-core carried in
 #                                   .whl (README of the device tool: pip download megatron-core==0.19.2 ...
 #                                   --python-version 3.12 -d .whl)

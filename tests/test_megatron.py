@@ -18,8 +18,8 @@ schedule with plain steps of the same model instead, bitwise.
 The fast subset runs in CI; the full matrix (routes x top-k 1/2/4 x expand x sync/async) is marked `slow`.
 GPU tier (`gpu`, skipped without 2 GPUs): the same on NCCL with backend "auto" (the CUDA backend where
 built), fp32 and bf16, plus FP8 on the wire against alltoall over quantize-dequantized inputs. Shared-GPU tier
-(`gpu`, any GPU): those cases with two ranks on GPU 0 (gloo, moe_comm's buffers over CUDA IPC), so a one-GPU
-machine runs routes A and B on the CUDA kernels at EP2.
+(`gpu`, machines with one GPU): those cases with two ranks on GPU 0 (gloo, moe_comm's buffers over CUDA IPC), so
+a one-GPU machine runs routes A and B on the CUDA kernels at EP2.
 """
 
 from __future__ import annotations
@@ -1055,6 +1055,10 @@ def test_gpu_sync_free_layer():
 # on that GPU with their peers mapped by CUDA IPC (`moe_comm.testing.shared_gpu`), so route A and B run the CUDA
 # kernels at EP2. Correctness only.
 # ----------------------------------------------------------------------------------------------------
+# With two GPUs the test_gpu_* cases above run the same over NCCL, one GPU per rank.
+one_gpu = pytest.mark.skipif(torch.cuda.device_count() != 1, reason="one GPU for two ranks (with 2, see test_gpu_*)")
+
+
 @pytest.fixture(scope="module")
 def shared_gpu_pool():
     with WorkerPool(2, backend="gloo", timeout_s=600) as pool:
@@ -1078,7 +1082,7 @@ def on_shared_gpu(rank: int, world_size: int, fn, *args):
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@one_gpu
 def test_shared_gpu_moe_layer_parity(shared_gpu_pool, case):
     results = shared_gpu_pool.run(on_shared_gpu, layer_parity_rank, case, GPU_DIMS, {})
     assert_parity(results, exact=False, rel_tol=_gpu_rel_tol(case))
@@ -1086,7 +1090,7 @@ def test_shared_gpu_moe_layer_parity(shared_gpu_pool, case):
 
 @pytest.mark.parametrize("route", ["A", "B"])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@one_gpu
 def test_shared_gpu_gpt_parity_bf16(shared_gpu_pool, route):
     case = Case(route, 2, do_expand=route == "A", backend="auto", dtype="bfloat16")
     results = shared_gpu_pool.run(on_shared_gpu, gpt_parity_rank, case, dataclasses.replace(GPT_DIMS, hidden_size=256),
@@ -1097,7 +1101,7 @@ def test_shared_gpu_gpt_parity_bf16(shared_gpu_pool, route):
 @pytest.mark.parametrize("quantize", ["fp8_block128", "mxfp8"])
 @pytest.mark.parametrize("do_expand", [False, True])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@one_gpu
 def test_shared_gpu_fp8_wire(shared_gpu_pool, quantize, do_expand):
     case = Case("A", 2, do_expand=do_expand, backend="auto", dtype="bfloat16")
     results = shared_gpu_pool.run(on_shared_gpu, dispatcher_parity_rank, case, GPU_DIMS, 16, quantize)
@@ -1105,7 +1109,7 @@ def test_shared_gpu_fp8_wire(shared_gpu_pool, quantize, do_expand):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@one_gpu
 def test_shared_gpu_sync_free_layer(shared_gpu_pool):
     """EP2 on one GPU: parity with alltoall + SequentialMLP and no host sync (the graph replay runs on one GPU per
     rank in test_gpu_sync_free_layer)."""
