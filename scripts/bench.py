@@ -249,6 +249,18 @@ def main() -> None:
     write_results(text, record, args.json, args.md, "plot_bench")
 
 
+def run_ranks(num_ranks: int, rank_fn, config: dict, report, share_gpu: bool) -> tuple[str, dict]:
+    """`rank_fn(rank, world_size, config)` on every rank (NCCL, a GPU each; with `share_gpu` gloo, every rank on GPU
+    0), then `report(config, per_rank, meta)`: its table printed with the run's seconds; returns `(text, record)`."""
+    meta = run_metadata(sys.argv)
+    start = time.monotonic()
+    per_rank = parallel_launch(num_ranks, rank_fn, config, backend="gloo" if share_gpu else "nccl", timeout_s=1800)
+    text, record = report(config, per_rank, meta)
+    print(text)
+    print(f"({time.monotonic() - start:.0f} s)")
+    return text, record
+
+
 def write_results(text: str, record: dict, json_path: str | None, md_path: str | None, plot: str) -> None:
     """The markdown and the JSON record where asked, and beside the JSON its PNG, drawn by `plot_results.<plot>`
     when matplotlib is importable."""

@@ -28,19 +28,17 @@ import argparse
 import contextlib
 import importlib.util
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 import moe_comm
 from moe_comm import quant
-from moe_comm.testing import parallel_launch
-from moe_comm.testing.bench import loop_times, median_time_us, run_metadata
+from moe_comm.testing.bench import loop_times, median_time_us
 from moe_comm.testing.routing import Case, rank_inputs
 from moe_comm.testing.shared_gpu import every_buffer_over_ipc
 
-from bench import meta_lines, write_results  # scripts/ is sys.path[0] when this file runs as a script
+from bench import meta_lines, run_ranks, write_results  # scripts/ is sys.path[0] when this file runs as a script
 
 OPS = ("dispatch", "cached dispatch", "cached dispatch fp8", "combine")
 
@@ -200,13 +198,7 @@ def main() -> None:
     config = {"num_ranks": args.num_ranks, "tokens": args.tokens, "hidden": args.hidden,
               "num_experts": args.num_experts, "num_topk": args.num_topk, "num_sms": args.num_sms,
               "iters": args.iters, "share_gpu": args.share_gpu}
-    meta = run_metadata(sys.argv)
-    start = time.monotonic()
-    per_rank = parallel_launch(args.num_ranks, bench_rank, config, backend="gloo" if args.share_gpu else "nccl",
-                               timeout_s=1800)
-    text, record = report(config, per_rank, meta)
-    print(text)
-    print(f"({time.monotonic() - start:.0f} s)")
+    text, record = run_ranks(args.num_ranks, bench_rank, config, report, args.share_gpu)
     write_results(text, record, args.json, args.md, "plot_versus")
 
 

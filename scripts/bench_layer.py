@@ -41,7 +41,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -50,9 +49,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from moe_comm.testing import parallel_launch  # noqa: E402
-from moe_comm.testing.bench import median_time_us, run_metadata  # noqa: E402
+from moe_comm.testing.bench import median_time_us  # noqa: E402
 from recipes.megatron_moe.model import ModelDims  # noqa: E402
+
+from bench import run_ranks  # noqa: E402  (scripts/ is sys.path[0] when this file runs as a script)
 
 VARIANTS = ("alltoall + sequential", "alltoall + grouped", "route A (CPU sync)", "route A non-expand",
             "route A sync-free", "route A FP8", "route B", "floor")
@@ -287,13 +287,7 @@ def main() -> None:
     config = {k: getattr(args, k) for k in ("tokens", "hidden", "num_experts", "topk", "ffn", "iters", "seed",
                                             "variants", "num_sms")}
     config.update(num_ranks=args.num_ranks, share_gpu=args.share_gpu)
-    meta = run_metadata(sys.argv)
-    start = time.monotonic()
-    per_rank = parallel_launch(args.num_ranks, bench_rank, config, backend="gloo" if args.share_gpu else "nccl",
-                               timeout_s=1800)
-    text, record = report(config, per_rank, meta)
-    print(text)
-    print(f"({time.monotonic() - start:.0f} s)")
+    text, record = run_ranks(args.num_ranks, bench_rank, config, report, args.share_gpu)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
