@@ -1,0 +1,118 @@
+"""Route A's non-expand receiver: ways to sum each received row's local expert outputs, timed on one GPU.
+
+The non-expand layout receives one row per (token, rank); Megatron's experts want one row per (token, local
+expert), grouped by expert. So the receiver gathers (`index_select` by `src_rows`, P rows out of M) and, after the
+experts, sums each received row's outputs back (today `index_add` by `src_rows`, bf16 atomics on CUDA); the
+backward of each is the other's shape. This times the sum's candidates and the gather, at DeepSeek-V3's hidden
+7168 in bf16, at EP1 (4096 rows, all 8 of each row's experts local: P = 32768) and as rank 0 of EP2 (8192 rows from
+two ranks' 4096 tokens, 128 of 256 experts local: ~4 each), and checks that they agree.
+
+    python benchmarks/microbench/expert_sum.py [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def routing(num_rows: int, num_local: int, num_experts: int = 256, topk: int = 8, seed: int = 0):
+    """Rows with at least one local expert: `(src_rows [P], inv [M, J], counts [L])`, as the dispatcher builds
+    them (experts ascending, rows ascending inside an expert; `inv` lists a row's positions, ascending, padded with
+    P, which reads a zero row)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.rand(num_rows * 2, num_experts, generator=g).topk(topk, dim=1).indices
+    idx = torch.where(idx < num_local, idx, -1)
+    idx = idx[(idx >= 0).any(1)][:num_rows]
+    m = idx.shape[0]
+    is_local = (idx.unsqueeze(-1) == torch.arange(num_local)).any(1)  # [M, L]
+    counts = is_local.sum(0)
+    start = torch.cumsum(counts, 0) - counts
+    pos = start + torch.cumsum(is_local.long(), 0) - 1
+    num_out = int(counts.sum())
+    dest = torch.where(is_local, pos, num_out)
+    src_rows = torch.full((num_out + 1,), m, dtype=torch.int64).scatter(
+        0, dest.flatten(), torch.arange(m * num_local) // num_local)[:num_out]
+    j = min(topk, num_local)
+    inv = dest.sort(dim=1).values[:, :j]
+    return src_rows, inv, counts
+
+
+def with_zero_row(y):
+    return torch.cat([y, y.new_zeros(1, y.shape[1])])
+
+
+CANDIDATES = {
+    "index_add (today)": lambda y, src, inv, m: y.new_zeros(m, y.shape[1]).index_add(0, src, y),
+    "gather [M,J,H] + sum(1)": lambda y, src, inv, m: with_zero_row(y).index_select(0, inv.flatten())
+        .view(m, inv.shape[1], -1).sum(1),
+    "J gathers, fp32 accumulator": lambda y, src, inv, m: _loop(y, inv, torch.float32),
+    "J gathers, bf16 accumulator": lambda y, src, inv, m: _loop(y, inv, y.dtype),
+}
+
+
+def _loop(y, inv, acc_dtype):
+    y = with_zero_row(y)
+    acc = y.index_select(0, inv[:, 0]).to(acc_dtype)
+    for j in range(1, inv.shape[1]):
+        acc += y.index_select(0, inv[:, j])
+    return acc.to(y.dtype)
+
+
+def timed(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dev, hidden = torch.device("cuda"), 7168
+    rows = []
+    for name, num_rows, num_local in (("EP1", 4096, 256), ("EP2 rank 0", 8192, 128)):
+        src, inv, counts = (t.to(dev) for t in routing(num_rows, num_local))
+        m, num_out = inv.shape[0], src.shape[0]
+        x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+        y = torch.randn(num_out, hidden, device=dev, dtype=torch.bfloat16)
+        gbytes = (num_out + m) * hidden * 2 / 1e9  # read every expert row once, write every received row once
+        ref = CANDIDATES["J gathers, fp32 accumulator"](y, src, inv, m)
+        case = dict(case=name, rows=m, pairs=num_out, J=inv.shape[1], hidden=hidden,
+                    floor_us=gbytes / 3300 * 1e6)  # at ~3.3 TB/s of HBM
+        case["gather index_select (P rows) us"] = timed(lambda: x.index_select(0, src))
+        for cname, fn in CANDIDATES.items():
+            out = fn(y, src, inv, m)
+            case[f"{cname} us"] = timed(lambda: fn(y, src, inv, m))
+            case[f"{cname} max |diff| vs fp32 accumulator"] = (out.float() - ref.float()).abs().max().item()
+        torch.use_deterministic_algorithms(True)
+        case["index_add deterministic us"] = timed(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
+        torch.use_deterministic_algorithms(False)
+
+        def today_fwd_bwd():  # the receiver's gather and sum as autograd runs them, experts as identity
+            xx = x.detach().requires_grad_()
+            yy = with_zero_row(xx).index_select(0, src)
+            out = yy.new_zeros(m, hidden).index_add(0, src, yy)
+            out.backward(x)
+        case["today gather+sum fwd+bwd us"] = timed(today_fwd_bwd)
+        rows.append(case)
+        print(json.dumps(case, indent=1), flush=True)
+    meta = dict(torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
