@@ -785,6 +785,52 @@ def test_routing_map_to_topk():
     assert torch.equal(probs.grad, routing_map.float())
 
 
+def _expert_rows_case(device: str, alignment: int = 4):
+    """A non-expand receiver's plan over 37 received rows and 5 local experts (some rows with none), expert blocks
+    padded to `alignment`: `(ExpertRows, src_rows)`."""
+    from moe_comm.integrations.megatron.spec_route import ExpertRows
+
+    g = torch.Generator().manual_seed(0)
+    num_rows, num_local = 37, 5
+    is_local = torch.rand(num_rows, num_local, generator=g) < 0.5
+    blocks = []
+    for expert in range(num_local):
+        rows = is_local[:, expert].nonzero().flatten().tolist()
+        blocks += rows + [num_rows] * (-len(rows) % alignment)
+    src_rows = torch.tensor(blocks, dtype=torch.int64)
+    plan = ExpertRows(src_rows.to(device), is_local.sum(1).to(device), padded=alignment > 1)
+    return plan, src_rows
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_expert_rows_gather_and_sum(device):
+    """The non-expand receiver's moves: the gather copies each received row to its experts' rows (padding rows
+    zero); the sum adds each received row's expert rows in fp32, experts ascending, rounded once (fp64 in fp64),
+    bit for bit against that loop on the CPU, padding left out; each is the other's adjoint (gradcheck)."""
+    from moe_comm.integrations.megatron.spec_route import _MoveExpertRows
+
+    plan, src_rows = _expert_rows_case(device)
+    num_rows, hidden = 37, 24
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        x = torch.randn(num_rows, hidden, dtype=dtype)
+        expected = torch.cat([x, x.new_zeros(1, hidden)])[src_rows]
+        assert torch.equal(plan.gather(x.to(device)).cpu(), expected)
+        y = torch.randn(len(src_rows), hidden, dtype=dtype)
+        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        expected = torch.zeros(num_rows, hidden, dtype=acc_dtype)
+        for pos, row in enumerate(src_rows.tolist()):  # positions ascend within a row's experts
+            if row < num_rows:
+                expected[row] += y[pos].to(acc_dtype)
+        got = plan.sum(y.to(device))
+        assert got.dtype == dtype
+        assert torch.equal(got.cpu(), expected.to(dtype)), dtype
+    x = torch.randn(num_rows, hidden, dtype=torch.float64, device=device, requires_grad=True)
+    y = torch.randn(len(src_rows), hidden, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, True), (x,))
+    assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, False), (y,))
+
+
 def test_layer_spec_forms():
     """ModuleSpec (<= 0.17), functools.partial (0.18+) and block specs are rewritten; the input is untouched."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

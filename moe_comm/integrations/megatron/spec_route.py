@@ -66,6 +66,59 @@ def expert_alignment_for(config, options: MoECommConfig) -> int:
     return 1
 
 
+class ExpertRows:
+    """The non-expand layout's receiver: where the copies of each received row sit in the experts' input (a row
+    per (received row, local expert), experts ascending, rows ascending inside an expert, each expert's block
+    padded to the alignment), and the two moves between the layouts, each the other's adjoint:
+    `gather` (received rows -> the experts' rows) and `sum` (the experts' rows -> each received row's sum).
+
+    The sum is `embedding_bag` over the experts' rows sorted by received row (each received row one bag, its
+    experts ascending): it reads the real rows once, accumulates in fp32 and gives the same bits every run,
+    where `index_add` adds with atomics (bf16 on CUDA: ~1.9 ms against ~0.2 ms for the gather at DeepSeek-V3's
+    EP1 shapes, `benchmarks/microbench/expert_sum.py`). Its bits are those of a sequential fp32 sum in that
+    order rounded once to the rows' dtype (fp64 sums in fp64), on CUDA and on the CPU.
+
+    Arguments:
+        src_rows: `[P]` `torch.int64`, the received row of each expert row; M for padding rows.
+        row_sizes: `[M]` `torch.int64`, each received row's number of expert rows.
+        padded: whether any expert row may be padding (`src_rows == M`).
+    """
+
+    def __init__(self, src_rows: torch.Tensor, row_sizes: torch.Tensor, padded: bool) -> None:
+        self.src_rows, self.padded = src_rows, padded
+        # Bag m (m < M) holds received row m's expert rows; the padding rows sort last, into bag M, cut off.
+        self.bag_rows = torch.argsort(src_rows, stable=True)
+        self.bag_offsets = torch.cat([row_sizes.new_zeros(1), torch.cumsum(row_sizes, 0)])
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[M, H]` received rows -> `[P, H]` expert rows (padding rows zero)."""
+        if self.padded:
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        return rows.index_select(0, self.src_rows)
+
+    def sum(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[P, H]` expert rows -> `[M, H]`: each received row's expert rows summed (padding rows left out)."""
+        if rows.device.type == "cpu" and rows.element_size() < 4:
+            # CUDA's kernel sums 16-bit rows in fp32 and rounds once to nearest even; the CPU's rounds its own way
+            # (ties away from zero): summed in fp32 here and rounded by torch, the bits are CUDA's.
+            return self.sum(rows.float()).to(rows.dtype)
+        return torch.nn.functional.embedding_bag(self.bag_rows, rows, self.bag_offsets, mode="sum")[:-1]
+
+
+class _MoveExpertRows(torch.autograd.Function):
+    """`plan.gather(rows)` (`gather=True`) or `plan.sum(rows)`, with the other move as its backward."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, plan: ExpertRows, gather: bool) -> torch.Tensor:
+        ctx.plan, ctx.gather = plan, gather
+        return plan.gather(rows) if gather else plan.sum(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        return ctx.plan.sum(grad) if ctx.gather else ctx.plan.gather(grad), None, None
+
+
 class MoECommTokenDispatcher(MoETokenDispatcher):
     """Megatron-core `MoETokenDispatcher` on `moe_comm.Buffer` and its autograd pair.
 
@@ -135,8 +188,7 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         self.buffer: Optional[Buffer] = None
         self.handle: Optional[EPHandle] = None
         self.recv_topk_idx = None
-        self.num_recv_rows = 0
-        self.permute_rows = None
+        self.expert_rows: Optional[ExpertRows] = None
         self.dispatch_event = None
         self.combine_event = None
         self.last_num_sms = 0  # SMs the last dispatch ran with (for logs)
@@ -221,7 +273,7 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
 
     def _permute_by_expert(self, recv_x: torch.Tensor, recv_weights: torch.Tensor, counts: list[int]):
         """Non-expand rows `[M, H]` -> one row per (row, local expert), experts ascending, rows ascending."""
-        num_rows, hidden = recv_x.shape
+        num_rows = recv_x.shape[0]
         L, device = self.num_local_experts, recv_x.device
         idx_MK = self.recv_topk_idx
         is_local_ML = (idx_MK.unsqueeze(-1) == torch.arange(L, device=device)).any(dim=1)
@@ -240,10 +292,8 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
             0, dest, pair_idx // L)[:num_out]
         src_pairs = torch.full((num_out + 1,), num_rows * L, dtype=torch.int64, device=device).scatter(
             0, dest, pair_idx)[:num_out]
-        self.permute_rows, self.num_recv_rows = src_rows, num_rows
-        if self.expert_alignment > 1:  # padding rows read a zero row
-            recv_x = torch.cat([recv_x, recv_x.new_zeros(1, hidden)])
-        permuted = recv_x.index_select(0, src_rows)
+        self.expert_rows = ExpertRows(src_rows, is_local_ML.sum(1), padded=self.expert_alignment > 1)
+        permuted = _MoveExpertRows.apply(recv_x, self.expert_rows, True)
         permuted_weights = torch.cat([weights_ML.flatten(), weights_ML.new_zeros(1)]).index_select(0, src_pairs)
         return permuted, permuted_weights
 
@@ -252,11 +302,9 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         """Expert outputs `[P, H]` -> rows in the dispatch's layout (non-expand: summed per received row)."""
         if self.options.do_expand:
             return hidden_states
-        num_rows, hidden = self.num_recv_rows, hidden_states.shape[1]
-        extra = 1 if self.expert_alignment > 1 else 0  # padding rows add into a dummy row
-        out = hidden_states.new_zeros(num_rows + extra, hidden).index_add(0, self.permute_rows, hidden_states)
-        self.permute_rows = None
-        return out[:num_rows] if extra else out
+        out = _MoveExpertRows.apply(hidden_states.contiguous(), self.expert_rows, False)
+        self.expert_rows = None
+        return out
 
     # 5 ------------------------------------------------------------------------------------------------
     def token_combine(self, hidden_states: torch.Tensor):
