@@ -1,11 +1,12 @@
 """Route A's non-expand receiver: ways to sum each received row's local expert outputs, timed on one GPU.
 
-The non-expand layout receives one row per (token, rank); Megatron's experts want one row per (token, local
-expert), grouped by expert. So the receiver gathers (`index_select` by `src_rows`, P rows out of M) and, after the
-experts, sums each received row's outputs back (today `index_add` by `src_rows`, bf16 atomics on CUDA); the
-backward of each is the other's shape. This times the sum's candidates and the gather, at DeepSeek-V3's hidden
-7168 in bf16, at EP1 (4096 rows, all 8 of each row's experts local: P = 32768) and as rank 0 of EP2 (8192 rows from
-two ranks' 4096 tokens, 128 of 256 experts local: ~4 each), and checks that they agree.
+The non-expand layout receives one row per (token, rank); Megatron's experts want one row per (token, local expert),
+grouped by expert. So the receiver gathers (`index_select` by `src_rows`, P rows out of M) and, after the experts,
+sums each received row's outputs back (`index_add` by `src_rows` until a983b80, bf16 atomics on CUDA;
+`embedding_bag` since, the last candidate here); the backward of each is the other's shape. This times the sum's
+candidates and the gather, at DeepSeek-V3's hidden 7168 in bf16, at EP1 (4096 rows, all 8 of each row's experts
+local: P = 32768) and as rank 0 of EP2 (8192 rows from two ranks' 4096 tokens, 128 of 256 experts local: ~4 each),
+and checks that they agree.
 
     python benchmarks/microbench/expert_sum.py [--json OUT.json]
 """
@@ -45,7 +46,7 @@ def with_zero_row(y):
 
 
 CANDIDATES = {
-    "index_add (today)": lambda y, src, inv, m: y.new_zeros(m, y.shape[1]).index_add(0, src, y),
+    "index_add (before a983b80)": lambda y, src, inv, m: y.new_zeros(m, y.shape[1]).index_add(0, src, y),
     "gather [M,J,H] + sum(1)": lambda y, src, inv, m: with_zero_row(y).index_select(0, inv.flatten())
         .view(m, inv.shape[1], -1).sum(1),
     "J gathers, fp32 accumulator": lambda y, src, inv, m: _loop(y, inv, torch.float32),
@@ -110,12 +111,12 @@ def main() -> None:
         case["index_add deterministic us"] = timed(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
         torch.use_deterministic_algorithms(False)
 
-        def today_fwd_bwd():  # the receiver's gather and sum as autograd runs them, experts as identity
+        def before_fwd_bwd():  # the receiver's gather and sum before a983b80 as autograd ran them, experts identity
             xx = x.detach().requires_grad_()
             yy = with_zero_row(xx).index_select(0, src)
             out = yy.new_zeros(m, hidden).index_add(0, src, yy)
             out.backward(x)
-        case["today gather+sum fwd+bwd us"] = timed(today_fwd_bwd)
+        case["index_select + index_add fwd+bwd (before a983b80) us"] = timed(before_fwd_bwd)
         torch.cuda.set_sync_debug_mode("error")  # raises if the bags' set-up waits for the host
         _bags(y, src, m)
         torch.cuda.set_sync_debug_mode(0)
