@@ -387,6 +387,10 @@ FUNCTIONS = {
                                        ("const int64_t*", "offsets"), ("int", "num_ranks"),
                                        ("const uint8_t* const*", "bases"), ("int64_t", "row_bytes"),
                                        ("uint8_t*", "out"), ("int", "num_blocks"), ("cudaStream_t", "stream")]),
+    "moe_comm_expert_sum": ("int", [("const void*", "rows"), ("const int64_t*", "bag_rows"),
+                                    ("const int64_t*", "bag_offsets"), ("int64_t", "num_bags"),
+                                    ("int64_t", "row_elems"), ("void*", "out"), ("int", "dtype"),
+                                    ("int", "num_blocks"), ("cudaStream_t", "stream")]),
 }
 # Only in a profiling build (-DMOE_COMM_BLOCK_TIMES): per block the global timer at its steps.
 BLOCK_TIME_FUNCTIONS = {name: ("int", [("uint64_t*", "host"), ("int", "num_blocks")])

@@ -785,9 +785,9 @@ def test_routing_map_to_topk():
     assert torch.equal(probs.grad, routing_map.float())
 
 
-def _expert_rows_case(device: str, alignment: int = 4):
-    """A non-expand receiver's plan over 37 received rows and 5 local experts (some rows with none), expert blocks
-    padded to `alignment`: `(ExpertRows, src_rows)`."""
+def _expert_rows_case(device: str, kernels, alignment: int = 4):
+    """A non-expand receiver's plan over 37 received rows and 5 local experts (some rows with none, bags of 0 to 5
+    rows), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`."""
     from moe_comm.integrations.megatron.spec_route import ExpertRows
 
     g = torch.Generator().manual_seed(0)
@@ -798,21 +798,24 @@ def _expert_rows_case(device: str, alignment: int = 4):
         rows = is_local[:, expert].nonzero().flatten().tolist()
         blocks += rows + [num_rows] * (-len(rows) % alignment)
     src_rows = torch.tensor(blocks, dtype=torch.int64)
-    plan = ExpertRows(src_rows.to(device), is_local.sum(1).to(device), padded=alignment > 1)
+    plan = ExpertRows(src_rows.to(device), is_local.sum(1).to(device), padded=alignment > 1, kernels=kernels)
     return plan, src_rows
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_expert_rows_gather_and_sum(device):
+@pytest.mark.parametrize("device,kernels", [("cpu", False), *(pytest.param("cuda", k, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]) for k in (False, True))],
+    ids=["cpu", "cuda-embedding_bag", "cuda-kernel"])
+def test_expert_rows_gather_and_sum(device, kernels):
     """The non-expand receiver's moves: the gather copies each received row to its experts' rows (padding rows
     zero); the sum adds each received row's expert rows in fp32, experts ascending, rounded once (fp64 in fp64),
-    bit for bit against that loop on the CPU, padding left out; each is the other's adjoint (gradcheck)."""
+    bit for bit against that loop on the CPU, padding left out, with torch's embedding_bag and with moe_comm's
+    kernel (rows of 16-byte vectors and not); each move is the other's adjoint (gradcheck)."""
+    from moe_comm.backends.cuda_kernels import load_kernels
     from moe_comm.integrations.megatron.spec_route import _MoveExpertRows
 
-    plan, src_rows = _expert_rows_case(device)
-    num_rows, hidden = 37, 24
-    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+    plan, src_rows = _expert_rows_case(device, load_kernels() if kernels else None)
+    num_rows = 37
+    for dtype, hidden in ((torch.float64, 24), (torch.float32, 24), (torch.bfloat16, 24), (torch.bfloat16, 21)):
         x = torch.randn(num_rows, hidden, dtype=dtype)
         expected = torch.cat([x, x.new_zeros(1, hidden)])[src_rows]
         assert torch.equal(plan.gather(x.to(device)).cpu(), expected)
@@ -824,9 +827,9 @@ def test_expert_rows_gather_and_sum(device):
                 expected[row] += y[pos].to(acc_dtype)
         got = plan.sum(y.to(device))
         assert got.dtype == dtype
-        assert torch.equal(got.cpu(), expected.to(dtype)), dtype
-    x = torch.randn(num_rows, hidden, dtype=torch.float64, device=device, requires_grad=True)
-    y = torch.randn(len(src_rows), hidden, dtype=torch.float64, device=device, requires_grad=True)
+        assert torch.equal(got.cpu(), expected.to(dtype)), (dtype, hidden)
+    x = torch.randn(num_rows, 24, dtype=torch.float64, device=device, requires_grad=True)
+    y = torch.randn(len(src_rows), 24, dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, True), (x,))
     assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, False), (y,))
 

@@ -3,10 +3,10 @@
 The non-expand layout receives one row per (token, rank); Megatron's experts want one row per (token, local expert),
 grouped by expert. So the receiver gathers (`index_select` by `src_rows`, P rows out of M) and, after the experts,
 sums each received row's outputs back (`index_add` by `src_rows` until a983b80, bf16 atomics on CUDA;
-`embedding_bag` since, the last candidate here); the backward of each is the other's shape. This times the sum's
-candidates and the gather, at DeepSeek-V3's hidden 7168 in bf16, at EP1 (4096 rows, all 8 of each row's experts
-local: P = 32768) and as rank 0 of EP2 (8192 rows from two ranks' 4096 tokens, 128 of 256 experts local: ~4 each),
-and checks that they agree.
+`embedding_bag`, then moe_comm's kernel since: the last candidates here); the backward of each is the other's shape.
+This times the sum's candidates and the gather, at DeepSeek-V3's hidden 7168 in bf16, at EP1 (4096 rows, all 8 of
+each row's experts local: P = 32768) and as rank 0 of EP2 (8192 rows from two ranks' 4096 tokens, 128 of 256 experts
+local: ~4 each), and checks that they agree.
 
     python benchmarks/microbench/expert_sum.py [--json OUT.json]
 """
@@ -51,17 +51,17 @@ CANDIDATES = {
         .view(m, inv.shape[1], -1).sum(1),
     "J gathers, fp32 accumulator": lambda y, src, inv, m: _loop(y, inv, torch.float32),
     "J gathers, bf16 accumulator": lambda y, src, inv, m: _loop(y, inv, y.dtype),
-    "embedding_bag over argsort(src_rows)": lambda y, src, inv, m: _bags(y, src, m),
+    "embedding_bag over argsort(src_rows)": lambda y, src, inv, m: _embedding_bag(y, *_bags(src, m)),
+    "moe_comm expert_sum kernel": lambda y, src, inv, m: _kernel(y, *_bags(src, m)),
 }
 
 
-def _bags(y, src, m):
-    """Each row's expert outputs as one bag: positions sorted by source row (stably: experts ascending), bag
-    boundaries from the per-row counts; the sum runs over real rows only, in fp32, in the bag's order."""
+def _bags(src, m):
+    """Each row's expert outputs as one bag: `(positions sorted by source row, stably: experts ascending; bag
+    offsets, bag m holding the padding rows)`, as `ExpertRows` in moe_comm's Megatron integration."""
     order = torch.argsort(src, stable=True)
     lengths = torch.zeros(m + 1, dtype=torch.int64, device=src.device).scatter_add_(0, src, torch.ones_like(src))
-    offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths[:m], 0)])  # bag m: padding rows, cut off
-    return torch.nn.functional.embedding_bag(order, y, offsets, mode="sum")[:m]
+    return order, torch.cat([lengths.new_zeros(1), torch.cumsum(lengths[:m], 0)])
 
 
 def _loop(y, inv, acc_dtype):
@@ -70,6 +70,22 @@ def _loop(y, inv, acc_dtype):
     for j in range(1, inv.shape[1]):
         acc += y.index_select(0, inv[:, j])
     return acc.to(y.dtype)
+
+
+def _embedding_bag(y, order, offsets):
+    return torch.nn.functional.embedding_bag(order, y, offsets, mode="sum")[:-1]
+
+
+def _kernel(y, order, offsets):
+    from moe_comm.backends.common import DTYPE_CODES
+    from moe_comm.backends.cuda_kernels import current_stream, load_kernels
+
+    k, m = load_kernels(), offsets.shape[0] - 1
+    out = y.new_empty(m, y.shape[1])
+    k.check(k.expert_sum(y.data_ptr(), order.data_ptr(), offsets.data_ptr(), m, y.shape[1], out.data_ptr(),
+                         DTYPE_CODES[y.dtype], min(max(1, -(-m // 8)), 1 << 16), current_stream(y.device.index)),
+            "expert_sum", 0)
+    return out
 
 
 def timed(fn, iters: int = 20) -> float:
@@ -118,7 +134,7 @@ def main() -> None:
             out.backward(x)
         case["index_select + index_add fwd+bwd (before a983b80) us"] = timed(before_fwd_bwd)
         torch.cuda.set_sync_debug_mode("error")  # raises if the bags' set-up waits for the host
-        _bags(y, src, m)
+        _bags(src, m)
         torch.cuda.set_sync_debug_mode(0)
         rows.append(case)
         print(json.dumps(case, indent=1), flush=True)

@@ -28,8 +28,9 @@ EXTENSION = "moe_comm_host"
 EXTENSION_SOURCES = ("ops.cpp",)
 # Launchers over header-only device code: csrc/kernels/<op>.cu includes csrc/include/moe_comm/impls/<op>.cuh
 # (layout.cu launches the layout and the notify, runtime.cu holds host-mapped memory, errors and the ABI table,
-# signal.cu the flags and copies of the buffer's pipeline, all-gather and reduce-scatter, engram.cu its fetch).
-KERNEL_SOURCES = ("runtime.cu", "layout.cu", "dispatch.cu", "combine.cu", "signal.cu", "engram.cu")
+# signal.cu the flags and copies of the buffer's pipeline, all-gather and reduce-scatter, engram.cu its fetch,
+# expert_sum.cu the Megatron integration's per-row sum of expert outputs).
+KERNEL_SOURCES = ("runtime.cu", "layout.cu", "dispatch.cu", "combine.cu", "signal.cu", "engram.cu", "expert_sum.cu")
 INCLUDE_DIR = jit.CSRC_DIR / "include"
 
 # name -> (restype, argtypes), from moe_comm.layout.FUNCTIONS (whose C declarations the library is compiled against);

@@ -21,6 +21,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_rank
 
 from ... import autograd as moe_autograd
+from ...backends.common import DTYPE_CODES
+from ...backends.cuda_kernels import current_stream, load_kernels
 from ...buffer import Buffer
 from ...handle import EPHandle
 from .buffers import get_buffer
@@ -72,20 +74,24 @@ class ExpertRows:
     padded to the alignment), and the two moves between the layouts, each the other's adjoint:
     `gather` (received rows -> the experts' rows) and `sum` (the experts' rows -> each received row's sum).
 
-    The sum is `embedding_bag` over the experts' rows sorted by received row (each received row one bag, its
-    experts ascending): it reads the real rows once, accumulates in fp32 and gives the same bits every run,
-    where `index_add` adds with atomics (bf16 on CUDA: ~1.9 ms against ~0.2 ms for the gather at DeepSeek-V3's
-    EP1 shapes, `benchmarks/microbench/expert_sum.py`). Its bits are those of a sequential fp32 sum in that
-    order rounded once to the rows' dtype (fp64 sums in fp64), on CUDA and on the CPU.
+    The sum adds each received row's expert rows in fp32, experts ascending, from zero, rounded once to the rows'
+    dtype (fp64 sums in fp64): no atomics, the same bits every run. On CUDA with the kernel library (`kernels`)
+    it is moe_comm's kernel (bf16, float32, float64 rows); otherwise `embedding_bag` over the expert rows sorted
+    by received row, whose bits CUDA's kernel matches and the CPU's, after its 16-bit rows are widened, too.
+    (`index_add` took ~1.9 ms per sum at DeepSeek-V3's EP1 shapes with bf16 atomics, `embedding_bag` ~1.0:
+    `benchmarks/microbench/expert_sum.py`.)
 
     Arguments:
         src_rows: `[P]` `torch.int64`, the received row of each expert row; M for padding rows.
         row_sizes: `[M]` `torch.int64`, each received row's number of expert rows.
         padded: whether any expert row may be padding (`src_rows == M`).
+        kernels: the CUDA backend's kernel library (`moe_comm.backends.cuda_kernels.load_kernels()`), or None.
+        rank: this rank, for a failed launch's message.
     """
 
-    def __init__(self, src_rows: torch.Tensor, row_sizes: torch.Tensor, padded: bool) -> None:
-        self.src_rows, self.padded = src_rows, padded
+    def __init__(self, src_rows: torch.Tensor, row_sizes: torch.Tensor, padded: bool, kernels=None,
+                 rank: int = 0) -> None:
+        self.src_rows, self.padded, self.kernels, self.rank = src_rows, padded, kernels, rank
         # Bag m (m < M) holds received row m's expert rows; the padding rows sort last, into bag M, cut off.
         self.bag_rows = torch.argsort(src_rows, stable=True)
         self.bag_offsets = torch.cat([row_sizes.new_zeros(1), torch.cumsum(row_sizes, 0)])
@@ -98,9 +104,19 @@ class ExpertRows:
 
     def sum(self, rows: torch.Tensor) -> torch.Tensor:
         """`[P, H]` expert rows -> `[M, H]`: each received row's expert rows summed (padding rows left out)."""
+        num_rows, hidden = self.bag_offsets.shape[0] - 1, rows.shape[1]
+        if self.kernels is not None and rows.is_cuda and rows.dtype in DTYPE_CODES:
+            rows = rows.contiguous()
+            out = rows.new_empty(num_rows, hidden)
+            num_blocks = min(max(1, -(-num_rows // 8)), 1 << 16)  # a warp per received row, 8 per block
+            self.kernels.check(self.kernels.expert_sum(
+                rows.data_ptr(), self.bag_rows.data_ptr(), self.bag_offsets.data_ptr(), num_rows, hidden,
+                out.data_ptr(), DTYPE_CODES[rows.dtype], num_blocks, current_stream(rows.device.index)),
+                "the non-expand receiver's sum of expert rows", self.rank)
+            return out
         if rows.device.type == "cpu" and rows.element_size() < 4:
-            # CUDA's kernel sums 16-bit rows in fp32 and rounds once to nearest even; the CPU's rounds its own way
-            # (ties away from zero): summed in fp32 here and rounded by torch, the bits are CUDA's.
+            # The CPU's embedding_bag rounds 16-bit sums its own way (ties away from zero): summed in fp32 here
+            # and rounded by torch (to nearest even), the bits are CUDA's.
             return self.sum(rows.float()).to(rows.dtype)
         return torch.nn.functional.embedding_bag(self.bag_rows, rows, self.bag_offsets, mode="sum")[:-1]
 
@@ -292,7 +308,9 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
             0, dest, pair_idx // L)[:num_out]
         src_pairs = torch.full((num_out + 1,), num_rows * L, dtype=torch.int64, device=device).scatter(
             0, dest, pair_idx)[:num_out]
-        self.expert_rows = ExpertRows(src_rows, is_local_ML.sum(1), padded=self.expert_alignment > 1)
+        kernels = load_kernels() if self.buffer.backend == "cuda" and recv_x.is_cuda else None
+        self.expert_rows = ExpertRows(src_rows, is_local_ML.sum(1), padded=self.expert_alignment > 1,
+                                      kernels=kernels, rank=self.ep_rank)
         permuted = _MoveExpertRows.apply(recv_x, self.expert_rows, True)
         permuted_weights = torch.cat([weights_ML.flatten(), weights_ML.new_zeros(1)]).index_select(0, src_pairs)
         return permuted, permuted_weights
