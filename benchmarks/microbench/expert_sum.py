@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: moe_comm without installing it
 
 
 def routing(num_rows: int, num_local: int, num_experts: int = 256, topk: int = 8, seed: int = 0):
