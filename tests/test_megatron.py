@@ -785,53 +785,92 @@ def test_routing_map_to_topk():
     assert torch.equal(probs.grad, routing_map.float())
 
 
-def _expert_rows_case(device: str, kernels, alignment: int = 4):
-    """A non-expand receiver's plan over 37 received rows and 5 local experts (some rows with none, bags of 0 to 5
-    rows), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`."""
+def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37):
+    """A non-expand receiver's plan over `num_rows` received rows and 12 local experts (bags of 0 to 12 rows, so
+    the kernel's four-row loads run several times), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`."""
     from moe_comm.integrations.megatron.spec_route import ExpertRows
 
     g = torch.Generator().manual_seed(0)
-    num_rows, num_local = 37, 5
-    is_local = torch.rand(num_rows, num_local, generator=g) < 0.5
+    num_local = 12
+    is_local = torch.rand(num_rows, num_local, generator=g) < 0.75
+    if num_rows >= 2:
+        is_local[:2] = torch.tensor([False, True]).unsqueeze(1)  # a row with no expert, a row with all of them
     blocks = []
     for expert in range(num_local):
         rows = is_local[:, expert].nonzero().flatten().tolist()
         blocks += rows + [num_rows] * (-len(rows) % alignment)
     src_rows = torch.tensor(blocks, dtype=torch.int64)
-    plan = ExpertRows(src_rows.to(device), is_local.sum(1).to(device), padded=alignment > 1, kernels=kernels)
+    plan = ExpertRows(src_rows.to(device), num_rows, padded=alignment > 1, kernels=kernels)
     return plan, src_rows
 
 
+class _CountingKernels:
+    """The kernel library, counting its expert_sum launches (the fallback gives the same bits)."""
+
+    def __init__(self, kernels):
+        self.kernels, self.launches = kernels, 0
+
+    def expert_sum(self, *args):
+        self.launches += 1
+        return self.kernels.expert_sum(*args)
+
+    def check(self, *args):
+        return self.kernels.check(*args)
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
 @pytest.mark.parametrize("device,kernels", [("cpu", False), *(pytest.param("cuda", k, marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]) for k in (False, True))],
     ids=["cpu", "cuda-embedding_bag", "cuda-kernel"])
-def test_expert_rows_gather_and_sum(device, kernels):
+def test_expert_rows_gather_and_sum(device, kernels, alignment):
     """The non-expand receiver's moves: the gather copies each received row to its experts' rows (padding rows
-    zero); the sum adds each received row's expert rows in fp32, experts ascending, rounded once (fp64 in fp64),
-    bit for bit against that loop on the CPU, padding left out, with torch's embedding_bag and with moe_comm's
-    kernel (rows of 16-byte vectors and not); each move is the other's adjoint (gradcheck)."""
+    zero); the sum adds each received row's expert rows in fp32 (fp64 for float64), experts ascending, from zero,
+    rounded once, bit for bit against that loop on the CPU, padding left out, with torch's embedding_bag and with
+    moe_comm's kernel (rows of 16-byte vectors, rows of other sizes, a base off 16 bytes, strided rows); each move
+    is the other's adjoint (gradcheck); rows of the wrong shape are refused before anything runs."""
     from moe_comm.backends.cuda_kernels import load_kernels
     from moe_comm.integrations.megatron.spec_route import _MoveExpertRows
 
-    plan, src_rows = _expert_rows_case(device, load_kernels() if kernels else None)
+    counting = _CountingKernels(load_kernels()) if kernels else None
     num_rows = 37
-    for dtype, hidden in ((torch.float64, 24), (torch.float32, 24), (torch.bfloat16, 24), (torch.bfloat16, 21)):
-        x = torch.randn(num_rows, hidden, dtype=dtype)
-        expected = torch.cat([x, x.new_zeros(1, hidden)])[src_rows]
-        assert torch.equal(plan.gather(x.to(device)).cpu(), expected)
-        y = torch.randn(len(src_rows), hidden, dtype=dtype)
-        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        expected = torch.zeros(num_rows, hidden, dtype=acc_dtype)
-        for pos, row in enumerate(src_rows.tolist()):  # positions ascend within a row's experts
-            if row < num_rows:
-                expected[row] += y[pos].to(acc_dtype)
-        got = plan.sum(y.to(device))
-        assert got.dtype == dtype
-        assert torch.equal(got.cpu(), expected.to(dtype)), (dtype, hidden)
-    x = torch.randn(num_rows, 24, dtype=torch.float64, device=device, requires_grad=True)
-    y = torch.randn(len(src_rows), 24, dtype=torch.float64, device=device, requires_grad=True)
+    plan, src_rows = _expert_rows_case(device, counting, alignment, num_rows)
+    num_sums = 0
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for hidden, form in ((24, "contiguous"), (21, "contiguous"), (24, "base off 16 bytes"), (24, "strided")):
+            x = torch.randn(num_rows, hidden, dtype=dtype)
+            expected = torch.cat([x, x.new_zeros(1, hidden)])[src_rows]
+            assert torch.equal(plan.gather(x.to(device)).cpu(), expected)
+            y = torch.randn(len(src_rows), hidden, dtype=dtype)
+            acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            expected = torch.zeros(num_rows, hidden, dtype=acc_dtype)
+            for pos, row in enumerate(src_rows.tolist()):  # positions ascend within a row's experts
+                if row < num_rows:
+                    expected[row] += y[pos].to(acc_dtype)
+            if form == "base off 16 bytes":
+                y_dev = torch.cat([y.new_zeros(1), y.flatten()]).to(device)[1:].view(y.shape)
+            elif form == "strided":
+                y_dev = y.t().contiguous().to(device).t()
+            else:
+                y_dev = y.to(device)
+            got = plan.sum(y_dev)
+            num_sums += 1
+            assert got.dtype == dtype
+            assert torch.equal(got.cpu(), expected.to(dtype)), (dtype, hidden, form)
+    if counting is not None:
+        assert counting.launches == num_sums
+    x = torch.randn(num_rows, 2, dtype=torch.float64, device=device, requires_grad=True)
+    y = torch.randn(len(src_rows), 2, dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, True), (x,))
     assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, False), (y,))
+    with pytest.raises(ValueError, match=r"ExpertRows.sum: rows must be \[%d, hidden\], got \(%d, 2\)"
+                       % (len(src_rows), len(src_rows) - 1)):
+        plan.sum(y.detach()[1:])
+    with pytest.raises(ValueError, match=r"ExpertRows.gather: rows must be \[37, hidden\]"):
+        plan.gather(x.detach().flatten())
+    # No received rows: empty results of the right shapes.
+    empty, _ = _expert_rows_case(device, counting, alignment, num_rows=0)
+    assert empty.sum(torch.zeros(0, 8, device=device)).shape == (0, 8)
+    assert empty.gather(torch.zeros(0, 8, device=device)).shape == (0, 8)
 
 
 def test_layer_spec_forms():

@@ -6,7 +6,9 @@ sums each received row's outputs back (`index_add` by `src_rows` until a983b80, 
 `embedding_bag`, then moe_comm's kernel since: the last candidates here); the backward of each is the other's shape.
 This times the sum's candidates and the gather, at DeepSeek-V3's hidden 7168 in bf16, at EP1 (4096 rows, all 8 of
 each row's experts local: P = 32768) and as rank 0 of EP2 (8192 rows from two ranks' 4096 tokens, 128 of 256 experts
-local: ~4 each), and checks that they agree.
+local: ~4 each), and reports each one's largest difference from the fp32 loop (0: the same bits). The bag candidates
+time their set-up (an argsort of the expert rows) in every call (the receiver: once per layer forward, for both
+sums); the kernel's launch here mirrors `ExpertRows.sum` (the integration needs megatron-core).
 
     python benchmarks/microbench/expert_sum.py [--json OUT.json]
 """

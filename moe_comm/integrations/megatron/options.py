@@ -39,7 +39,8 @@ class MoECommConfig:
             ranks of the first call's token count (one small all-reduce when the buffer is created).
         deterministic: fixed receive and reduction order (DESIGN 2.1/2.2); required for bitwise parity with
             Megatron's alltoall dispatcher. (The non-expand layout's own sum of each received row's local
-            experts, `combine_preprocess`, is deterministic whatever this says: fp32, experts ascending.)
+            experts, `combine_preprocess`, is deterministic whatever this says: fp32 (fp64 for float64 rows),
+            experts ascending.)
         num_cpu_timeout_secs: how long a host wait for a peer may block before raising.
         sl_idx: `Buffer(sl_idx=...)`: the InfiniBand service level (0 to 15) the traffic between hosts must
             travel on, checked against NCCL's settings when the buffer is made; None: not checked.

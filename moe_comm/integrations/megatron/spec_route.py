@@ -19,6 +19,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_rank
+from torch.autograd.function import once_differentiable
 
 from ... import autograd as moe_autograd
 from ...backends.common import DTYPE_CODES
@@ -74,45 +75,52 @@ class ExpertRows:
     padded to the alignment), and the two moves between the layouts, each the other's adjoint:
     `gather` (received rows -> the experts' rows) and `sum` (the experts' rows -> each received row's sum).
 
-    The sum adds each received row's expert rows in fp32, experts ascending, from zero, rounded once to the rows'
-    dtype (fp64 sums in fp64): no atomics, the same bits every run. On CUDA with the kernel library (`kernels`)
-    it is moe_comm's kernel (bf16, float32, float64 rows); otherwise `embedding_bag` over the expert rows sorted
-    by received row, whose bits CUDA's kernel matches and the CPU's, after its 16-bit rows are widened, too.
-    (`index_add` took ~1.9 ms per sum at DeepSeek-V3's EP1 shapes with bf16 atomics, `embedding_bag` ~1.0:
-    `benchmarks/microbench/expert_sum.py`.)
+    The sum adds each received row's expert rows in fp32 (fp64 for float64 rows), experts ascending, from zero,
+    rounded once to the rows' dtype: no atomics, the same bits every run. On CUDA with the kernel library
+    (`kernels`) it is moe_comm's kernel (bf16, float32, float64 rows); otherwise `embedding_bag` over the expert rows
+    sorted by received row, whose bits CUDA's kernel matches and the CPU's, after its 16-bit rows are widened, too.
+    (Per sum at DeepSeek-V3's EP1 shapes: `index_add`, which this replaced, ~1.9 ms with bf16 atomics,
+    `embedding_bag` ~1.0 ms; the kernel is not timed yet: `benchmarks/microbench/expert_sum.py`.)
 
     Arguments:
-        src_rows: `[P]` `torch.int64`, the received row of each expert row; M for padding rows.
-        row_sizes: `[M]` `torch.int64`, each received row's number of expert rows.
-        padded: whether any expert row may be padding (`src_rows == M`).
+        src_rows: `[P]` `torch.int64`, the received row of each expert row; `num_rows` for padding rows.
+        num_rows: M, received rows.
+        padded: whether any expert row may be padding.
         kernels: the CUDA backend's kernel library (`moe_comm.backends.cuda_kernels.load_kernels()`), or None.
         rank: this rank, for a failed launch's message.
     """
 
-    def __init__(self, src_rows: torch.Tensor, row_sizes: torch.Tensor, padded: bool, kernels=None,
-                 rank: int = 0) -> None:
-        self.src_rows, self.padded, self.kernels, self.rank = src_rows, padded, kernels, rank
+    def __init__(self, src_rows: torch.Tensor, num_rows: int, padded: bool, kernels=None, rank: int = 0) -> None:
+        self.src_rows, self.num_rows, self.padded, self.kernels, self.rank = src_rows, num_rows, padded, kernels, rank
         # Bag m (m < M) holds received row m's expert rows; the padding rows sort last, into bag M, cut off.
         self.bag_rows = torch.argsort(src_rows, stable=True)
-        self.bag_offsets = torch.cat([row_sizes.new_zeros(1), torch.cumsum(row_sizes, 0)])
+        bag_sizes = torch.zeros(num_rows + 1, dtype=torch.int64, device=src_rows.device).scatter_add_(
+            0, src_rows, torch.ones_like(src_rows))
+        self.bag_offsets = torch.cat([bag_sizes.new_zeros(1), torch.cumsum(bag_sizes[:num_rows], 0)])
+
+    def _check(self, rows: torch.Tensor, num_rows: int, what: str) -> None:
+        if rows.dim() != 2 or rows.shape[0] != num_rows:
+            raise ValueError(f"ExpertRows.{what}: rows must be [{num_rows}, hidden], got {tuple(rows.shape)}")
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """`[M, H]` received rows -> `[P, H]` expert rows (padding rows zero)."""
+        self._check(rows, self.num_rows, "gather")
         if self.padded:
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
         return rows.index_select(0, self.src_rows)
 
     def sum(self, rows: torch.Tensor) -> torch.Tensor:
         """`[P, H]` expert rows -> `[M, H]`: each received row's expert rows summed (padding rows left out)."""
-        num_rows, hidden = self.bag_offsets.shape[0] - 1, rows.shape[1]
+        self._check(rows, self.src_rows.shape[0], "sum")
         if self.kernels is not None and rows.is_cuda and rows.dtype in DTYPE_CODES:
             rows = rows.contiguous()
-            out = rows.new_empty(num_rows, hidden)
-            num_blocks = min(max(1, -(-num_rows // 8)), 1 << 16)  # a warp per received row, 8 per block
-            self.kernels.check(self.kernels.expert_sum(
-                rows.data_ptr(), self.bag_rows.data_ptr(), self.bag_offsets.data_ptr(), num_rows, hidden,
-                out.data_ptr(), DTYPE_CODES[rows.dtype], num_blocks, current_stream(rows.device.index)),
-                "the non-expand receiver's sum of expert rows", self.rank)
+            out = rows.new_empty(self.num_rows, rows.shape[1])
+            num_blocks = min(max(1, -(-self.num_rows // 8)), 1 << 16)  # a warp per received row, 8 per block
+            with torch.cuda.device(rows.device):
+                self.kernels.check(self.kernels.expert_sum(
+                    rows.data_ptr(), self.bag_rows.data_ptr(), self.bag_offsets.data_ptr(), self.num_rows,
+                    rows.shape[1], out.data_ptr(), DTYPE_CODES[rows.dtype], num_blocks,
+                    current_stream(rows.device.index)), "the non-expand receiver's sum of expert rows", self.rank)
             return out
         if rows.device.type == "cpu" and rows.element_size() < 4:
             # The CPU's embedding_bag rounds 16-bit sums its own way (ties away from zero): summed in fp32 here
@@ -130,8 +138,8 @@ class _MoveExpertRows(torch.autograd.Function):
         return plan.gather(rows) if gather else plan.sum(rows)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
         return ctx.plan.sum(grad) if ctx.gather else ctx.plan.gather(grad), None, None
 
 
@@ -309,8 +317,8 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         src_pairs = torch.full((num_out + 1,), num_rows * L, dtype=torch.int64, device=device).scatter(
             0, dest, pair_idx)[:num_out]
         kernels = load_kernels() if self.buffer.backend == "cuda" and recv_x.is_cuda else None
-        self.expert_rows = ExpertRows(src_rows, is_local_ML.sum(1), padded=self.expert_alignment > 1,
-                                      kernels=kernels, rank=self.ep_rank)
+        self.expert_rows = ExpertRows(src_rows, num_rows, padded=self.expert_alignment > 1, kernels=kernels,
+                                      rank=self.ep_rank)
         permuted = _MoveExpertRows.apply(recv_x, self.expert_rows, True)
         permuted_weights = torch.cat([weights_ML.flatten(), weights_ML.new_zeros(1)]).index_select(0, src_pairs)
         return permuted, permuted_weights
@@ -320,7 +328,7 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         """Expert outputs `[P, H]` -> rows in the dispatch's layout (non-expand: summed per received row)."""
         if self.options.do_expand:
             return hidden_states
-        out = _MoveExpertRows.apply(hidden_states.contiguous(), self.expert_rows, False)
+        out = _MoveExpertRows.apply(hidden_states, self.expert_rows, False)
         self.expert_rows = None
         return out
 
