@@ -829,7 +829,7 @@ def test_expert_rows_gather_and_sum(device, kernels, alignment):
     moe_comm's kernel (rows of 16-byte vectors, rows of other sizes, a base off 16 bytes, strided rows); each move
     is the other's adjoint (gradcheck); rows of the wrong shape are refused before anything runs."""
     from moe_comm.backends.cuda_kernels import load_kernels
-    from moe_comm.integrations.megatron.spec_route import _MoveExpertRows
+    from moe_comm.integrations.megatron.spec_route import ExpertRows, _MoveExpertRows
 
     counting = _CountingKernels(load_kernels()) if kernels else None
     num_rows = 37
@@ -867,10 +867,13 @@ def test_expert_rows_gather_and_sum(device, kernels, alignment):
         plan.sum(y.detach()[1:])
     with pytest.raises(ValueError, match=r"ExpertRows.gather: rows must be \[37, hidden\]"):
         plan.gather(x.detach().flatten())
-    # No received rows: empty results of the right shapes.
+    # No received rows, or received rows without an expert row: empty or zero results of the right shapes.
     empty, _ = _expert_rows_case(device, counting, alignment, num_rows=0)
     assert empty.sum(torch.zeros(0, 8, device=device)).shape == (0, 8)
     assert empty.gather(torch.zeros(0, 8, device=device)).shape == (0, 8)
+    none = ExpertRows(torch.zeros(0, dtype=torch.int64, device=device), 3, padded=False, kernels=counting)
+    assert torch.equal(none.sum(torch.zeros(0, 8, device=device)), torch.zeros(3, 8, device=device))
+    assert none.gather(torch.ones(3, 8, device=device)).shape == (0, 8)
 
 
 def test_layer_spec_forms():

@@ -112,6 +112,8 @@ class ExpertRows:
     def sum(self, rows: torch.Tensor) -> torch.Tensor:
         """`[P, H]` expert rows -> `[M, H]`: each received row's expert rows summed (padding rows left out)."""
         self._check(rows, self.src_rows.shape[0], "sum")
+        if rows.shape[0] == 0:  # no expert rows: every bag empty (and no empty weight for embedding_bag)
+            return rows.new_zeros(self.num_rows, rows.shape[1])
         if self.kernels is not None and rows.is_cuda and rows.dtype in DTYPE_CODES:
             rows = rows.contiguous()
             out = rows.new_empty(self.num_rows, rows.shape[1])
