@@ -16,6 +16,7 @@ sums); the kernel's launch here mirrors `ExpertRows.sum` (the integration needs 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: moe_comm without installing it
+
+from moe_comm.testing.bench import median_time_us  # noqa: E402
 
 
 def routing(num_rows: int, num_local: int, num_experts: int = 256, topk: int = 8, seed: int = 0):
@@ -94,26 +97,12 @@ def _kernel(y, order, offsets):
     return out
 
 
-def timed(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev, hidden = torch.device("cuda"), 7168
+    timed_us = functools.partial(median_time_us, device=dev)
     rows = []
     for name, num_rows, num_local in (("EP1", 4096, 256), ("EP2 rank 0", 8192, 128)):
         src, inv, counts = (t.to(dev) for t in routing(num_rows, num_local))
@@ -124,13 +113,13 @@ def main() -> None:
         ref = CANDIDATES["J gathers, fp32 accumulator"](y, src, inv, m)
         case = dict(case=name, rows=m, pairs=num_out, J=inv.shape[1], hidden=hidden,
                     floor_us=gbytes / 3300 * 1e6)  # at ~3.3 TB/s of HBM
-        case["gather index_select (P rows) us"] = timed(lambda: x.index_select(0, src))
+        case["gather index_select (P rows) us"] = timed_us(lambda: x.index_select(0, src))
         for cname, fn in CANDIDATES.items():
             out = fn(y, src, inv, m)
-            case[f"{cname} us"] = timed(lambda: fn(y, src, inv, m))
+            case[f"{cname} us"] = timed_us(lambda: fn(y, src, inv, m))
             case[f"{cname} max |diff| vs fp32 accumulator"] = (out.float() - ref.float()).abs().max().item()
         torch.use_deterministic_algorithms(True)
-        case["index_add deterministic us"] = timed(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
+        case["index_add deterministic us"] = timed_us(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
         torch.use_deterministic_algorithms(False)
 
         def before_fwd_bwd():  # the receiver's gather and sum before a983b80 as autograd ran them, experts identity
@@ -138,7 +127,7 @@ def main() -> None:
             yy = with_zero_row(xx).index_select(0, src)
             out = yy.new_zeros(m, hidden).index_add(0, src, yy)
             out.backward(x)
-        case["index_select + index_add fwd+bwd (before a983b80) us"] = timed(before_fwd_bwd)
+        case["index_select + index_add fwd+bwd (before a983b80) us"] = timed_us(before_fwd_bwd)
         torch.cuda.set_sync_debug_mode("error")  # raises if the bags' set-up waits for the host
         _bags(src, m)
         torch.cuda.set_sync_debug_mode(0)

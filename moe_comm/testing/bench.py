@@ -77,17 +77,19 @@ def run_metadata(argv: Sequence[str], repo_dir: str | pathlib.Path | None = None
 
 def median_time_us(fn: Callable[[], object], device: torch.device, num_warmups: int = 3,
                    num_iters: int = 20) -> float:
-    """Median wall time of `fn` in microseconds over `num_iters` runs, ranks aligned by a barrier each time.
+    """Median wall time of `fn` in microseconds over `num_iters` runs, ranks aligned by a barrier each time (when a
+    process group is initialized; a single process times alone).
 
     CUDA runs are timed with events on the current stream; CPU runs with `time.perf_counter`.
     """
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     for _ in range(num_warmups):
         fn()
     times = []
     for _ in range(num_iters):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            dist.barrier()
+            barrier()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -95,7 +97,7 @@ def median_time_us(fn: Callable[[], object], device: torch.device, num_warmups: 
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
         else:
-            dist.barrier()
+            barrier()
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
