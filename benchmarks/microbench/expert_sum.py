@@ -100,6 +100,8 @@ def _kernel(y, order, offsets):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
+    p.add_argument("--only", default=None, metavar="TEXT",
+                   help="time only the candidates whose name contains TEXT (the kernel's variants: --only kernel)")
     args = p.parse_args()
     dev, hidden = torch.device("cuda"), 7168
     timed_us = functools.partial(median_time_us, device=dev)
@@ -113,21 +115,28 @@ def main() -> None:
         ref = CANDIDATES["J gathers, fp32 accumulator"](y, src, inv, m)
         case = dict(case=name, rows=m, pairs=num_out, J=inv.shape[1], hidden=hidden,
                     floor_us=gbytes / 3300 * 1e6)  # at ~3.3 TB/s of HBM
-        case["gather index_select (P rows) us"] = timed_us(lambda: x.index_select(0, src))
+        if args.only is None:
+            case["gather index_select (P rows) us"] = timed_us(lambda: x.index_select(0, src))
         for cname, fn in CANDIDATES.items():
+            if args.only is not None and args.only not in cname:
+                continue
             out = fn(y, src, inv, m)
             case[f"{cname} us"] = timed_us(lambda: fn(y, src, inv, m))
             case[f"{cname} max |diff| vs fp32 accumulator"] = (out.float() - ref.float()).abs().max().item()
-        torch.use_deterministic_algorithms(True)
-        case["index_add deterministic us"] = timed_us(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
-        torch.use_deterministic_algorithms(False)
+        bags = _bags(src, m)
+        case["bag set-up alone (argsort, offsets) us"] = timed_us(lambda: _bags(src, m))
+        case["moe_comm expert_sum kernel alone (set-up done) us"] = timed_us(lambda: _kernel(y, *bags))
+        if args.only is None:
+            torch.use_deterministic_algorithms(True)
+            case["index_add deterministic us"] = timed_us(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
+            torch.use_deterministic_algorithms(False)
 
-        def before_fwd_bwd():  # the receiver's gather and sum before a983b80 as autograd ran them, experts identity
-            xx = x.detach().requires_grad_()
-            yy = with_zero_row(xx).index_select(0, src)
-            out = yy.new_zeros(m, hidden).index_add(0, src, yy)
-            out.backward(x)
-        case["index_select + index_add fwd+bwd (before a983b80) us"] = timed_us(before_fwd_bwd)
+            def before_fwd_bwd():  # the receiver's gather and sum before a983b80 in autograd, experts identity
+                xx = x.detach().requires_grad_()
+                yy = with_zero_row(xx).index_select(0, src)
+                out = yy.new_zeros(m, hidden).index_add(0, src, yy)
+                out.backward(x)
+            case["index_select + index_add fwd+bwd (before a983b80) us"] = timed_us(before_fwd_bwd)
         torch.cuda.set_sync_debug_mode("error")  # raises if the bags' set-up waits for the host
         _bags(src, m)
         torch.cuda.set_sync_debug_mode(0)
