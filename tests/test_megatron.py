@@ -787,7 +787,8 @@ def test_routing_map_to_topk():
 
 def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37):
     """A non-expand receiver's plan over `num_rows` received rows and 12 local experts (bags of 0 to 12 rows, so
-    the kernel's four-row loads run several times), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`."""
+    the kernel's four-row loads run several times), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`,
+    the plan's own received row of each expert row checked against the layout built here."""
     from moe_comm.integrations.megatron.spec_route import ExpertRows
 
     g = torch.Generator().manual_seed(0)
@@ -795,12 +796,21 @@ def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37):
     is_local = torch.rand(num_rows, num_local, generator=g) < 0.75
     if num_rows >= 2:
         is_local[:2] = torch.tensor([False, True]).unsqueeze(1)  # a row with no expert, a row with all of them
-    blocks = []
+    blocks, src_pairs = [], []  # each expert row's received row and (row, expert) pair, padding past the end
+    dest = torch.zeros(num_rows, num_local, dtype=torch.int64)
     for expert in range(num_local):
         rows = is_local[:, expert].nonzero().flatten().tolist()
-        blocks += rows + [num_rows] * (-len(rows) % alignment)
+        for row in rows:
+            dest[row, expert] = len(blocks)
+            blocks.append(row)
+            src_pairs.append(row * num_local + expert)
+        blocks += [num_rows] * (-len(rows) % alignment)
+        src_pairs += [num_rows * num_local] * (-len(rows) % alignment)
+    dest[~is_local] = len(blocks)
     src_rows = torch.tensor(blocks, dtype=torch.int64)
-    plan = ExpertRows(src_rows.to(device), num_rows, padded=alignment > 1, kernels=kernels)
+    plan = ExpertRows(dest.to(device), len(blocks), padded=alignment > 1, kernels=kernels)
+    assert torch.equal(plan.src_rows.cpu(), src_rows)
+    assert plan.src_pairs.tolist() == src_pairs
     return plan, src_rows
 
 
@@ -871,7 +881,9 @@ def test_expert_rows_gather_and_sum(device, kernels, alignment):
     empty, _ = _expert_rows_case(device, counting, alignment, num_rows=0)
     assert empty.sum(torch.zeros(0, 8, device=device)).shape == (0, 8)
     assert empty.gather(torch.zeros(0, 8, device=device)).shape == (0, 8)
-    none = ExpertRows(torch.zeros(0, dtype=torch.int64, device=device), 3, padded=False, kernels=counting)
+    with pytest.raises(ValueError, match=r"ExpertRows: dest must be \[rows, local experts\] torch.int64, got \(3,\)"):
+        ExpertRows(torch.zeros(3, dtype=torch.int64, device=device), 0, padded=False)
+    none = ExpertRows(torch.zeros(3, 4, dtype=torch.int64, device=device), 0, padded=False, kernels=counting)
     assert torch.equal(none.sum(torch.zeros(0, 8, device=device)), torch.zeros(3, 8, device=device))
     assert none.gather(torch.ones(3, 8, device=device)).shape == (0, 8)
 

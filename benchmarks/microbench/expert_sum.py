@@ -7,8 +7,9 @@ sums each received row's outputs back (`index_add` by `src_rows` until a983b80, 
 This times the sum's candidates and the gather, at DeepSeek-V3's hidden 7168 in bf16, at EP1 (4096 rows, all 8 of
 each row's experts local: P = 32768) and as rank 0 of EP2 (8192 rows from two ranks' 4096 tokens, 128 of 256 experts
 local: ~4 each), and reports each one's largest difference from the fp32 loop (0: the same bits). The bag candidates
-time their set-up (an argsort of the expert rows) in every call (the receiver: once per layer forward, for both
-sums); the kernel's launch here mirrors `ExpertRows.sum` (the integration needs megatron-core).
+time their set-up in every call (the receiver: once per layer forward, for both sums); the set-up and the kernel are
+also timed alone, and the set-up as it was up to 1161b96 (an argsort of the expert rows by received row). The bags
+and the kernel's launch here mirror `ExpertRows` (the integration needs megatron-core).
 
     python benchmarks/microbench/expert_sum.py [--json OUT.json]
 """
@@ -19,6 +20,7 @@ import argparse
 import functools
 import json
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -29,9 +31,9 @@ from moe_comm.testing.bench import median_time_us  # noqa: E402
 
 
 def routing(num_rows: int, num_local: int, num_experts: int = 256, topk: int = 8, seed: int = 0):
-    """Rows with at least one local expert: `(src_rows [P], inv [M, J], counts [L])`, as the dispatcher builds
+    """Rows with at least one local expert: `(src_rows [P], inv [M, J], dest [M, L])`, as the dispatcher builds
     them (experts ascending, rows ascending inside an expert; `inv` lists a row's positions, ascending, padded with
-    P, which reads a zero row)."""
+    P, which reads a zero row; `dest` each (row, local expert)'s position, P where there is none)."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.rand(num_rows * 2, num_experts, generator=g).topk(topk, dim=1).indices
     idx = torch.where(idx < num_local, idx, -1)
@@ -47,27 +49,38 @@ def routing(num_rows: int, num_local: int, num_experts: int = 256, topk: int = 8
         0, dest.flatten(), torch.arange(m * num_local) // num_local)[:num_out]
     j = min(topk, num_local)
     inv = dest.sort(dim=1).values[:, :j]
-    return src_rows, inv, counts
+    return src_rows, inv, dest
 
 
 def with_zero_row(y):
     return torch.cat([y, y.new_zeros(1, y.shape[1])])
 
 
+# Each candidate: (expert rows y [P, H], routing r) -> [M, H].
 CANDIDATES = {
-    "index_add (before a983b80)": lambda y, src, inv, m: y.new_zeros(m, y.shape[1]).index_add(0, src, y),
-    "gather [M,J,H] + sum(1)": lambda y, src, inv, m: with_zero_row(y).index_select(0, inv.flatten())
-        .view(m, inv.shape[1], -1).sum(1),
-    "J gathers, fp32 accumulator": lambda y, src, inv, m: _loop(y, inv, torch.float32),
-    "J gathers, bf16 accumulator": lambda y, src, inv, m: _loop(y, inv, y.dtype),
-    "embedding_bag over argsort(src_rows)": lambda y, src, inv, m: _embedding_bag(y, *_bags(src, m)),
-    "moe_comm expert_sum kernel": lambda y, src, inv, m: _kernel(y, *_bags(src, m)),
+    "index_add (before a983b80)": lambda y, r: y.new_zeros(r.m, y.shape[1]).index_add(0, r.src, y),
+    "gather [M,J,H] + sum(1)": lambda y, r: with_zero_row(y).index_select(0, r.inv.flatten())
+        .view(r.m, r.inv.shape[1], -1).sum(1),
+    "J gathers, fp32 accumulator": lambda y, r: _loop(y, r.inv, torch.float32),
+    "J gathers, bf16 accumulator": lambda y, r: _loop(y, r.inv, y.dtype),
+    "embedding_bag": lambda y, r: _embedding_bag(y, *_bags(r.dest, y.shape[0])),
+    "moe_comm expert_sum kernel": lambda y, r: _kernel(y, *_bags(r.dest, y.shape[0])),
 }
 
 
-def _bags(src, m):
-    """Each row's expert outputs as one bag: `(positions sorted by source row, stably: experts ascending; bag
-    offsets, bag m holding the padding rows)`, as `ExpertRows` in moe_comm's Megatron integration."""
+def _bags(dest, num_out):
+    """Each row's expert outputs as one bag, as `ExpertRows` in moe_comm's Megatron integration builds them: `(the
+    positions of row 0's pairs, then row 1's, ..., experts ascending; bag offsets [M + 1])`."""
+    m, flat = dest.shape[0], dest.flatten()
+    is_pair = flat < num_out
+    sizes = is_pair.view(m, -1).sum(1)
+    place = torch.where(is_pair, torch.cumsum(is_pair, 0) - 1, num_out)
+    return (flat.new_zeros(num_out + 1).scatter(0, place, flat)[:num_out],
+            torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)]))
+
+
+def _bags_by_argsort(src, m):
+    """The bags as `ExpertRows` built them up to 1161b96: a stable argsort of the expert rows by received row."""
     order = torch.argsort(src, stable=True)
     lengths = torch.zeros(m + 1, dtype=torch.int64, device=src.device).scatter_add_(0, src, torch.ones_like(src))
     return order, torch.cat([lengths.new_zeros(1), torch.cumsum(lengths[:m], 0)])
@@ -107,12 +120,13 @@ def main() -> None:
     timed_us = functools.partial(median_time_us, device=dev)
     rows = []
     for name, num_rows, num_local in (("EP1", 4096, 256), ("EP2 rank 0", 8192, 128)):
-        src, inv, counts = (t.to(dev) for t in routing(num_rows, num_local))
+        src, inv, dest = (t.to(dev) for t in routing(num_rows, num_local))
         m, num_out = inv.shape[0], src.shape[0]
+        r = types.SimpleNamespace(src=src, inv=inv, dest=dest, m=m)
         x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
         y = torch.randn(num_out, hidden, device=dev, dtype=torch.bfloat16)
         gbytes = (num_out + m) * hidden * 2 / 1e9  # read every expert row once, write every received row once
-        ref = CANDIDATES["J gathers, fp32 accumulator"](y, src, inv, m)
+        ref = CANDIDATES["J gathers, fp32 accumulator"](y, r)
         case = dict(case=name, rows=m, pairs=num_out, J=inv.shape[1], hidden=hidden,
                     floor_us=gbytes / 3300 * 1e6)  # at ~3.3 TB/s of HBM
         if args.only is None:
@@ -120,11 +134,13 @@ def main() -> None:
         for cname, fn in CANDIDATES.items():
             if args.only is not None and args.only not in cname:
                 continue
-            out = fn(y, src, inv, m)
-            case[f"{cname} us"] = timed_us(lambda: fn(y, src, inv, m))
+            out = fn(y, r)
+            case[f"{cname} us"] = timed_us(lambda: fn(y, r))
             case[f"{cname} max |diff| vs fp32 accumulator"] = (out.float() - ref.float()).abs().max().item()
-        bags = _bags(src, m)
-        case["bag set-up alone (argsort, offsets) us"] = timed_us(lambda: _bags(src, m))
+        bags = _bags(dest, num_out)
+        assert all(torch.equal(a, b) for a, b in zip(bags, _bags_by_argsort(src, m)))  # the same bags either way
+        case["bag set-up alone us"] = timed_us(lambda: _bags(dest, num_out))
+        case["bag set-up by argsort (up to 1161b96) us"] = timed_us(lambda: _bags_by_argsort(src, m))
         case["moe_comm expert_sum kernel alone (set-up done) us"] = timed_us(lambda: _kernel(y, *bags))
         if args.only is None:
             torch.use_deterministic_algorithms(True)
@@ -138,7 +154,7 @@ def main() -> None:
                 out.backward(x)
             case["index_select + index_add fwd+bwd (before a983b80) us"] = timed_us(before_fwd_bwd)
         torch.cuda.set_sync_debug_mode("error")  # raises if the bags' set-up waits for the host
-        _bags(src, m)
+        _bags(dest, num_out)
         torch.cuda.set_sync_debug_mode(0)
         rows.append(case)
         print(json.dumps(case, indent=1), flush=True)

@@ -78,25 +78,41 @@ class ExpertRows:
     The sum adds each received row's expert rows in fp32 (fp64 for float64 rows), experts ascending, from zero,
     rounded once to the rows' dtype: no atomics, the same bits every run. On CUDA with the kernel library
     (`kernels`) it is moe_comm's kernel (bf16, float32, float64 rows); otherwise `embedding_bag` over the expert rows
-    sorted by received row, whose bits CUDA's kernel matches and the CPU's, after its 16-bit rows are widened, too.
-    (Per sum at DeepSeek-V3's EP1 shapes: `index_add`, which this replaced, ~1.9 ms with bf16 atomics,
-    `embedding_bag` ~1.0 ms; the kernel is not timed yet: `benchmarks/microbench/expert_sum.py`.)
+    grouped by received row, whose bits CUDA's kernel matches and the CPU's, after its 16-bit rows are widened, too.
+    Both read the bags built here once per plan from `dest`, without a sort. (Per sum at DeepSeek-V3's EP1 shapes,
+    `benchmarks/microbench/expert_sum.py`: `index_add`, which this replaced, ~1.9 ms with bf16 atomics; the kernel
+    ~0.15 ms, one pass over the rows at HBM speed.)
 
     Arguments:
-        src_rows: `[P]` `torch.int64`, the received row of each expert row; `num_rows` for padding rows.
-        num_rows: M, received rows.
+        dest: `[M, L]` `torch.int64`, the expert row (of P) of each (received row, local expert) pair; P where the
+            row has no copy for that expert.
+        num_out: P, expert rows (those no pair names are padding).
         padded: whether any expert row may be padding.
         kernels: the CUDA backend's kernel library (`moe_comm.backends.cuda_kernels.load_kernels()`), or None.
         rank: this rank, for a failed launch's message.
+
+    Attributes `src_pairs` / `src_rows` (`[P]`): each expert row's pair (`m * L + l`; `M * L` for padding) and
+    received row (M for padding).
     """
 
-    def __init__(self, src_rows: torch.Tensor, num_rows: int, padded: bool, kernels=None, rank: int = 0) -> None:
-        self.src_rows, self.num_rows, self.padded, self.kernels, self.rank = src_rows, num_rows, padded, kernels, rank
-        # Bag m (m < M) holds received row m's expert rows; the padding rows sort last, into bag M, cut off.
-        self.bag_rows = torch.argsort(src_rows, stable=True)
-        bag_sizes = torch.zeros(num_rows + 1, dtype=torch.int64, device=src_rows.device).scatter_add_(
-            0, src_rows, torch.ones_like(src_rows))
-        self.bag_offsets = torch.cat([bag_sizes.new_zeros(1), torch.cumsum(bag_sizes[:num_rows], 0)])
+    def __init__(self, dest: torch.Tensor, num_out: int, padded: bool, kernels=None, rank: int = 0) -> None:
+        if dest.dim() != 2 or dest.dtype != torch.int64:
+            raise ValueError(f"ExpertRows: dest must be [rows, local experts] torch.int64, got {tuple(dest.shape)} "
+                             f"{dest.dtype}")
+        self.num_rows, num_local = dest.shape
+        self.padded, self.kernels, self.rank = padded, kernels, rank
+        dest = dest.flatten()
+        pairs = torch.arange(dest.shape[0], device=dest.device)
+        self.src_pairs = torch.full((num_out + 1,), dest.shape[0], dtype=torch.int64, device=dest.device).scatter(
+            0, dest, pairs)[:num_out]
+        self.src_rows = self.src_pairs // max(num_local, 1)
+        # Bag m (m < M) holds received row m's expert rows, experts ascending: pair (m, l)'s place among the pairs
+        # taken row by row. Places past the last pair (as many as padding rows) stay 0, in a last bag cut off.
+        is_pair = dest < num_out
+        bag_sizes = is_pair.view(self.num_rows, num_local).sum(1)
+        self.bag_offsets = torch.cat([bag_sizes.new_zeros(1), torch.cumsum(bag_sizes, 0)])
+        place = torch.where(is_pair, torch.cumsum(is_pair, 0) - 1, num_out)
+        self.bag_rows = dest.new_zeros(num_out + 1).scatter(0, place, dest)[:num_out]
 
     def _check(self, rows: torch.Tensor, num_rows: int, what: str) -> None:
         if rows.dim() != 2 or rows.shape[0] != num_rows:
@@ -311,18 +327,12 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
         block_start_L = torch.cumsum(counts_L, 0) - counts_L
         num_out = sum(counts)
         pos_ML = block_start_L + torch.cumsum(is_local_ML.long(), dim=0) - 1
-        dest = torch.where(is_local_ML, pos_ML, num_out).flatten()  # non-local pairs go to a dummy slot
-        pair_idx = torch.arange(num_rows * L, device=device)
-        # Output row -> source row (num_rows = a zero padding row) and -> (row, expert) pair.
-        src_rows = torch.full((num_out + 1,), num_rows, dtype=torch.int64, device=device).scatter(
-            0, dest, pair_idx // L)[:num_out]
-        src_pairs = torch.full((num_out + 1,), num_rows * L, dtype=torch.int64, device=device).scatter(
-            0, dest, pair_idx)[:num_out]
         kernels = load_kernels() if self.buffer.backend == "cuda" and recv_x.is_cuda else None
-        self.expert_rows = ExpertRows(src_rows, num_rows, padded=self.expert_alignment > 1, kernels=kernels,
-                                      rank=self.ep_rank)
+        self.expert_rows = ExpertRows(torch.where(is_local_ML, pos_ML, num_out), num_out,  # num_out: no copy
+                                      padded=self.expert_alignment > 1, kernels=kernels, rank=self.ep_rank)
         permuted = _MoveExpertRows.apply(recv_x, self.expert_rows, True)
-        permuted_weights = torch.cat([weights_ML.flatten(), weights_ML.new_zeros(1)]).index_select(0, src_pairs)
+        permuted_weights = torch.cat([weights_ML.flatten(), weights_ML.new_zeros(1)]).index_select(
+            0, self.expert_rows.src_pairs)
         return permuted, permuted_weights
 
     # 4 ------------------------------------------------------------------------------------------------

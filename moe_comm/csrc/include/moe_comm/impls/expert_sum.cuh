@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(256, 4)
     expert_sum_impl(const T* rows, const int64_t* bag_rows, const int64_t* bag_offsets, int64_t num_bags,
                     int64_t row_elems, bool vectors, T* out) {
     constexpr int kPerVector = 16 / sizeof(T);
-    constexpr int kInFlight = 8;
+    constexpr int kInFlight = 4;
     constexpr unsigned kAll = 0xffffffffu;
     const int lane = threadIdx.x % 32;
     const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
