@@ -14,7 +14,8 @@ A side-by-side record (`scripts/bench_deepep.py --json`): back-to-back time agai
 DeepEP V1.
 
 A floor record (a microbenchmark's rows, e.g. `benchmarks/fanout-floor_*.json`): GB/s per SM against blocks, a
-line per method and a panel per case.
+line per method and a panel per case. A candidates record (`benchmarks/microbench/expert_sum.py --json`): per case,
+a bar of each timing against the case's HBM floor.
 
 Recipe metrics (`recipes/megatron_moe/train.py --metrics-json`, one file per dispatcher of the same preset and
 seed): loss and tokens/s per step, one line per file; with several runs a third panel has each run's |loss
@@ -274,6 +275,30 @@ def plot_floor(record: dict, path: str | pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_candidates(record: dict, path: str | pathlib.Path) -> None:
+    """Write a candidates record's plot to `path` (PNG): `record["cases"]`, each with `case`, `floor_us` and `us`
+    (name -> microseconds): horizontal bars of the timings, the floor a dashed line, a panel per case."""
+    from matplotlib.figure import Figure
+
+    cases, meta = record["cases"], record["meta"]
+    names = list(dict.fromkeys(name for case in cases for name in case["us"]))
+    fig = Figure(figsize=(6.5 * len(cases), 0.32 * len(names) + 1.6), layout="constrained")
+    axes = fig.subplots(1, len(cases), squeeze=False, sharey=True)[0]
+    for ax, case in zip(axes, cases):
+        ys = [k for k, name in enumerate(names) if name in case["us"]]
+        ax.barh(ys, [case["us"][names[k]] for k in ys], color="C0")
+        ax.axvline(case["floor_us"], color="0.3", linestyle="--", label=f"HBM floor {case['floor_us']:.0f} us")
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_xlabel("us per call")
+        ax.set_title(case["case"], fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].invert_yaxis()  # the first timing on top (the axes share it)
+    commit = (meta.get("commit") or "no checkout")[:10]
+    fig.suptitle(f"{record['title']}\ncommit {commit}, {meta['gpu']}, {meta['date_utc'][:10]}", fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
 def plot_recipe(runs: list[dict], path: str | pathlib.Path, labels: list[str] | None = None) -> None:
     """Write loss and tokens/s per step of recipe runs to `path` (PNG), and with several runs each one's loss
     difference from the first run's.
@@ -342,12 +367,15 @@ def main(argv: list[str] | None = None) -> None:
         plot(records[0], out)
     elif len(records) == 1 and "floor" in records[0]:
         plot_floor(records[0], out)
+    elif len(records) == 1 and "cases" in records[0]:
+        plot_candidates(records[0], out)
     elif all({"summary", "history"} <= record.keys() for record in records):
         plot_recipe(records, out)
     elif len(records) == 1 and "runs" in records[0]:  # recipe runs gathered in one file, each with its label
         plot_recipe(records[0]["runs"], out, [run["label"] for run in records[0]["runs"]])
     else:
-        parser.error("each file must be a bench JSON (a `table`), a floor record (`floor`), recipe metrics "
+        parser.error("each file must be a bench JSON (a `table`), a floor record (`floor`), a candidates record "
+                     "(`cases`), recipe metrics "
                      "(`summary` and `history`) or recipe runs gathered under `runs`")
     print(out)
 

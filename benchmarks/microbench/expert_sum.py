@@ -11,7 +11,7 @@ time their set-up in every call (the receiver: once per layer forward, for both 
 also timed alone, and the set-up as it was up to 1161b96 (an argsort of the expert rows by received row). The bags
 and the kernel's launch here mirror `ExpertRows` (the integration needs megatron-core).
 
-    python benchmarks/microbench/expert_sum.py [--json OUT.json]
+    python benchmarks/microbench/expert_sum.py [--json OUT.json] [--md OUT.md] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import pathlib
 import sys
 import types
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: moe_comm without installing it
+# The repository root: moe_comm without installing it.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from moe_comm.testing.bench import median_time_us  # noqa: E402
+from moe_comm.testing.bench import median_time_us, run_metadata  # noqa: E402
 
 
 def routing(num_rows: int, num_local: int, num_experts: int = 256, topk: int = 8, seed: int = 0):
@@ -110,15 +111,41 @@ def _kernel(y, order, offsets):
     return out
 
 
+def to_markdown(record: dict) -> str:
+    """The record as a table: a row per timing, per case its us, its multiple of the case's HBM floor and its
+    largest difference from the fp32 loop (blank where not compared)."""
+    meta, cases = record["meta"], record["cases"]
+    lines = [f"# {record['title']}", "",
+             f"commit {meta['commit']}, {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+             f"Python {meta['python']}, {meta['date_utc']}", "", f"command: `{meta['command']}`", "",
+             "bf16 rows of hidden 7168; median of 20 calls, each from an idle GPU between two events on the stream "
+             "(a call that takes the host longer to issue than the GPU to run shows the host's time); the floor "
+             "reads every expert row and writes every received row once at 3.3 TB/s. Cases: "
+             + "; ".join(f"{c['case']}: {c['rows']} received rows, {c['pairs']} expert rows, up to {c['J']} per row"
+                         for c in cases), ""]
+    lines.append("| | " + " | ".join(f"{c['case']} us | x floor | max diff" for c in cases) + " |")
+    lines.append("|---|" + "---|---|---|" * len(cases))
+    for name in dict.fromkeys(k for c in cases for k in c["us"]):
+        cells = []
+        for c in cases:
+            us, diff = c["us"].get(name), c["max_diff"].get(name)
+            cells += ["" if us is None else f"{us:.0f}", "" if us is None else f"{us / c['floor_us']:.2f}",
+                      "" if diff is None else f"{diff:g}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| HBM floor | " + " | ".join(f"{c['floor_us']:.0f} | 1.00 | " for c in cases) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the record here (plot: scripts/plot_results.py)")
+    p.add_argument("--md", default=None, help="write the record's table here")
     p.add_argument("--only", default=None, metavar="TEXT",
                    help="time only the candidates whose name contains TEXT (the kernel's variants: --only kernel)")
     args = p.parse_args()
     dev, hidden = torch.device("cuda"), 7168
     timed_us = functools.partial(median_time_us, device=dev)
-    rows = []
+    cases = []
     for name, num_rows, num_local in (("EP1", 4096, 256), ("EP2 rank 0", 8192, 128)):
         src, inv, dest = (t.to(dev) for t in routing(num_rows, num_local))
         m, num_out = inv.shape[0], src.shape[0]
@@ -128,23 +155,23 @@ def main() -> None:
         gbytes = (num_out + m) * hidden * 2 / 1e9  # read every expert row once, write every received row once
         ref = CANDIDATES["J gathers, fp32 accumulator"](y, r)
         case = dict(case=name, rows=m, pairs=num_out, J=inv.shape[1], hidden=hidden,
-                    floor_us=gbytes / 3300 * 1e6)  # at ~3.3 TB/s of HBM
+                    floor_us=gbytes / 3300 * 1e6, us={}, max_diff={})  # at ~3.3 TB/s of HBM
         if args.only is None:
-            case["gather index_select (P rows) us"] = timed_us(lambda: x.index_select(0, src))
+            case["us"]["gather index_select (P rows)"] = timed_us(lambda: x.index_select(0, src))
         for cname, fn in CANDIDATES.items():
             if args.only is not None and args.only not in cname:
                 continue
             out = fn(y, r)
-            case[f"{cname} us"] = timed_us(lambda: fn(y, r))
-            case[f"{cname} max |diff| vs fp32 accumulator"] = (out.float() - ref.float()).abs().max().item()
+            case["us"][cname] = timed_us(lambda: fn(y, r))
+            case["max_diff"][cname] = (out.float() - ref.float()).abs().max().item()
         bags = _bags(dest, num_out)
         assert all(torch.equal(a, b) for a, b in zip(bags, _bags_by_argsort(src, m)))  # the same bags either way
-        case["bag set-up alone us"] = timed_us(lambda: _bags(dest, num_out))
-        case["bag set-up by argsort (up to 1161b96) us"] = timed_us(lambda: _bags_by_argsort(src, m))
-        case["moe_comm expert_sum kernel alone (set-up done) us"] = timed_us(lambda: _kernel(y, *bags))
+        case["us"]["bag set-up alone"] = timed_us(lambda: _bags(dest, num_out))
+        case["us"]["bag set-up by argsort (up to 1161b96)"] = timed_us(lambda: _bags_by_argsort(src, m))
+        case["us"]["moe_comm expert_sum kernel alone (set-up done)"] = timed_us(lambda: _kernel(y, *bags))
         if args.only is None:
             torch.use_deterministic_algorithms(True)
-            case["index_add deterministic us"] = timed_us(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
+            case["us"]["index_add deterministic"] = timed_us(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
             torch.use_deterministic_algorithms(False)
 
             def before_fwd_bwd():  # the receiver's gather and sum before a983b80 in autograd, experts identity
@@ -152,16 +179,18 @@ def main() -> None:
                 yy = with_zero_row(xx).index_select(0, src)
                 out = yy.new_zeros(m, hidden).index_add(0, src, yy)
                 out.backward(x)
-            case["index_select + index_add fwd+bwd (before a983b80) us"] = timed_us(before_fwd_bwd)
+            case["us"]["index_select + index_add fwd+bwd (before a983b80)"] = timed_us(before_fwd_bwd)
         torch.cuda.set_sync_debug_mode("error")  # raises if the bags' set-up waits for the host
         _bags(dest, num_out)
         torch.cuda.set_sync_debug_mode(0)
-        rows.append(case)
-        print(json.dumps(case, indent=1), flush=True)
-    meta = dict(torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name())
+        cases.append(case)
+    record = dict(title="The non-expand receiver's per-row sum of expert outputs, one GPU",
+                  meta=run_metadata(sys.argv), cases=cases)
+    print(to_markdown(record), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    if args.md:
+        pathlib.Path(args.md).write_text(to_markdown(record))
 
 
 if __name__ == "__main__":
