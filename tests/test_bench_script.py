@@ -199,6 +199,31 @@ def test_floor_record_plot(tmp_path):
     plots_from_json(record, tmp_path)
 
 
+def test_candidates_record(tmp_path):
+    """The expert-sum microbenchmark's record (benchmarks/expert-sum_*.json) plots from the JSON alone and prints as
+    a table: a row per timing, per case its us, multiple of the floor and difference (blank where not compared or
+    not timed); the committed record has both cases with the kernel bitwise the fp32 loop."""
+    import importlib.util
+
+    committed = json.loads((ROOT / "benchmarks" / "expert-sum_h200x1_2026-12-02.json").read_text())
+    assert [c["case"] for c in committed["cases"]] == ["EP1", "EP2 rank 0"] and committed["meta"]["commit"]
+    assert all(c["max_diff"]["moe_comm expert_sum kernel"] == 0 for c in committed["cases"])
+    spec = importlib.util.spec_from_file_location("expert_sum", ROOT / "benchmarks" / "microbench" / "expert_sum.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    meta = {"commit": "0123456789ab", "gpu": "H200", "torch": "2.11", "cuda": "13.0", "python": "3.12",
+            "date_utc": "2026-12-02T00:00:00+00:00", "command": "python3 expert_sum.py"}
+    record = {"title": "sums", "meta": meta, "cases": [
+        {"case": "EP1", "rows": 4, "pairs": 8, "J": 2, "floor_us": 10.0, "us": {"a": 20.0, "b": 5.0},
+         "max_diff": {"a": 0.0}},
+        {"case": "EP2", "rows": 8, "pairs": 9, "J": 2, "floor_us": 20.0, "us": {"a": 30.0}, "max_diff": {"a": 0.5}}]}
+    table = module.to_markdown(record).splitlines()
+    assert "| a | 20 | 2.00 | 0 | 30 | 1.50 | 0.5 |" in table
+    assert "| b | 5 | 0.50 |  |  |  |  |" in table
+    assert "| HBM floor | 10 | 1.00 |  | 20 | 1.00 |  |" in table
+    plots_from_json(record, tmp_path)
+
+
 def test_recipe_runs_plot(tmp_path):
     """Recipe runs gathered under `runs` (benchmarks/loss-curves_*.json) plot from the JSON alone, with a panel of
     each run's loss difference from the first run's (a run equal to it bit for bit stays on the axis at 0)."""
