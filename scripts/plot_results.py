@@ -15,7 +15,7 @@ DeepEP V1.
 
 A floor record (a microbenchmark's rows, e.g. `benchmarks/fanout-floor_*.json`): GB/s per SM against blocks, a
 line per method and a panel per case. A candidates record (`benchmarks/microbench/expert_sum.py --json`): per case,
-a bar of each timing against the case's HBM floor.
+a bar of each timing against the case's floor.
 
 Recipe metrics (`recipes/megatron_moe/train.py --metrics-json`, one file per dispatcher of the same preset and
 seed): loss and tokens/s per step, one line per file; with several runs a third panel has each run's |loss
@@ -287,7 +287,7 @@ def plot_candidates(record: dict, path: str | pathlib.Path) -> None:
     for ax, case in zip(axes, cases):
         ys = [k for k, name in enumerate(names) if name in case["us"]]
         ax.barh(ys, [case["us"][names[k]] for k in ys], color="C0")
-        ax.axvline(case["floor_us"], color="0.3", linestyle="--", label=f"HBM floor {case['floor_us']:.0f} us")
+        ax.axvline(case["floor_us"], color="0.3", linestyle="--", label=f"floor {case['floor_us']:.0f} us")
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.set_xlabel("us per call")
         ax.set_title(case["case"], fontsize=10)
@@ -375,8 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         plot_recipe(records[0]["runs"], out, [run["label"] for run in records[0]["runs"]])
     else:
         parser.error("each file must be a bench JSON (a `table`), a floor record (`floor`), a candidates record "
-                     "(`cases`), recipe metrics "
-                     "(`summary` and `history`) or recipe runs gathered under `runs`")
+                     "(`cases`), recipe metrics (`summary` and `history`) or recipe runs gathered under `runs`")
     print(out)
 
 

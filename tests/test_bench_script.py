@@ -214,14 +214,17 @@ def test_candidates_record(tmp_path):
     meta = {"commit": "0123456789ab", "gpu": "H200", "torch": "2.11", "cuda": "13.0", "python": "3.12",
             "date_utc": "2026-12-02T00:00:00+00:00", "command": "python3 expert_sum.py"}
     record = {"title": "sums", "meta": meta, "cases": [
-        {"case": "EP1", "rows": 4, "pairs": 8, "J": 2, "floor_us": 10.0, "us": {"a": 20.0, "b": 5.0},
-         "max_diff": {"a": 0.0}},
-        {"case": "EP2", "rows": 8, "pairs": 9, "J": 2, "floor_us": 20.0, "us": {"a": 30.0}, "max_diff": {"a": 0.5}}]}
+        {"case": "EP1", "rows": 4, "pairs": 8, "J": 2, "hidden": 16, "floor_us": 10.0, "floor": "a copy",
+         "us": {"a": 20.0, "b": 5.0}, "max_diff": {"a": 0.0}},
+        {"case": "EP2", "rows": 8, "pairs": 9, "J": 2, "hidden": 16, "floor_us": 20.0, "floor": "a copy",
+         "us": {"a": 30.0}, "max_diff": {"a": 0.5}}]}
     table = module.to_markdown(record).splitlines()
     assert "| a | 20 | 2.00 | 0 | 30 | 1.50 | 0.5 |" in table
     assert "| b | 5 | 0.50 |  |  |  |  |" in table
-    assert "| HBM floor | 10 | 1.00 |  | 20 | 1.00 |  |" in table
+    assert "| floor | 10 | 1.00 |  | 20 | 1.00 |  |" in table
+    assert all(len(line) <= 120 for line in table if not line.startswith(("|", "command")))
     plots_from_json(record, tmp_path)
+    plots_from_json(committed, tmp_path)
 
 
 def test_recipe_runs_plot(tmp_path):

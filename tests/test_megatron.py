@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
+import pathlib
 import subprocess
 import sys
 import types
@@ -660,7 +662,6 @@ def test_required_symbols_cover_every_megatron_import():
     """`compat.REQUIRED_SYMBOLS` lists every Megatron name the integration imports, so the import check
     (not a bare ImportError) reports any that is missing."""
     import ast
-    import pathlib
 
     from moe_comm.integrations.megatron import compat
 
@@ -785,17 +786,32 @@ def test_routing_map_to_topk():
     assert torch.equal(probs.grad, routing_map.float())
 
 
-def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37):
-    """A non-expand receiver's plan over `num_rows` received rows and 12 local experts (bags of 0 to 12 rows, so
-    the kernel's four-row loads run several times), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`,
-    the plan's own received row of each expert row checked against the layout built here."""
+@functools.cache
+def _expert_sum_microbenchmark():
+    """benchmarks/microbench/expert_sum.py as a module (a script, not a package)."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "microbench" / "expert_sum.py"
+    spec = importlib.util.spec_from_file_location("expert_sum_microbenchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37, num_local: int = 12):
+    """A non-expand receiver's plan over `num_rows` received rows and `num_local` local experts (bags of 0 to
+    `num_local` rows, so the kernel's four-row loads run several times; with 40, rows of 32 and 33 experts too, the
+    kernel's second 32-entry pass), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`, the plan's own
+    received row and pair of each expert row checked against the layout built here."""
     from moe_comm.integrations.megatron.spec_route import ExpertRows
 
     g = torch.Generator().manual_seed(0)
-    num_local = 12
     is_local = torch.rand(num_rows, num_local, generator=g) < 0.75
     if num_rows >= 2:
         is_local[:2] = torch.tensor([False, True]).unsqueeze(1)  # a row with no expert, a row with all of them
+    for row, size in ((2, 32), (3, 33)):
+        if num_rows > row and num_local > size:
+            is_local[row] = torch.arange(num_local) < size
     blocks, src_pairs = [], []  # each expert row's received row and (row, expert) pair, padding past the end
     dest = torch.zeros(num_rows, num_local, dtype=torch.int64)
     for expert in range(num_local):
@@ -811,6 +827,8 @@ def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37):
     plan = ExpertRows(dest.to(device), len(blocks), padded=alignment > 1, kernels=kernels)
     assert torch.equal(plan.src_rows.cpu(), src_rows)
     assert plan.src_pairs.tolist() == src_pairs
+    bag_rows, bag_offsets = _expert_sum_microbenchmark()._bags(dest, len(blocks))  # it times the same bags
+    assert torch.equal(plan.bag_rows.cpu(), bag_rows) and torch.equal(plan.bag_offsets.cpu(), bag_offsets)
     return plan, src_rows
 
 
@@ -845,27 +863,34 @@ def test_expert_rows_gather_and_sum(device, kernels, alignment):
     num_rows = 37
     plan, src_rows = _expert_rows_case(device, counting, alignment, num_rows)
     num_sums = 0
-    for dtype in (torch.float64, torch.float32, torch.bfloat16):
-        for hidden, form in ((24, "contiguous"), (21, "contiguous"), (24, "base off 16 bytes"), (24, "strided")):
-            x = torch.randn(num_rows, hidden, dtype=dtype)
-            expected = torch.cat([x, x.new_zeros(1, hidden)])[src_rows]
-            assert torch.equal(plan.gather(x.to(device)).cpu(), expected)
-            y = torch.randn(len(src_rows), hidden, dtype=dtype)
-            acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-            expected = torch.zeros(num_rows, hidden, dtype=acc_dtype)
-            for pos, row in enumerate(src_rows.tolist()):  # positions ascend within a row's experts
-                if row < num_rows:
-                    expected[row] += y[pos].to(acc_dtype)
-            if form == "base off 16 bytes":
-                y_dev = torch.cat([y.new_zeros(1), y.flatten()]).to(device)[1:].view(y.shape)
-            elif form == "strided":
-                y_dev = y.t().contiguous().to(device).t()
-            else:
-                y_dev = y.to(device)
-            got = plan.sum(y_dev)
-            num_sums += 1
-            assert got.dtype == dtype
-            assert torch.equal(got.cpu(), expected.to(dtype)), (dtype, hidden, form)
+    # Rows of 16-byte vectors (24; 264: 33 to 132 vectors, a last pass of lanes partly idle), rows of other sizes
+    # (21; 70 but in float64), a base off 16 bytes, strided rows; bags of up to 12 rows, then up to 40.
+    cases = [(plan, src_rows, hidden, form) for hidden, form in (
+        (24, "contiguous"), (21, "contiguous"), (264, "contiguous"), (70, "contiguous"), (24, "base off 16 bytes"),
+        (24, "strided"))]
+    long_plan, long_src_rows = _expert_rows_case(device, counting, alignment, num_rows, num_local=40)
+    cases += [(long_plan, long_src_rows, hidden, "contiguous") for hidden in (24, 264, 21)]
+    for dtype, (case_plan, case_rows, hidden, form) in itertools.product(
+            (torch.float64, torch.float32, torch.bfloat16), cases):
+        x = torch.randn(num_rows, hidden, dtype=dtype)
+        expected = torch.cat([x, x.new_zeros(1, hidden)])[case_rows]
+        assert torch.equal(case_plan.gather(x.to(device)).cpu(), expected)
+        y = torch.randn(len(case_rows), hidden, dtype=dtype)
+        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        expected = torch.zeros(num_rows, hidden, dtype=acc_dtype)
+        for pos, row in enumerate(case_rows.tolist()):  # positions ascend within a row's experts
+            if row < num_rows:
+                expected[row] += y[pos].to(acc_dtype)
+        if form == "base off 16 bytes":
+            y_dev = torch.cat([y.new_zeros(1), y.flatten()]).to(device)[1:].view(y.shape)
+        elif form == "strided":
+            y_dev = y.t().contiguous().to(device).t()
+        else:
+            y_dev = y.to(device)
+        got = case_plan.sum(y_dev)
+        num_sums += 1
+        assert got.dtype == dtype
+        assert torch.equal(got.cpu(), expected.to(dtype)), (dtype, hidden, form)
     if counting is not None:
         assert counting.launches == num_sums
     x = torch.randn(num_rows, 2, dtype=torch.float64, device=device, requires_grad=True)

@@ -6,7 +6,8 @@ sums each received row's outputs back (`index_add` by `src_rows` until a983b80, 
 `embedding_bag`, then moe_comm's kernel since: the last candidates here); the backward of each is the other's shape.
 This times the sum's candidates and the gather, at DeepSeek-V3's hidden 7168 in bf16, at EP1 (4096 rows, all 8 of
 each row's experts local: P = 32768) and as rank 0 of EP2 (8192 rows from two ranks' 4096 tokens, 128 of 256 experts
-local: ~4 each), and reports each one's largest difference from the fp32 loop (0: the same bits). The bag candidates
+local: ~4 each), against a floor timed in the same run (a device-to-device copy moving as many bytes), and reports
+each one's largest difference from the fp32 loop (0: the same bits). The bag candidates
 time their set-up in every call (the receiver: once per layer forward, for both sums); the set-up and the kernel are
 also timed alone, and the set-up as it was up to 1161b96 (an argsort of the expert rows by received row). The bags
 and the kernel's launch here mirror `ExpertRows` (the integration needs megatron-core).
@@ -21,6 +22,7 @@ import functools
 import json
 import pathlib
 import sys
+import textwrap
 import types
 
 import torch
@@ -72,9 +74,9 @@ CANDIDATES = {
 def _bags(dest, num_out):
     """Each row's expert outputs as one bag, as `ExpertRows` in moe_comm's Megatron integration builds them: `(the
     positions of row 0's pairs, then row 1's, ..., experts ascending; bag offsets [M + 1])`."""
-    m, flat = dest.shape[0], dest.flatten()
+    flat = dest.flatten()
     is_pair = flat < num_out
-    sizes = is_pair.view(m, -1).sum(1)
+    sizes = is_pair.view(dest.shape).sum(1)
     place = torch.where(is_pair, torch.cumsum(is_pair, 0) - 1, num_out)
     return (flat.new_zeros(num_out + 1).scatter(0, place, flat)[:num_out],
             torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)]))
@@ -112,17 +114,17 @@ def _kernel(y, order, offsets):
 
 
 def to_markdown(record: dict) -> str:
-    """The record as a table: a row per timing, per case its us, its multiple of the case's HBM floor and its
-    largest difference from the fp32 loop (blank where not compared)."""
+    """The record as a table: a row per timing, per case its us, its multiple of the case's floor and its largest
+    difference from the fp32 loop (blank where not compared)."""
     meta, cases = record["meta"], record["cases"]
-    lines = [f"# {record['title']}", "",
-             f"commit {meta['commit']}, {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
-             f"Python {meta['python']}, {meta['date_utc']}", "", f"command: `{meta['command']}`", "",
-             "bf16 rows of hidden 7168; median of 20 calls, each from an idle GPU between two events on the stream "
-             "(a call that takes the host longer to issue than the GPU to run shows the host's time); the floor "
-             "reads every expert row and writes every received row once at 3.3 TB/s. Cases: "
-             + "; ".join(f"{c['case']}: {c['rows']} received rows, {c['pairs']} expert rows, up to {c['J']} per row"
-                         for c in cases), ""]
+    about = ("Median of 20 calls, each from an idle GPU between two events on the stream (a call that takes the host "
+             "longer to issue than the GPU to run shows the host's time). Cases: "
+             + "; ".join(f"{c['case']}: {c['rows']} received rows, {c['pairs']} expert rows (up to {c['J']} per "
+                         f"row) of {c['hidden']} bf16 values, floor {c['floor_us']:.0f} us ({c['floor']})"
+                         for c in cases) + ".")
+    lines = [f"# {record['title']}", "", f"commit {meta['commit']}, {meta['gpu']}, torch {meta['torch']}, CUDA "
+             f"{meta['cuda']}, Python {meta['python']}, {meta['date_utc']}", "", f"command: `{meta['command']}`", "",
+             textwrap.fill(about, width=120), ""]
     lines.append("| | " + " | ".join(f"{c['case']} us | x floor | max diff" for c in cases) + " |")
     lines.append("|---|" + "---|---|---|" * len(cases))
     for name in dict.fromkeys(k for c in cases for k in c["us"]):
@@ -132,7 +134,7 @@ def to_markdown(record: dict) -> str:
             cells += ["" if us is None else f"{us:.0f}", "" if us is None else f"{us / c['floor_us']:.2f}",
                       "" if diff is None else f"{diff:g}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("| HBM floor | " + " | ".join(f"{c['floor_us']:.0f} | 1.00 | " for c in cases) + " |")
+    lines.append("| floor | " + " | ".join(f"{c['floor_us']:.0f} | 1.00 | " for c in cases) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,8 +156,12 @@ def main() -> None:
         y = torch.randn(num_out, hidden, device=dev, dtype=torch.bfloat16)
         gbytes = (num_out + m) * hidden * 2 / 1e9  # read every expert row once, write every received row once
         ref = CANDIDATES["J gathers, fp32 accumulator"](y, r)
+        copy_from = torch.empty(round(gbytes * 1e9) // 2, dtype=torch.uint8, device=dev)
+        copy_to = torch.empty_like(copy_from)
         case = dict(case=name, rows=m, pairs=num_out, J=inv.shape[1], hidden=hidden,
-                    floor_us=gbytes / 3300 * 1e6, us={}, max_diff={})  # at ~3.3 TB/s of HBM
+                    floor_us=timed_us(lambda: copy_to.copy_(copy_from)),
+                    floor="a device-to-device copy moving as many bytes: every expert row read, every received row "
+                          "written once", us={}, max_diff={})
         if args.only is None:
             case["us"]["gather index_select (P rows)"] = timed_us(lambda: x.index_select(0, src))
         for cname, fn in CANDIDATES.items():

@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(256, 4)
                     int64_t row_elems, bool vectors, T* out) {
     constexpr int kPerVector = 16 / sizeof(T);
     constexpr int kInFlight = 4;
+    static_assert(32 % kInFlight == 0, "a batch of loads stays inside one 32-entry chunk of the bag");
     constexpr unsigned kAll = 0xffffffffu;
     const int lane = threadIdx.x % 32;
     const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -35,7 +36,8 @@ __global__ void __launch_bounds__(256, 4)
          bag += num_warps) {
         const int64_t begin = bag_offsets[bag], size = bag_offsets[bag + 1] - begin;
         T* dst = out + bag * row_elems;
-        // Row index of the bag's entry `lane` (entries 32 and on are read per vector: bags that long are rare).
+        // Row index of the bag's entry `lane`. Entries 32 and on (bags that long are rare) are read again per pass:
+        // a lane each per 32 of them on the vector path, every entry for each 32 elements on the element path.
         const int64_t first = lane < size ? bag_rows[begin + lane] : 0;
         // Every lane runs every step (the shuffles need the whole warp); lanes past the row's end load nothing.
         if (!vectors) {
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(256, 4)
                     int4 q[kInFlight];
 #pragma unroll
                     for (int i = 0; i < kInFlight; ++i) {
-                        const int64_t row = __shfl_sync(kAll, chunk, (e + i) % 32);
+                        const int64_t row = __shfl_sync(kAll, chunk, e + i);
                         if (active && e + i < in_chunk)
                             q[i] = __ldg(reinterpret_cast<const int4*>(rows + row * row_elems) + v);
                     }
