@@ -324,7 +324,7 @@ STRUCTS = {
 
 CONSTANTS = {  # name in C -> (value, C type)
     "kMaxRanks": (MAX_RANKS, "int"), "kSignatureLen": (SIGNATURE_LEN, "int"),
-    "kMaxRoundSlots": (MAX_ROUND_SLOTS, "int"), "kRecvTableLimit": (RECV_TABLE_LIMIT, "int64_t"),
+    "kRecvTableLimit": (RECV_TABLE_LIMIT, "int64_t"),
     "kMaxDynamicSmem": (MAX_DYNAMIC_SMEM, "int64_t"), "kLayoutThreads": (LAYOUT_THREADS, "int"),
     "kLayoutMaxBlocks": (LAYOUT_MAX_BLOCKS, "int"),
     **{"kWorkspace" + piece.title().replace("_", ""): (i, "int") for i, piece in enumerate(WORKSPACE_PIECES)},

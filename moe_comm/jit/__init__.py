@@ -4,6 +4,6 @@
 sources compile (CI, no GPU needed). Cache layout, key and locking protocol: `moe_comm.jit.compiler`.
 """
 
-from .compiler import CSRC_DIR, build, compile_check, default_cache_dir, find_nvcc, load, nvcc_version
+from .compiler import CSRC_DIR, build, compile_check, default_cache_dir, find_nvcc, load
 
-__all__ = ["CSRC_DIR", "build", "compile_check", "default_cache_dir", "find_nvcc", "load", "nvcc_version"]
+__all__ = ["CSRC_DIR", "build", "compile_check", "default_cache_dir", "find_nvcc", "load"]

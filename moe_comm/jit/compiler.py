@@ -102,15 +102,6 @@ def find_nvcc() -> Path:
                        "CUDA_HOME to it.")
 
 
-def nvcc_version() -> str:
-    """The full `nvcc --version` text of `find_nvcc()`, run once per nvcc path per process.
-
-    Returns:
-        The text, as hashed into every cache key (a toolkit upgrade invalidates the cache).
-    """
-    return _nvcc_version_of(find_nvcc())
-
-
 @functools.lru_cache(maxsize=None)
 def _nvcc_version_of(nvcc: Path) -> str:
     out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, errors="replace",

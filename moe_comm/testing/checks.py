@@ -118,6 +118,7 @@ def check_case(buffer, case: Case, rank: int, check_cached: bool = True, recv_ho
         assert recv_x2.shape == recv_x.shape, f"cached recv_x shape {tuple(recv_x2.shape)} != {tuple(recv_x.shape)}"
         assert_same("cached recv_x", recv_x2[:num_rows], exp.x * 2)
         assert recv_idx2 is recv_idx or recv_idx2 is handle.recv_topk_idx
+        assert recv_w2 is recv_w or recv_w2 is handle.recv_topk_weights
     return {"rows": num_rows, "tokens": num_tokens}
 
 

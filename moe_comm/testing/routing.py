@@ -116,7 +116,6 @@ class ExpectedDispatch:
     src: list[tuple[int, int]]    # (source rank, source token) per non-expand row
     num_recv_tokens_per_rank: list[int]
     num_recv_tokens_per_expert: list[int]  # aligned
-    expand_expert: Optional[list[int]] = None   # local expert of each expand row (padding included)
 
 
 def expected_dispatch(case: Case, rank: int) -> ExpectedDispatch:
@@ -146,20 +145,18 @@ def expected_dispatch(case: Case, rank: int) -> ExpectedDispatch:
     aligned = [-(-c // a) * a for c in counts]
     if not case.do_expand:
         return ExpectedDispatch(x_all, idx_all, w_all, src, per_rank, aligned)
-    ex_rows, ex_w, ex_expert = [], [], []
+    ex_rows, ex_w = [], []
     for l in range(L):
         members = [i for i, r in enumerate(idx_rows) if l in r]
         for i in members:
             ex_rows.append(x_all[i])
             ex_w.append(w_all[i, idx_rows[i].index(l)] if w_all is not None else 0.0)
-            ex_expert.append(l)
         for _ in range(aligned[l] - len(members)):
             ex_rows.append(torch.zeros(H, dtype=case.torch_dtype))
             ex_w.append(0.0)
-            ex_expert.append(l)
     ex_x = torch.stack(ex_rows) if ex_rows else torch.empty(0, H, dtype=case.torch_dtype)
     ex_w_t = torch.tensor([float(v) for v in ex_w], dtype=wdtype) if case.with_weights else None
-    return ExpectedDispatch(ex_x, None, ex_w_t, src, per_rank, aligned, ex_expert)
+    return ExpectedDispatch(ex_x, None, ex_w_t, src, per_rank, aligned)
 
 
 def expected_combine(case: Case, rank: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

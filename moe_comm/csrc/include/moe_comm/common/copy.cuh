@@ -1,4 +1,4 @@
-// Copies: the strided 16-byte loop (warps and whole grids), warp-level row copies, and bulk copies through shared
+// Copies: the strided 16-byte loop, warp-level row copies, and bulk copies through shared
 // memory (TMA). Device code only, no torch headers; benchmarks/microbench/copy_bench.cu uses it too.
 #pragma once
 
@@ -8,29 +8,17 @@
 
 namespace moe_comm {
 
-// How a copy loads its source: plain, read-only through the non-coherent path (`__ldg`, data nobody writes during
-// the kernel), or through L2 only (`__ldcg`, data that peers wrote: L1 is not coherent with their stores).
-enum class Load { kPlain, kReadOnly, kL2 };
-
-template <Load kLoad>
-__device__ __forceinline__ int4 load16(const int4* ptr) {
-    if constexpr (kLoad == Load::kReadOnly) return __ldg(ptr);
-    else if constexpr (kLoad == Load::kL2) return __ldcg(ptr);
-    else return *ptr;
-}
-
 // Copy n 16-byte vectors, this thread taking vectors first, first + stride, ... with kUnroll loads in flight before
-// the stores (the pointers may alias as far as the compiler knows, so the order is spelled out). A warp copies
-// with first = lane and stride = 32, a whole grid with first = its thread index and stride = its thread count.
+// the stores (the pointers may alias as far as the compiler knows, so the order is spelled out).
 // NOTES: the last batch is predicated, not a one-vector-at-a-time tail loop: with unroll 8 a 14 KB row left
 // 4 serial load round trips in such a tail, which ate the whole gain of the wider batches.
-template <int kUnroll, Load kLoad>
+template <int kUnroll>
 __device__ __forceinline__ void strided_copy16(int4* dst, const int4* src, int64_t n, int64_t first, int64_t stride) {
     for (int64_t i = first; i < n; i += kUnroll * stride) {
         int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-            if (i + u * stride < n) v[u] = load16<kLoad>(src + i + u * stride);
+            if (i + u * stride < n) v[u] = src[i + u * stride];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
             if (i + u * stride < n) dst[i + u * stride] = v[u];
@@ -45,12 +33,10 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
     return v;
 }
 
-// Copy `bytes` (a multiple of 16) with the lanes of one warp, kUnroll loads in flight per lane. kViaL2: load
-// through L2 only, for what peers wrote into our region.
-template <int kUnroll, bool kViaL2 = false>
+// Copy `bytes` (a multiple of 16) with the lanes of one warp, kUnroll loads in flight per lane.
+template <int kUnroll>
 __device__ __forceinline__ void warp_copy16(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
-    strided_copy16<kUnroll, kViaL2 ? Load::kL2 : Load::kPlain>(reinterpret_cast<int4*>(dst),
-                                                            reinterpret_cast<const int4*>(src), bytes / 16, lane, 32);
+    strided_copy16<kUnroll>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), bytes / 16, lane, 32);
 }
 
 template <bool kViaL2 = false>
