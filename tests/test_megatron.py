@@ -786,24 +786,12 @@ def test_routing_map_to_topk():
     assert torch.equal(probs.grad, routing_map.float())
 
 
-@functools.cache
-def _expert_sum_microbenchmark():
-    """benchmarks/microbench/expert_sum.py as a module (a script, not a package)."""
-    import importlib.util
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "microbench" / "expert_sum.py"
-    spec = importlib.util.spec_from_file_location("expert_sum_microbenchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37, num_local: int = 12):
     """A non-expand receiver's plan over `num_rows` received rows and `num_local` local experts (bags of 0 to
     `num_local` rows, so the kernel's four-row loads run several times; with 40, rows of 32 and 33 experts too, the
     kernel's second 32-entry pass), expert blocks padded to `alignment`: `(ExpertRows, src_rows)`, the plan's own
     received row and pair of each expert row checked against the layout built here."""
-    from moe_comm.integrations.megatron.spec_route import ExpertRows
+    from moe_comm.integrations.expert_rows import ExpertRows
 
     g = torch.Generator().manual_seed(0)
     is_local = torch.rand(num_rows, num_local, generator=g) < 0.75
@@ -827,8 +815,6 @@ def _expert_rows_case(device: str, kernels, alignment: int, num_rows: int = 37, 
     plan = ExpertRows(dest.to(device), len(blocks), padded=alignment > 1, kernels=kernels)
     assert torch.equal(plan.src_rows.cpu(), src_rows)
     assert plan.src_pairs.tolist() == src_pairs
-    bag_rows, bag_offsets = _expert_sum_microbenchmark()._bags(dest, len(blocks))  # it times the same bags
-    assert torch.equal(plan.bag_rows.cpu(), bag_rows) and torch.equal(plan.bag_offsets.cpu(), bag_offsets)
     return plan, src_rows
 
 
@@ -857,7 +843,7 @@ def test_expert_rows_gather_and_sum(device, kernels, alignment):
     moe_comm's kernel (rows of 16-byte vectors, rows of other sizes, a base off 16 bytes, strided rows); each move
     is the other's adjoint (gradcheck); rows of the wrong shape are refused before anything runs."""
     from moe_comm.backends.cuda_kernels import load_kernels
-    from moe_comm.integrations.megatron.spec_route import ExpertRows, _MoveExpertRows
+    from moe_comm.integrations.expert_rows import ExpertRows, MoveExpertRows
 
     counting = _CountingKernels(load_kernels()) if kernels else None
     num_rows = 37
@@ -895,8 +881,8 @@ def test_expert_rows_gather_and_sum(device, kernels, alignment):
         assert counting.launches == num_sums
     x = torch.randn(num_rows, 2, dtype=torch.float64, device=device, requires_grad=True)
     y = torch.randn(len(src_rows), 2, dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, True), (x,))
-    assert torch.autograd.gradcheck(lambda t: _MoveExpertRows.apply(t, plan, False), (y,))
+    assert torch.autograd.gradcheck(lambda t: MoveExpertRows.apply(t, plan, True), (x,))
+    assert torch.autograd.gradcheck(lambda t: MoveExpertRows.apply(t, plan, False), (y,))
     with pytest.raises(ValueError, match=r"ExpertRows.sum: rows must be \[%d, hidden\], got \(%d, 2\)"
                        % (len(src_rows), len(src_rows) - 1)):
         plan.sum(y.detach()[1:])

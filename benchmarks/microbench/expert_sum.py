@@ -9,8 +9,8 @@ each row's experts local: P = 32768) and as rank 0 of EP2 (8192 rows from two ra
 local: ~4 each), against a floor timed in the same run (a device-to-device copy moving as many bytes), and reports
 each one's largest difference from the fp32 loop (0: the same bits). The bag candidates
 time their set-up in every call (the receiver: once per layer forward, for both sums); the set-up and the kernel are
-also timed alone, and the set-up as it was up to 1161b96 (an argsort of the expert rows by received row). The bags
-and the kernel's launch here mirror `ExpertRows` (the integration needs megatron-core).
+also timed alone, and the set-up as it was up to 1161b96 (an argsort of the expert rows by received row). The bag
+candidates are `moe_comm.integrations.expert_rows.ExpertRows`, the receiver itself.
 
     python benchmarks/microbench/expert_sum.py [--json OUT.json] [--md OUT.md] [--only TEXT]
 """
@@ -30,6 +30,8 @@ import torch
 # The repository root: moe_comm without installing it.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
+from moe_comm.backends.cuda_kernels import load_kernels  # noqa: E402
+from moe_comm.integrations.expert_rows import ExpertRows  # noqa: E402
 from moe_comm.testing.bench import median_time_us, run_metadata  # noqa: E402
 
 
@@ -66,20 +68,9 @@ CANDIDATES = {
         .view(r.m, r.inv.shape[1], -1).sum(1),
     "J gathers, fp32 accumulator": lambda y, r: _loop(y, r.inv, torch.float32),
     "J gathers, bf16 accumulator": lambda y, r: _loop(y, r.inv, y.dtype),
-    "embedding_bag": lambda y, r: _embedding_bag(y, *_bags(r.dest, y.shape[0])),
-    "moe_comm expert_sum kernel": lambda y, r: _kernel(y, *_bags(r.dest, y.shape[0])),
+    "embedding_bag": lambda y, r: ExpertRows(r.dest, y.shape[0], padded=False).sum(y),
+    "moe_comm expert_sum kernel": lambda y, r: ExpertRows(r.dest, y.shape[0], padded=False, kernels=r.kernels).sum(y),
 }
-
-
-def _bags(dest, num_out):
-    """Each row's expert outputs as one bag, as `ExpertRows` in moe_comm's Megatron integration builds them: `(the
-    positions of row 0's pairs, then row 1's, ..., experts ascending; bag offsets [M + 1])`."""
-    flat = dest.flatten()
-    is_pair = flat < num_out
-    sizes = is_pair.view(dest.shape).sum(1)
-    place = torch.where(is_pair, torch.cumsum(is_pair, 0) - 1, num_out)
-    return (flat.new_zeros(num_out + 1).scatter(0, place, flat)[:num_out],
-            torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)]))
 
 
 def _bags_by_argsort(src, m):
@@ -95,22 +86,6 @@ def _loop(y, inv, acc_dtype):
     for j in range(1, inv.shape[1]):
         acc += y.index_select(0, inv[:, j])
     return acc.to(y.dtype)
-
-
-def _embedding_bag(y, order, offsets):
-    return torch.nn.functional.embedding_bag(order, y, offsets, mode="sum")[:-1]
-
-
-def _kernel(y, order, offsets):
-    from moe_comm.backends.common import DTYPE_CODES
-    from moe_comm.backends.cuda_kernels import current_stream, load_kernels
-
-    k, m = load_kernels(), offsets.shape[0] - 1
-    out = y.new_empty(m, y.shape[1])
-    k.check(k.expert_sum(y.data_ptr(), order.data_ptr(), offsets.data_ptr(), m, y.shape[1], out.data_ptr(),
-                         DTYPE_CODES[y.dtype], min(max(1, -(-m // 8)), 1 << 16), current_stream(y.device.index)),
-            "expert_sum", 0)
-    return out
 
 
 def to_markdown(record: dict) -> str:
@@ -151,7 +126,7 @@ def main() -> None:
     for name, num_rows, num_local in (("EP1", 4096, 256), ("EP2 rank 0", 8192, 128)):
         src, inv, dest = (t.to(dev) for t in routing(num_rows, num_local))
         m, num_out = inv.shape[0], src.shape[0]
-        r = types.SimpleNamespace(src=src, inv=inv, dest=dest, m=m)
+        r = types.SimpleNamespace(src=src, inv=inv, dest=dest, m=m, kernels=load_kernels())
         x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
         y = torch.randn(num_out, hidden, device=dev, dtype=torch.bfloat16)
         gbytes = (num_out + m) * hidden * 2 / 1e9  # read every expert row once, write every received row once
@@ -170,11 +145,11 @@ def main() -> None:
             out = fn(y, r)
             case["us"][cname] = timed_us(lambda: fn(y, r))
             case["max_diff"][cname] = (out.float() - ref.float()).abs().max().item()
-        bags = _bags(dest, num_out)
-        assert all(torch.equal(a, b) for a, b in zip(bags, _bags_by_argsort(src, m)))  # the same bags either way
-        case["us"]["bag set-up alone"] = timed_us(lambda: _bags(dest, num_out))
+        plan = ExpertRows(dest, num_out, padded=False, kernels=r.kernels)
+        assert all(torch.equal(a, b) for a, b in zip((plan.bag_rows, plan.bag_offsets), _bags_by_argsort(src, m)))
+        case["us"]["plan set-up alone (ExpertRows)"] = timed_us(lambda: ExpertRows(dest, num_out, padded=False))
         case["us"]["bag set-up by argsort (up to 1161b96)"] = timed_us(lambda: _bags_by_argsort(src, m))
-        case["us"]["moe_comm expert_sum kernel alone (set-up done)"] = timed_us(lambda: _kernel(y, *bags))
+        case["us"]["moe_comm expert_sum kernel alone (set-up done)"] = timed_us(lambda: plan.sum(y))
         if args.only is None:
             torch.use_deterministic_algorithms(True)
             case["us"]["index_add deterministic"] = timed_us(lambda: y.new_zeros(m, hidden).index_add(0, src, y))
@@ -186,8 +161,8 @@ def main() -> None:
                 out = yy.new_zeros(m, hidden).index_add(0, src, yy)
                 out.backward(x)
             case["us"]["index_select + index_add fwd+bwd (before a983b80)"] = timed_us(before_fwd_bwd)
-        torch.cuda.set_sync_debug_mode("error")  # raises if the bags' set-up waits for the host
-        _bags(dest, num_out)
+        torch.cuda.set_sync_debug_mode("error")  # raises if the plan's set-up waits for the host
+        ExpertRows(dest, num_out, padded=False)
         torch.cuda.set_sync_debug_mode(0)
         cases.append(case)
     record = dict(title="The non-expand receiver's per-row sum of expert outputs, one GPU",

@@ -4,4 +4,6 @@ what to install.
 
 - `moe_comm.integrations.megatron`: Megatron-core token dispatcher, layer-spec helper and a drop-in for the
   flex (DeepEP) dispatcher.
+- `moe_comm.integrations.expert_rows`: the non-expand layout's receiver (rows per local expert and back), needing
+  no framework; the Megatron dispatcher uses it.
 """
