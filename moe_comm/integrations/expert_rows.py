@@ -27,7 +27,7 @@ class ExpertRows:
     grouped by received row, whose bits CUDA's kernel matches and the CPU's, after its 16-bit rows are widened, too.
     Both read the bags built here once per plan from `dest`, without a sort. (Per sum at DeepSeek-V3's EP1 shapes,
     `benchmarks/microbench/expert_sum.py`: `index_add`, which this replaced, ~1.9 ms with bf16 atomics; the kernel
-    ~0.14 ms, one pass over the rows at ~1.15x a device copy of as many bytes.)
+    ~0.15 ms, one pass over the rows at ~1.2x a device copy of as many bytes.)
 
     Arguments:
         dest: `[M, L]` `torch.int64`, the expert row (of P) of each (received row, local expert) pair; P where the
