@@ -4,6 +4,7 @@ scripts/plot_results.py draws a PNG from that JSON."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -28,6 +29,14 @@ def script_module(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def microbench_module(name: str):
+    """benchmarks/microbench/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "microbench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -203,16 +212,12 @@ def test_candidates_record(tmp_path):
     """The expert-sum microbenchmark's record (benchmarks/expert-sum_*.json) plots from the JSON alone and prints as
     a table: a row per timing, per case its us, multiple of the floor and difference (blank where not compared or
     not timed); each committed record has both cases with the kernel bitwise the fp32 loop."""
-    import importlib.util
-
     committed = [json.loads(path.read_text()) for path in sorted((ROOT / "benchmarks").glob("expert-sum_*.json"))]
     assert committed
     for each in committed:
         assert [c["case"] for c in each["cases"]] == ["EP1", "EP2 rank 0"] and each["meta"]["commit"]
         assert all(c["max_diff"]["moe_comm expert_sum kernel"] == 0 for c in each["cases"])
-    spec = importlib.util.spec_from_file_location("expert_sum", ROOT / "benchmarks" / "microbench" / "expert_sum.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = microbench_module("expert_sum")
     meta = {"commit": "0123456789ab", "gpu": "H200", "torch": "2.11", "cuda": "13.0", "python": "3.12",
             "date_utc": "2026-12-02T00:00:00+00:00", "command": "python3 expert_sum.py"}
     record = {"title": "sums", "meta": meta, "cases": [
@@ -228,6 +233,33 @@ def test_candidates_record(tmp_path):
     plots_from_json(record, tmp_path)
     for each in committed:
         plots_from_json(each, tmp_path)
+
+
+def test_chunked_experts_smoke(tmp_path, monkeypatch):
+    """The chunked-experts microbenchmark at small shapes on CPU: the chunks' outputs and input gradients are the
+    whole rows' own, bit for bit (each chunk row compared with its whole row), every timing is there, the record
+    prints and plots; the chunk counts add up to the whole rows' per expert."""
+    import torch
+
+    module = microbench_module("chunked_experts")
+    for name, value in dict(HIDDEN=32, FFN=16, NUM_EXPERTS=8, TOPK=2, TOKENS=32).items():
+        monkeypatch.setattr(module, name, value)
+    counts = module.chunk_counts(num_ranks=2, num_local=4, num_chunks=4)
+    assert counts.shape == (4, 4) and int(counts.sum()) <= 2 * 32 * 2
+    assert torch.equal(counts.sum(0), module.chunk_counts(num_ranks=2, num_local=4, num_chunks=1)[0])
+    order = module.chunk_major_order(counts, torch.device("cpu"))
+    assert sorted(order.tolist()) == list(range(int(counts.sum())))
+    cases = [module.time_case(name, ranks, local, [2, 3], torch.device("cpu")) for name, ranks, local in
+             (("EP1", 1, 8), ("EP2 rank 0", 2, 4))]
+    for case in cases:
+        assert case["max_diff"] == {"2 chunks, weight grads once": 0.0, "3 chunks, weight grads once": 0.0}
+        assert set(case["us"]) == {"whole rows", "2 chunks, weight grads once", "3 chunks, weight grads once",
+                                   "2 chunks, weight grads per chunk, summed",
+                                   "3 chunks, weight grads per chunk, summed"}
+    record = dict(title="chunks", meta=run_metadata(["chunked_experts.py"]), cases=cases)
+    table = module.to_markdown(record)
+    assert "| whole rows |" in table and "| floor |" in table
+    plots_from_json(record, tmp_path)
 
 
 def test_recipe_runs_plot(tmp_path):

@@ -17,12 +17,9 @@ candidates are `moe_comm.integrations.expert_rows.ExpertRows`, the receiver itse
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import pathlib
 import sys
-import textwrap
 import types
 
 import torch
@@ -32,7 +29,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from moe_comm.backends.cuda_kernels import load_kernels  # noqa: E402
 from moe_comm.integrations.expert_rows import ExpertRows  # noqa: E402
-from moe_comm.testing.bench import median_time_us, run_metadata  # noqa: E402
+from moe_comm.testing.bench import (  # noqa: E402
+    candidates_markdown, median_time_us, record_parser, run_metadata, write_record)
 
 
 def routing(num_rows: int, num_local: int, num_experts: int = 256, topk: int = 8, seed: int = 0):
@@ -89,34 +87,17 @@ def _loop(y, inv, acc_dtype):
 
 
 def to_markdown(record: dict) -> str:
-    """The record as a table: a row per timing, per case its us, its multiple of the case's floor and its largest
-    difference from the fp32 loop (blank where not compared)."""
-    meta, cases = record["meta"], record["cases"]
+    """The record as a table (`candidates_markdown`), its cases' shapes and floors in the preamble."""
     about = ("Median of 20 calls, each from an idle GPU between two events on the stream (a call that takes the host "
              "longer to issue than the GPU to run shows the host's time). Cases: "
              + "; ".join(f"{c['case']}: {c['rows']} received rows, {c['pairs']} expert rows (up to {c['J']} per "
                          f"row) of {c['hidden']} bf16 values, floor {c['floor_us']:.0f} us ({c['floor']})"
-                         for c in cases) + ".")
-    lines = [f"# {record['title']}", "", f"commit {meta['commit']}, {meta['gpu']}, torch {meta['torch']}, CUDA "
-             f"{meta['cuda']}, Python {meta['python']}, {meta['date_utc']}", "", f"command: `{meta['command']}`", "",
-             textwrap.fill(about, width=120), ""]
-    lines.append("| | " + " | ".join(f"{c['case']} us | x floor | max diff" for c in cases) + " |")
-    lines.append("|---|" + "---|---|---|" * len(cases))
-    for name in dict.fromkeys(k for c in cases for k in c["us"]):
-        cells = []
-        for c in cases:
-            us, diff = c["us"].get(name), c["max_diff"].get(name)
-            cells += ["" if us is None else f"{us:.0f}", "" if us is None else f"{us / c['floor_us']:.2f}",
-                      "" if diff is None else f"{diff:g}"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("| floor | " + " | ".join(f"{c['floor_us']:.0f} | 1.00 | " for c in cases) + " |")
-    return "\n".join(lines) + "\n"
+                         for c in record["cases"]) + ".")
+    return candidates_markdown(record, about)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None, help="write the record here (plot: scripts/plot_results.py)")
-    p.add_argument("--md", default=None, help="write the record's table here")
+    p = record_parser(__doc__)
     p.add_argument("--only", default=None, metavar="TEXT",
                    help="time only the candidates whose name contains TEXT (the kernel's variants: --only kernel)")
     args = p.parse_args()
@@ -167,11 +148,7 @@ def main() -> None:
         cases.append(case)
     record = dict(title="The non-expand receiver's per-row sum of expert outputs, one GPU",
                   meta=run_metadata(sys.argv), cases=cases)
-    print(to_markdown(record), flush=True)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    if args.md:
-        pathlib.Path(args.md).write_text(to_markdown(record))
+    write_record(record, to_markdown(record), args)
 
 
 if __name__ == "__main__":

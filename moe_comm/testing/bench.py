@@ -8,7 +8,9 @@ rows; combine is the reverse `all_to_all_single` plus an FP32 `index_add_` on th
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import pathlib
 import platform
 import shlex
@@ -16,6 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from typing import Callable, Sequence
 
@@ -73,6 +76,46 @@ def run_metadata(argv: Sequence[str], repo_dir: str | pathlib.Path | None = None
             "num_gpus": torch.cuda.device_count() if cuda else 0, "hostname": socket.gethostname(),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join([pathlib.Path(sys.executable).name, *argv])}
+
+
+def record_parser(doc: str) -> argparse.ArgumentParser:
+    """A microbenchmark's argument parser (its description: `doc`'s first paragraph) with `--json` and `--md`, where
+    `write_record` puts its record."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="write the record here (plot: scripts/plot_results.py)")
+    parser.add_argument("--md", default=None, help="write the record's table here")
+    return parser
+
+
+def write_record(record: dict, markdown: str, args: argparse.Namespace) -> None:
+    """Print a record's markdown and write it and the record's JSON where `args` (`record_parser`) say."""
+    print(markdown, flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    if args.md:
+        pathlib.Path(args.md).write_text(markdown)
+
+
+def candidates_markdown(record: dict, about: str) -> str:
+    """A microbenchmark's candidates record as markdown: title, run metadata, `about` (a paragraph), then a row per
+    timing and per case its us, its multiple of the case's floor and its largest difference from the reference
+    (blank where not compared or not timed). `record["cases"]`: each with `case`, `floor_us`, `us` and `max_diff`
+    (name -> value); `scripts/plot_results.py` draws the same record."""
+    meta, cases = record["meta"], record["cases"]
+    lines = [f"# {record['title']}", "", f"commit {meta['commit']}, {meta['gpu']}, torch {meta['torch']}, CUDA "
+             f"{meta['cuda']}, Python {meta['python']}, {meta['date_utc']}", "", f"command: `{meta['command']}`", "",
+             textwrap.fill(about, width=120), ""]
+    lines.append("| | " + " | ".join(f"{c['case']} us | x floor | max diff" for c in cases) + " |")
+    lines.append("|---|" + "---|---|---|" * len(cases))
+    for name in dict.fromkeys(k for c in cases for k in c["us"]):
+        cells = []
+        for c in cases:
+            us, diff = c["us"].get(name), c["max_diff"].get(name)
+            cells += ["" if us is None else f"{us:.0f}", "" if us is None else f"{us / c['floor_us']:.2f}",
+                      "" if diff is None else f"{diff:g}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| floor | " + " | ".join(f"{c['floor_us']:.0f} | 1.00 | " for c in cases) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def median_time_us(fn: Callable[[], object], device: torch.device, num_warmups: int = 3,
