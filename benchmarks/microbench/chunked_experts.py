@@ -15,8 +15,11 @@ on one GPU, as EP1 (256 local experts) and as one rank of EP2 (128 local experts
 - in K token chunks with the weight gradients once over all rows (forward and input gradient per chunk): the least
   any chunked design pays (the regrouping of the rows by expert that one weight-gradient GEMM needs is not timed);
 - in K token chunks, each with its own weight gradients, summed into one (what autograd does when K chunks use the
-  same weights).
-The max diff columns compare the chunks' outputs and input gradients with the whole rows' (0: the same bits).
+  same weights);
+- in K groups of local experts, each with all its rows (a pipeline by experts instead of tokens: the combine of one
+  group's rows under the next group's GEMMs).
+The max diff columns compare the chunks' (groups') outputs and input gradients with the whole rows' (0: the same
+bits).
 
     python benchmarks/microbench/chunked_experts.py [--json OUT.json] [--md OUT.md] [--chunks 2 4]
 """
@@ -58,10 +61,18 @@ class Experts:
     """The local experts' SwiGLU MLP on grouped GEMMs, its three passes apart: `forward`, `input_grad`,
     `weight_grads` (`MoECommGroupedMLP`'s products: fc1 `[L, 2F, H]`, fc2 `[L, H, F]`)."""
 
-    def __init__(self, num_local: int, device: torch.device) -> None:
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w1, self.w2 = w1, w2
+
+    @classmethod
+    def random(cls, num_local: int, device: torch.device) -> "Experts":
         g = torch.Generator(device).manual_seed(1)
-        self.w1 = torch.randn(num_local, 2 * FFN, HIDDEN, device=device, dtype=torch.bfloat16, generator=g) * 0.02
-        self.w2 = torch.randn(num_local, HIDDEN, FFN, device=device, dtype=torch.bfloat16, generator=g) * 0.02
+        return cls(torch.randn(num_local, 2 * FFN, HIDDEN, device=device, dtype=torch.bfloat16, generator=g) * 0.02,
+                   torch.randn(num_local, HIDDEN, FFN, device=device, dtype=torch.bfloat16, generator=g) * 0.02)
+
+    def group(self, first: int, end: int) -> "Experts":
+        """Local experts first..end-1 (views of the weights)."""
+        return Experts(self.w1[first:end], self.w2[first:end])
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor):
         h = F.grouped_mm(x, self.w1.transpose(1, 2), offs=offs)
@@ -83,7 +94,7 @@ class Experts:
 
 def time_case(name: str, num_ranks: int, num_local: int, chunk_sizes, device: torch.device) -> dict:
     timed_us = functools.partial(median_time_us, device=device, num_warmups=2, num_iters=10)
-    experts = Experts(num_local, device)
+    experts = Experts.random(num_local, device)
     whole = chunk_counts(num_ranks, num_local, 1)[0]
     rows = int(whole.sum())
     x = torch.randn(rows, HIDDEN, device=device, dtype=torch.bfloat16)
@@ -139,6 +150,26 @@ def time_case(name: str, num_ranks: int, num_local: int, chunk_sizes, device: to
                                       (grad_x - grad_x_ref[order]).abs().max().item())
         case["us"][label] = timed_us(chunks_then_weight_grads_once)
         case["us"][f"{k} chunks, weight grads per chunk, summed"] = timed_us(chunks_each_with_weight_grads)
+
+        # K groups of local experts instead: every expert keeps all its rows (rows are grouped by expert already).
+        ends = [g * num_local // k for g in range(k + 1)]
+        row_ends = [0] + torch.cumsum(whole, 0).tolist()
+        groups = [(experts.group(ends[g], ends[g + 1]), slice(row_ends[ends[g]], row_ends[ends[g + 1]]),
+                   offsets(whole[ends[g]:ends[g + 1]], device)) for g in range(k)]
+
+        def expert_groups():
+            outs = []
+            for group, part, offs_g in groups:
+                h, a, y = group.forward(x[part], offs_g)
+                grad_h, grad_x = group.input_grad(grad_y[part], h, offs_g)
+                outs.append((y, grad_x, group.weight_grads(x[part], a, grad_y[part], grad_h, offs_g)))
+            return outs
+
+        label = f"{k} expert groups"
+        outs = expert_groups()
+        y, grad_x = (torch.cat([o[i] for o in outs]) for i in (0, 1))
+        case["max_diff"][label] = max((y - y_ref).abs().max().item(), (grad_x - grad_x_ref).abs().max().item())
+        case["us"][label] = timed_us(expert_groups)
     return case
 
 
