@@ -200,8 +200,8 @@ def main() -> None:
     for name, num_ranks, num_local in (("EP1", 1, 256), ("EP2 rank 0", 2, 128)):
         cases.append(time_case(name, num_ranks, num_local, args.chunks, dev))
         torch.cuda.empty_cache()
-    record = dict(title="A DeepSeek-V3 layer's expert MLP, forward + backward, its rows whole or in token chunks, "
-                        "one GPU", meta=run_metadata(sys.argv), cases=cases)
+    record = dict(title="A DeepSeek-V3 layer's expert MLP, forward + backward: its rows whole, in token chunks or in "
+                        "expert groups, one GPU", meta=run_metadata(sys.argv), cases=cases)
     write_record(record, to_markdown(record), args)
 
 
