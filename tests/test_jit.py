@@ -238,6 +238,31 @@ def test_syntax_error_raises_with_command_and_error_line(tmp_path, cache):
     assert all(p.suffix == ".lock" for p in cache.iterdir()), list(cache.iterdir())
 
 
+def test_sources_compile_apart_and_link_into_one_library(project, cache, nvcc_runs):
+    """Several sources: one nvcc run compiles each (in parallel), one links them; the library has every source's
+    functions and the build log every command. A source that does not compile fails the build with its own command
+    and error, whatever the other sources do."""
+    second = project.src / "second.cu"
+    second.write_text('extern "C" int launch_second() { return 2; }\n')
+    path = jit.build("two", [*project.sources, second], include_dirs=project.include_dirs)
+    assert nvcc_runs() == 3
+    lib = jit.load("two", [*project.sources, second], include_dirs=project.include_dirs)
+    assert hasattr(lib, "launch_scale") and lib.launch_second() == 2
+    log = (path.parent / "build.log").read_text()
+    commands = [line.split() for line in log.splitlines() if line.startswith("command: ")]
+    assert [Path(c[c.index("-o") + 1]).name for c in commands] == ["0-kernel.o", "1-second.o", "two.so"]
+    assert [c[-1] for c in commands[:2]] == [str(project.sources[0]), str(second)] and "seconds:" in log
+    assert not (path.parent / "obj").exists()
+
+    bad = project.src / "bad.cu"
+    bad.write_text('extern "C" int launch_bad() {\n    return 1 +;\n}\n')
+    with pytest.raises(RuntimeError) as info:
+        jit.build("three", [*project.sources, bad, second], include_dirs=project.include_dirs)
+    message = str(info.value)
+    assert re.search(r"command: \S+ .* -c -o \S+ " + re.escape(str(bad)) + "\n", message), message
+    assert re.search(r"bad\.cu\(2\): error", message) and "second.cu" not in message
+
+
 def test_compile_check_uses_a_throwaway_cache(project, cache):
     seconds = jit.compile_check(project.sources, include_dirs=project.include_dirs)
     assert 0 < seconds < 60

@@ -1,11 +1,12 @@
 """Build CUDA C++ sources into a shared library at first use, cached on disk (DESIGN 5).
 
-Kernels are plain CUDA C++ with an `extern "C"` launcher API and no torch headers, so one build is one nvcc
-invocation producing `<name>.so`, which Python opens with ctypes and calls with raw pointers and streams.
+Kernels are plain CUDA C++ with an `extern "C"` launcher API and no torch headers, so one build is nvcc compiling
+each source (in parallel) and linking `<name>.so`, which Python opens with ctypes and calls with raw pointers and
+streams.
 
 Cache layout under `default_cache_dir()`:
     <name>-<hash16>/<name>.so    the library
-    <name>-<hash16>/build.log    command line, nvcc output, seconds
+    <name>-<hash16>/build.log    each nvcc command line and its output, seconds
     <name>-<hash16>.lock         flock'd by whoever builds that key; holds the builder's pid and host
     .tmp-<name>-<hash16>-*/      a build in progress (or one killed mid-way: the next builder removes it)
 
@@ -23,6 +24,7 @@ compiles into a private temp folder on the same filesystem and renames it into p
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import fcntl
@@ -113,7 +115,8 @@ def _nvcc_version_of(nvcc: Path) -> str:
 
 def build(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = (), flags: Sequence[str] = (),
           generated: Mapping[str, str] | None = None, arch: str = "sm_90a", timeout_s: float = 600.0) -> Path:
-    """Compile `sources` into `<name>.so` with one nvcc run, or return the cached library.
+    """Compile `sources` into `<name>.so` (each source by its own nvcc run, in parallel, then linked), or return
+    the cached library.
 
     Safe to call from every rank at once: exactly one process per machine (per cache folder) runs nvcc,
     the others wait for it and return the same path.
@@ -191,10 +194,16 @@ class _Plan:
     def folder_name(self) -> str:
         return f"{self.name}-{self.key[:16]}"
 
-    def command(self, library: Path) -> list[str]:
-        gen = library.parent / "gen"
-        return [str(self.nvcc), *self.flags, *(f"-I{d}" for d in (gen, *self.include_dirs)), "-o", str(library),
-                *map(str, self.sources)]
+    def commands(self, library: Path) -> tuple[list[list[str]], list[str]]:
+        """The nvcc runs that make `library`: one compile per source into `obj/` (run in parallel; none for a single
+        source), then the one that makes the library (from the objects, or straight from the single source)."""
+        nvcc, includes = str(self.nvcc), [f"-I{d}" for d in (library.parent / "gen", *self.include_dirs)]
+        if len(self.sources) == 1:
+            return [], [nvcc, *self.flags, *includes, "-o", str(library), str(self.sources[0])]
+        objects = [library.parent / "obj" / f"{i}-{source.stem}.o" for i, source in enumerate(self.sources)]
+        compiles = [[nvcc, *self.flags, *includes, "-c", "-o", str(obj), str(source)]
+                    for obj, source in zip(objects, self.sources)]
+        return compiles, [nvcc, *self.flags, "-o", str(library), *map(str, objects)]
 
 
 def _plan(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], flags: Sequence[str],
@@ -307,24 +316,42 @@ def build_once(root: Path, folder_name: str, product: str, compile_into, timeout
 
 
 def _compile(plan: _Plan, folder: Path, timeout_s: float) -> float:
-    """Run nvcc into `folder`, write `folder/build.log`; the seconds it took, or RuntimeError."""
+    """Run nvcc into `folder` (the sources compiled in parallel, as many at once as this process may use CPUs, then
+    linked), write `folder/build.log`; the seconds it took, or RuntimeError naming the run that failed."""
     library = folder / f"{plan.name}.so"
     for relative, text in plan.generated:
         path = folder / "gen" / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    command = plan.command(library)
+    compiles, link = plan.commands(library)
+    (folder / "obj").mkdir()
     start = time.monotonic()
-    returncode, output = _run(command, timeout_s)
-    seconds = time.monotonic() - start
-    (folder / "build.log").write_text(f"command: {shlex.join(command)}\nexit: {returncode}\n"
-                                      f"seconds: {seconds:.2f}\n--- nvcc output ---\n{output}")
-    if returncode != 0 or not library.is_file():
-        status = f"ran past {timeout_s=} s" if returncode is None else f"failed with exit {returncode}"
-        raise RuntimeError(f"nvcc {status} building {plan.name!r} after {seconds:.1f} s\n"
-                           f"command: {shlex.join(command)}\n"
-                           f"--- nvcc output (last {ERROR_TAIL_CHARS} characters) ---\n"
-                           f"{output[-ERROR_TAIL_CHARS:]}")
+    log = []
+
+    def run(commands: list[list[str]]) -> None:
+        jobs = max(1, min(len(commands), len(os.sched_getaffinity(0))))
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            results = list(pool.map(lambda command: _run(command, timeout_s), commands))
+        for command, (returncode, output) in zip(commands, results):
+            log.append(f"command: {shlex.join(command)}\nexit: {returncode}\n--- nvcc output ---\n{output}")
+        for command, (returncode, output) in zip(commands, results):
+            if returncode != 0:
+                status = f"ran past {timeout_s=} s" if returncode is None else f"failed with exit {returncode}"
+                raise RuntimeError(f"nvcc {status} building {plan.name!r} after {time.monotonic() - start:.1f} s\n"
+                                   f"command: {shlex.join(command)}\n"
+                                   f"--- nvcc output (last {ERROR_TAIL_CHARS} characters) ---\n"
+                                   f"{output[-ERROR_TAIL_CHARS:]}")
+
+    try:
+        run(compiles)
+        run([link])
+        if not library.is_file():
+            raise RuntimeError(f"nvcc exited 0 building {plan.name!r} without writing {library}\n"
+                               f"command: {shlex.join(link)}")
+    finally:
+        seconds = time.monotonic() - start
+        (folder / "build.log").write_text("\n".join(log) + f"\nseconds: {seconds:.2f}\n")
+    shutil.rmtree(folder / "obj")
     return seconds
 
 
