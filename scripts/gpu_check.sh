@@ -160,7 +160,15 @@ for name in "$@"; do
     echo "== gpu_check.sh $name"
     ( step "$name" ) || rc=$?  # a subshell: one step's exports (PYTHONPATH=/tmp/site) stay out of the next
     if [ -n "${BUNDLE:-}" ]; then  # written aside and renamed: a time limit mid-tar leaves the last whole bundle
-        tar czf "$BUNDLE.part" --exclude="$(basename "$BUNDLE")*" -C "$out" . && mv "$BUNDLE.part" "$BUNDLE"
+        # tar's status 1: a file changed while it was read (the folder itself, when the bundle is written inside
+        # it); what it packed is still a whole archive.
+        tar czf "$BUNDLE.part" --warning=no-file-changed --exclude="$(basename "$BUNDLE")*" -C "$out" .
+        st=$?
+        if [ $st -le 1 ]; then
+            mv "$BUNDLE.part" "$BUNDLE"
+        else
+            echo "gpu_check.sh: tar exited $st packing $out" >&2
+        fi
     fi
 done
 exit $rc
