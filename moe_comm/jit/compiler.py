@@ -130,7 +130,7 @@ def build(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = 
             like any other header; part of the cache key.
         arch: the target, `sm_<digits>` with an optional `a`/`f` suffix; `sm_90a` builds
             `-gencode=arch=compute_90a,code=sm_90a`.
-        timeout_s: the longest wait for another process's build (the lock) and, separately, for nvcc.
+        timeout_s: the longest wait for another process's build (the lock) and, separately, for each nvcc run.
 
     Returns:
         The path of the built library, `<cache>/<name>-<hash16>/<name>.so`.
