@@ -101,14 +101,20 @@ def time_case(name: str, num_ranks: int, num_local: int, chunk_sizes, device: to
     grad_y = torch.randn_like(x)
     offs = offsets(whole, device)
 
-    def run_whole():
-        h, a, y = experts.forward(x, offs)
-        grad_h, grad_x = experts.input_grad(grad_y, h, offs)
-        return y, grad_x, experts.weight_grads(x, a, grad_y, grad_h, offs)
+    h_ref, a_ref, y_ref = experts.forward(x, offs)
+    grad_h_ref, grad_x_ref = experts.input_grad(grad_y, h_ref, offs)
 
-    y_ref, grad_x_ref, _ = run_whole()
-    h_ref, a_ref, _ = experts.forward(x, offs)
-    grad_h_ref, _ = experts.input_grad(grad_y, h_ref, offs)
+    def run_whole():
+        h, a, _ = experts.forward(x, offs)
+        grad_h, _ = experts.input_grad(grad_y, h, offs)
+        return experts.weight_grads(x, a, grad_y, grad_h, offs)
+
+    def max_diff(outs, rows=slice(None)):
+        """The largest difference of the parts' outputs and input gradients (each part's first two results, its
+        rows in order) from the whole rows'; `rows`: which whole row each of them is."""
+        y, grad_x = (torch.cat([o[i] for o in outs]) for i in (0, 1))
+        return max((y - y_ref[rows]).abs().max().item(), (grad_x - grad_x_ref[rows]).abs().max().item())
+
     flops = 2 * rows * HIDDEN * 3 * FFN * 3  # three products of 2F + F columns: forward, input grad, weight grads
     weight_bytes = experts.w1.nbytes + experts.w2.nbytes
     case = dict(case=name, rows=rows, local_experts=num_local, weight_gb=weight_bytes / 1e9, us={}, max_diff={},
@@ -144,10 +150,7 @@ def time_case(name: str, num_ranks: int, num_local: int, chunk_sizes, device: to
             return grad_w1, grad_w2
 
         label = f"{k} chunks, weight grads once"
-        outs = chunks_then_weight_grads_once()
-        y, grad_x = (torch.cat([o[i] for o in outs]) for i in (0, 1))
-        case["max_diff"][label] = max((y - y_ref[order]).abs().max().item(),
-                                      (grad_x - grad_x_ref[order]).abs().max().item())
+        case["max_diff"][label] = max_diff(chunks_then_weight_grads_once(), order)
         case["us"][label] = timed_us(chunks_then_weight_grads_once)
         case["us"][f"{k} chunks, weight grads per chunk, summed"] = timed_us(chunks_each_with_weight_grads)
 
@@ -166,9 +169,7 @@ def time_case(name: str, num_ranks: int, num_local: int, chunk_sizes, device: to
             return outs
 
         label = f"{k} expert groups"
-        outs = expert_groups()
-        y, grad_x = (torch.cat([o[i] for o in outs]) for i in (0, 1))
-        case["max_diff"][label] = max((y - y_ref).abs().max().item(), (grad_x - grad_x_ref).abs().max().item())
+        case["max_diff"][label] = max_diff(expert_groups())
         case["us"][label] = timed_us(expert_groups)
     return case
 
