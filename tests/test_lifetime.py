@@ -67,14 +67,7 @@ def churn_rank(rank: int, world_size: int, case: Case, num_buffers: int) -> dict
         return moe_comm.Buffer(None, num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=case.hidden,
                                num_topk=case.num_topk, backend="torch")
 
-    # One intra-op thread for these tiny calls (two ranks' thread pools on a few cores made them 3x slower); the
-    # pool's ranks outlive the test, so the count is put back.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return churn_buffers(make_buffer, case, rank, num_buffers)
-    finally:
-        torch.set_num_threads(num_threads)
+    return churn_buffers(make_buffer, case, rank, num_buffers)
 
 
 def test_buffers_give_back_host_memory(pools):

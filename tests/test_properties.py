@@ -602,15 +602,6 @@ class Pending:
 
 def run_example(rank: int, world_size: int, ex: Example) -> dict:
     """One example on this rank: `{"outcomes": [...], "problems": [...]}` (problems empty when all is right)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors, two ranks on few cores: threads only add overhead
-    try:
-        return _run_example(rank, world_size, ex)
-    finally:
-        torch.set_num_threads(num_threads)  # the pool's processes run other tests too
-
-
-def _run_example(rank: int, world_size: int, ex: Example) -> dict:
     buf = example_buffer(world_size)
     ctx = RankContext(ex, rank)
     out = Outcomes()

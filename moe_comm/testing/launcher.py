@@ -1,6 +1,15 @@
-"""Spawn launcher for multi-rank tests and scripts.
+"""Launcher for multi-rank tests and scripts.
 
 Ports are never guessed: the parent opens the rendezvous store on port 0 and hands the port it got to the ranks.
+
+Ranks are forked from multiprocessing's fork server, which imports torch and moe_comm once per parent process: a
+rank then starts in a few hundredths of a second, where a spawned one imports torch itself (~2.5 s of CPU each on
+a 2-core CI machine, so 8 ranks took ~20 s). A fresh interpreter runs the server, so no parent state (CUDA, gloo,
+threads) is forked. Each rank starts with the parent's environment as it is at `WorkerPool` spawn time, as a
+spawned process would; what torch reads once at import (e.g. `OMP_NUM_THREADS`) is the server's. The ranks share
+the machine's cores: each runs `torch.set_num_threads(cores // world_size)` (at least 1), since idle intra-op
+threads that spin on cores another rank needs made a small gloo dispatch + combine 2.5x slower (4x the CPU time)
+with 2 ranks of 2 threads on 2 cores.
 
 `WorkerPool(world_size)` spawns the ranks once (one process each, gloo on CPU or NCCL with one GPU per rank),
 then runs many functions on them: `pool.run(fn, *args)` calls `fn(rank, world_size, *args)` on every rank
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import queue
 import time
 import traceback
@@ -29,12 +39,19 @@ import torch.multiprocessing as mp
 from .. import env
 
 
+# What the fork server imports before it forks any rank.
+_PRELOAD = ["torch", "torch.distributed", "moe_comm", "moe_comm.testing"]
+
+
 class RankFailure(RuntimeError):
     """A rank raised, died or timed out; the message holds its traceback."""
 
 
 def _worker_main(rank: int, world_size: int, backend: str, store_port: int, pg_timeout_s: float,
-                 tasks: "mp.Queue", results: "mp.Queue") -> None:
+                 environ: dict[str, str], tasks: "mp.Queue", results: "mp.Queue") -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -86,14 +103,15 @@ class WorkerPool:
         atexit.register(self.close)
 
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first pool of this process)
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         pg_timeout_s = env.get_float("MOE_COMM_TEST_TIMEOUT")
         self._procs = [ctx.Process(target=_worker_main, daemon=True,
                                    args=(r, self.world_size, self.backend, self._store.port, pg_timeout_s,
-                                         self._tasks[r], self._results))
+                                         dict(os.environ), self._tasks[r], self._results))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()

@@ -81,7 +81,6 @@ class SoakConfig:
     max_topk: int = MAX_TOPK
     paths: tuple[str, ...] = PATHS
     num_cpu_timeout_secs: float = 120.0
-    num_cpu_threads: int = 1   # torch threads per rank while soaking (ranks share few cores); 0: leave as is
     share_gpu: bool = False    # the ranks share cuda:0 over a gloo group, peers mapped with CUDA IPC (shared_gpu.py)
 
     @property
@@ -494,20 +493,14 @@ def soak_rank(rank: int, world_size: int, cases: list[SoakCase], warmup: Optiona
     `rss_start`/`rss_end` and `cuda_start`/`cuda_end` (bytes, after the warm-up iteration and after the last;
     CUDA None on the CPU). The warm-up iteration is checked too (a wrong one counts) but not timed.
     """
-    num_threads = torch.get_num_threads()
-    if config.num_cpu_threads:
-        torch.set_num_threads(config.num_cpu_threads)
-    try:
-        with every_buffer_over_ipc() if config.share_gpu else contextlib.nullcontext():
-            buf = moe_comm.Buffer(None, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
-                                  hidden=config.buffer_hidden, num_topk=config.max_topk, use_fp8_dispatch=True,
-                                  backend=config.backend, deterministic=True,
-                                  num_cpu_timeout_secs=config.num_cpu_timeout_secs)
-        results = {path: _soak_path(buf, path, cases, warmup, rank) for path in config.paths}
-        backend = buf.backend
-        buf.destroy()
-    finally:
-        torch.set_num_threads(num_threads)  # the pool's process may run other work next
+    with every_buffer_over_ipc() if config.share_gpu else contextlib.nullcontext():
+        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+                              hidden=config.buffer_hidden, num_topk=config.max_topk, use_fp8_dispatch=True,
+                              backend=config.backend, deterministic=True,
+                              num_cpu_timeout_secs=config.num_cpu_timeout_secs)
+    results = {path: _soak_path(buf, path, cases, warmup, rank) for path in config.paths}
+    backend = buf.backend
+    buf.destroy()
     return {"backend": backend, "paths": results}
 
 
