@@ -14,6 +14,7 @@ one crossing per launch with no Python in between (`moe_comm.backends.cuda`).
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from pathlib import Path
 from types import ModuleType
 from typing import Sequence
@@ -21,7 +22,8 @@ from typing import Sequence
 import torch
 
 from .. import jit, layout
-from ..jit.extension import extension_compile_check, load_extension
+from ..jit.compiler import cache_key, reachable_files
+from ..jit.extension import extension_compile_check, extension_key, load_extension
 
 LIBRARY = "moe_comm_kernels"
 EXTENSION = "moe_comm_host"
@@ -62,6 +64,19 @@ def extension_check() -> float:
     """Prove that the host extension builds against this torch and imports; returns the seconds it took."""
     return extension_compile_check(EXTENSION, extension_sources(), include_dirs=[INCLUDE_DIR],
                                    generated=generated_headers())
+
+
+def build_inputs() -> dict:
+    """What the two default builds read, for comparing two copies of the package: `keys` (the kernel library's and
+    the host extension's cache keys, which hash every byte the compilers read from the package, the flags and
+    nvcc's and torch's versions) and `files` (each file a build reads, relative to csrc/, and its sha256). Two
+    copies with equal keys build the same library and extension."""
+    sources = [*kernel_sources(), *extension_sources()]
+    return {"keys": {LIBRARY: cache_key(LIBRARY, kernel_sources(), [INCLUDE_DIR], generated_headers()),
+                     EXTENSION: extension_key(EXTENSION, extension_sources(), include_dirs=[INCLUDE_DIR],
+                                              generated=generated_headers())},
+            "files": {path.resolve().relative_to(jit.CSRC_DIR).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+                      for path in reachable_files(sources, [INCLUDE_DIR])}}
 
 
 def host_extension() -> ModuleType:

@@ -178,6 +178,19 @@ def compile_check(sources: Sequence[Path], include_dirs: Sequence[Path] = (), ge
         return time.monotonic() - start
 
 
+def cache_key(name: str, sources: Sequence[Path], include_dirs: Sequence[Path] = (),
+              generated: Mapping[str, str] | None = None, flags: Sequence[str] = (), arch: str = "sm_90a") -> str:
+    """The full cache key `build` would use for these arguments (module docstring): two copies of the sources with
+    equal keys compile the same bytes with the same nvcc and flags."""
+    return _plan(name, sources, include_dirs, flags, generated, arch).key
+
+
+def reachable_files(sources: Sequence[Path], include_dirs: Sequence[Path] = ()) -> list[Path]:
+    """The files a build of `sources` reads and hashes: the sources and every header they reach (`_reachable_files`)."""
+    return [path for path, _ in _reachable_files(tuple(Path(s).absolute() for s in sources),
+                                                 tuple(Path(d).absolute() for d in include_dirs))]
+
+
 @dataclass(frozen=True)
 class _Plan:
     """One build: its inputs resolved to absolute paths and its cache key."""

@@ -62,6 +62,12 @@ def extension_compile_check(name: str, sources: Sequence[Path], *, include_dirs:
         return time.monotonic() - start
 
 
+def extension_key(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = (),
+                  generated: Mapping[str, str] | None = None) -> str:
+    """The full cache key `load_extension` would use for these arguments (module docstring)."""
+    return _key(name, sources, include_dirs, generated)[0]
+
+
 def _key(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], generated: Mapping[str, str] | None):
     import torch
 
