@@ -6,7 +6,6 @@ that count nvcc runs point CUDA_HOME at a folder whose bin/nvcc is a shell wrapp
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import signal
@@ -17,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from moe_comm import jit
+from moe_comm.testing import process_context
 
 try:
     REAL_NVCC = jit.find_nvcc()
@@ -84,8 +84,11 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _build_in_child(name, sources, include_dirs, barrier, results) -> None:
-    """Spawned process: build (after `barrier`, if any) and report the path or the error as a string."""
+def _build_in_child(name, sources, include_dirs, barrier, results, environ) -> None:
+    """Child process with the parent's environment: build (after `barrier`, if any) and report the path or the error
+    as a string."""
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         if barrier is not None:
             barrier.wait(timeout=60)
@@ -95,9 +98,10 @@ def _build_in_child(name, sources, include_dirs, barrier, results) -> None:
 
 
 def _start_child(name, project, barrier=None, results=None):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     results = results if results is not None else ctx.Queue()
-    proc = ctx.Process(target=_build_in_child, args=(name, project.sources, project.include_dirs, barrier, results))
+    proc = ctx.Process(target=_build_in_child, args=(name, project.sources, project.include_dirs, barrier, results,
+                                                     dict(os.environ)))
     proc.start()
     return proc, results
 
@@ -172,7 +176,7 @@ def test_key_follows_included_headers_only(project, nvcc_runs):
 
 def test_concurrent_builds_run_nvcc_once(project, nvcc_runs, monkeypatch, capfd):
     monkeypatch.setenv("MOE_COMM_JIT_VERBOSE", "1")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     barrier, results = ctx.Barrier(4), ctx.Queue()
     procs = [_start_child("concurrent", project, barrier, results)[0] for _ in range(4)]
     paths = [results.get(timeout=120) for _ in procs]

@@ -1,5 +1,5 @@
-"""Test and benchmark helpers shipped with the package: spawn launcher, seeded routing cases and an oracle."""
+"""Test and benchmark helpers shipped with the package: the multi-rank launcher, seeded routing cases and an oracle."""
 
-from .launcher import RankFailure, WorkerPool, parallel_launch
+from .launcher import RankFailure, WorkerPool, parallel_launch, process_context
 
-__all__ = ["RankFailure", "WorkerPool", "parallel_launch"]
+__all__ = ["RankFailure", "WorkerPool", "parallel_launch", "process_context"]

@@ -43,6 +43,15 @@ from .. import env
 _PRELOAD = ["torch", "torch.distributed", "moe_comm", "moe_comm.testing"]
 
 
+def process_context():
+    """The multiprocessing context the ranks start from: the fork server, with torch and moe_comm imported in it
+    (module docstring). A child started from it sees the environment of the server, not the parent's at its start:
+    pass `dict(os.environ)` to it where that matters."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first child of this process)
+    return ctx
+
+
 class RankFailure(RuntimeError):
     """A rank raised, died or timed out; the message holds its traceback."""
 
@@ -103,8 +112,7 @@ class WorkerPool:
         atexit.register(self.close)
 
     def _spawn(self) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first pool of this process)
+        ctx = process_context()
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -169,4 +177,4 @@ def parallel_launch(world_size: int, fn: Callable[..., Any], *args: Any, backend
         return pool.run(fn, *args)
 
 
-__all__ = ["RankFailure", "WorkerPool", "parallel_launch"]
+__all__ = ["RankFailure", "WorkerPool", "parallel_launch", "process_context"]
