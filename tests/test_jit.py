@@ -84,11 +84,14 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _build_in_child(name, sources, include_dirs, barrier, results, environ) -> None:
+def _build_in_child(name, sources, include_dirs, barrier, results, environ, stderr_path) -> None:
     """Child process with the parent's environment: build (after `barrier`, if any) and report the path or the error
-    as a string."""
+    as a string. Its stderr is appended to `stderr_path` when given (a child of the fork server writes to the server's
+    stderr, which pytest's capfd does not capture)."""
     os.environ.clear()
     os.environ.update(environ)
+    if stderr_path is not None:
+        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     try:
         if barrier is not None:
             barrier.wait(timeout=60)
@@ -97,11 +100,11 @@ def _build_in_child(name, sources, include_dirs, barrier, results, environ) -> N
         results.put(f"{type(exc).__name__}: {exc}")
 
 
-def _start_child(name, project, barrier=None, results=None):
+def _start_child(name, project, barrier=None, results=None, stderr_path=None):
     ctx = process_context()
     results = results if results is not None else ctx.Queue()
     proc = ctx.Process(target=_build_in_child, args=(name, project.sources, project.include_dirs, barrier, results,
-                                                     dict(os.environ)))
+                                                     dict(os.environ), stderr_path))
     proc.start()
     return proc, results
 
@@ -174,17 +177,17 @@ def test_key_follows_included_headers_only(project, nvcc_runs):
     assert nvcc_runs() == 2
 
 
-def test_concurrent_builds_run_nvcc_once(project, nvcc_runs, monkeypatch, capfd):
+def test_concurrent_builds_run_nvcc_once(project, nvcc_runs, monkeypatch, tmp_path):
     monkeypatch.setenv("MOE_COMM_JIT_VERBOSE", "1")
     ctx = process_context()
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [_start_child("concurrent", project, barrier, results)[0] for _ in range(4)]
+    barrier, results, stderr = ctx.Barrier(4), ctx.Queue(), tmp_path / "stderr.txt"
+    procs = [_start_child("concurrent", project, barrier, results, stderr)[0] for _ in range(4)]
     paths = [results.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)
     assert len(set(paths)) == 1 and Path(paths[0]).is_file(), paths
     assert nvcc_runs() == 1
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("moe_comm.jit:")]
+    lines = [line for line in stderr.read_text().splitlines() if line.startswith("moe_comm.jit:")]
     assert sorted(line.split()[1] for line in lines) == ["built", "cache", "cache", "cache"], lines
 
 

@@ -45,8 +45,9 @@ _PRELOAD = ["torch", "torch.distributed", "moe_comm", "moe_comm.testing"]
 
 def process_context():
     """The multiprocessing context the ranks start from: the fork server, with torch and moe_comm imported in it
-    (module docstring). A child started from it sees the environment of the server, not the parent's at its start:
-    pass `dict(os.environ)` to it where that matters."""
+    (module docstring). A child started from it has the server's environment and stdout/stderr, not the parent's at
+    its start: pass `dict(os.environ)` to it where that matters (the ranks get it), and redirect its output where a
+    test reads it (pytest's capfd does not see it)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first child of this process)
     return ctx
