@@ -237,8 +237,13 @@ def test_candidates_record(tmp_path):
 
 def test_chunked_experts_smoke(tmp_path, monkeypatch):
     """The chunked-experts microbenchmark at small shapes on CPU: the chunks' (expert groups') outputs and input
-    gradients are the whole rows' own, bit for bit (each chunk row compared with its whole row), every timing is
-    there, the record prints and plots; the chunk counts add up to the whole rows' per expert."""
+    gradients are the whole rows' own (each chunk row compared with its whole row), every timing is there, the
+    record prints and plots; the chunk counts add up to the whole rows' per expert.
+
+    Within one bf16 rounding, not bitwise as on the GPU (the record): the CPU's bf16 GEMM picks its kernel by row
+    count, and over 60 random draws 5-8% of the cases differed, by at most 7.6e-6, one bf16 ulp of the largest
+    values (2.5e-3 and 3.9e-3 at these shapes). A chunk row paired with the wrong whole row is off by the values' own
+    size (median ~3e-4). The data is seeded, so a run is reproducible."""
     import torch
 
     module = microbench_module("chunked_experts")
@@ -249,11 +254,14 @@ def test_chunked_experts_smoke(tmp_path, monkeypatch):
     assert torch.equal(counts.sum(0), module.chunk_counts(num_ranks=2, num_local=4, num_chunks=1)[0])
     order = module.chunk_major_order(counts, torch.device("cpu"))
     assert sorted(order.tolist()) == list(range(int(counts.sum())))
+    torch.manual_seed(0)
     cases = [module.time_case(name, ranks, local, [2, 3], torch.device("cpu")) for name, ranks, local in
              (("EP1", 1, 8), ("EP2 rank 0", 2, 4))]
     for case in cases:
-        assert case["max_diff"] == {f"{k} {what}": 0.0 for k in (2, 3)
-                                    for what in ("chunks, weight grads once", "expert groups")}
+        assert set(case["max_diff"]) == {f"{k} {what}" for k in (2, 3)
+                                         for what in ("chunks, weight grads once", "expert groups")}
+        one_bf16_ulp = 2.0 ** -15  # of values up to 2^-7 = 7.8e-3
+        assert max(case["max_diff"].values()) <= one_bf16_ulp, case["max_diff"]
         assert set(case["us"]) == {"whole rows"} | {f"{k} {what}" for k in (2, 3) for what in (
             "chunks, weight grads once", "chunks, weight grads per chunk, summed", "expert groups")}
     record = dict(title="chunks", meta=run_metadata(["chunked_experts.py"]), cases=cases)
