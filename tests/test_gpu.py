@@ -1,5 +1,5 @@
 """GPU tier: both backends (reference over NCCL, CUDA over NVLink) with one GPU per rank; skips without CUDA.
-(Over 400 lines: one spawned process group serves every GPU test, so they share this module.)
+(Over 400 lines: one process group serves every GPU test, so they share this module.)
 With one GPU the tier runs on one rank (every row goes to the rank itself) and skips what needs a peer.
 
 Same random cases and bitwise oracle as the CPU tier, plus what only CUDA has: the comm stream and events (async

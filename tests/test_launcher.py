@@ -1,8 +1,10 @@
-"""The spawn launcher: results in rank order, the failing rank's traceback, the other ranks stopped at once,
-a fresh group after a failure; and moe_comm's own timeouts when a peer never arrives."""
+"""The launcher: results in rank order, the failing rank's traceback, the other ranks stopped at once,
+a fresh group after a failure, the parent's environment and a share of the cores in each rank; and moe_comm's own
+timeouts when a peer never arrives."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -42,8 +44,28 @@ def test_failure_reports_traceback_and_stops_peers():
         # Rank 0 was blocked in a barrier (60 s group timeout): it must have been killed, not waited for.
         assert time.monotonic() - start < 15
         assert "failed on rank 1" in str(info.value) and "KeyError: 'planted failure'" in str(info.value)
-        # The pool spawns a fresh group for the next run.
+        # The pool starts a fresh group for the next run.
         assert pool.run(rank_info, "again") == [(0, 2, "again", 2), (1, 2, "again", 2)]
+
+
+def environment_and_threads(rank: int, world_size: int) -> tuple:
+    return os.environ.get("MOE_COMM_TEST_PROBE"), torch.get_num_threads()
+
+
+def test_ranks_get_the_environment_at_start_and_a_share_of_the_cores(monkeypatch):
+    """The fork server started before these variables were set (conftest): each rank still sees the parent's
+    environment as it was when the pool started (its first run), and takes cores // world_size threads unless
+    OMP_NUM_THREADS says."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MOE_COMM_TEST_PROBE", "first")
+    with WorkerPool(2) as pool:
+        assert pool.run(environment_and_threads) == [("first", max(1, cores // 2))] * 2  # the first run starts it
+        monkeypatch.setenv("MOE_COMM_TEST_PROBE", "later")  # after the start: the ranks keep what they got
+        assert pool.run(environment_and_threads) == [("first", max(1, cores // 2))] * 2
+    monkeypatch.delenv("MOE_COMM_TEST_PROBE")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert parallel_launch(2, environment_and_threads) == [(None, 3)] * 2
 
 
 def test_overall_timeout():

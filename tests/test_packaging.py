@@ -1,6 +1,6 @@
 """A non-editable install works: the wheel built from this tree carries exactly the package (every kernel source
 included, no tests or benchmarks), and a fresh venv holding only that wheel runs a CPU dispatch and combine and
-builds the tree's kernels from its installed copy, from a folder outside the repo.
+finds in its installed copy the tree's kernel build inputs (equal cache keys), from a folder outside the repo.
 
 To stay fast, the fresh venv has no pip and no torch of its own: the wheel goes in with this interpreter's pip
 (`--target`, `--no-deps`), and one `.pth` line appends the folder this interpreter's torch lives in. Python does not
@@ -165,9 +165,10 @@ def test_installed_copy_dispatches_and_combines_on_cpu(venv_python, tmp_path):
 def test_installed_copy_builds_what_the_tree_builds(venv_python, tmp_path, nvcc):
     """The installed copy's kernel library and host extension have the tree's cache keys, which hash every byte the
     compilers read from the package (sources and the headers they reach, found from the installed copy), the flags
-    and nvcc's and torch's versions: it builds exactly what test_kernels_compile compiles and loads from the tree
-    (compiling both again here took ~45 s of CI). A file left out of the wheel or changed in it changes a key, and
-    `files` names it."""
+    and nvcc's and torch's versions: the installed copy gives the compilers the inputs of the builds that
+    test_kernels_compile compiles and loads from the tree (compiling both again here took ~45 s of CI; what the build
+    needs beyond the package, nvcc and ninja, is that test's). A file left out of the wheel or changed in it changes a
+    key, and `files` names it."""
     installed = json.loads(run_script(venv_python, BUILD_INPUTS, tmp_path).splitlines()[-1])
     tree = cuda_kernels.build_inputs()
     assert installed["files"] == tree["files"]

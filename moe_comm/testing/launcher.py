@@ -2,22 +2,27 @@
 
 Ports are never guessed: the parent opens the rendezvous store on port 0 and hands the port it got to the ranks.
 
-Ranks are forked from multiprocessing's fork server, which imports torch and moe_comm once per parent process: a
-rank then starts in a few hundredths of a second, where a spawned one imports torch itself (~2.5 s of CPU each on
-a 2-core CI machine, so 8 ranks took ~20 s). A fresh interpreter runs the server, so no parent state (CUDA, gloo,
-threads) is forked. Each rank starts with the parent's environment as it is at `WorkerPool` spawn time, as a
-spawned process would; what torch reads once at import (e.g. `OMP_NUM_THREADS`) is the server's. The ranks share
-the machine's cores: each runs `torch.set_num_threads(cores // world_size)` (at least 1), since idle intra-op
-threads that spin on cores another rank needs made a small gloo dispatch + combine 2.5x slower (4x the CPU time)
-with 2 ranks of 2 threads on 2 cores.
+Ranks are forked from multiprocessing's fork server, which imports torch once per parent process: a rank then
+starts in ~0.1 s, where a spawned one imports torch itself (~2.5 s of CPU each on a 2-core CI machine, so 8 ranks
+took ~20 s). A fresh interpreter runs the server, so no parent state (CUDA, gloo, threads) is forked; moe_comm is
+imported by each rank (from the parent's sys.path, so a script's own copy is the one used). What differs from
+spawned ranks:
+- Each rank sets the parent's environment as it was at the pool's start (its first `run`) before anything else;
+  modules imported while unpickling the rank's entry point (the parent's `__main__`, the target's module) see the
+  server's.
+- The ranks share the server's stdout/stderr (those of the parent when the server started) and its string hash
+  seed (the same set iteration order on every rank).
+- The ranks share the machine's cores: each runs `torch.set_num_threads(cores // world_size)` (at least 1) unless
+  `OMP_NUM_THREADS` is set, since idle intra-op threads that spin on cores another rank needs made a small gloo
+  dispatch + combine 2.5x slower (4x the CPU time) with 2 ranks of 2 threads on 2 cores.
 
-`WorkerPool(world_size)` spawns the ranks once (one process each, gloo on CPU or NCCL with one GPU per rank),
+`WorkerPool(world_size)` starts the ranks once (one process each, gloo on CPU or NCCL with one GPU per rank),
 then runs many functions on them: `pool.run(fn, *args)` calls `fn(rank, world_size, *args)` on every rank
 and returns the per-rank results. Draw random cases in the parent and pass them as `args`, so every rank runs
-the same case and no case pays for a spawn.
+the same case and no case pays for a start.
 
 On the first failure (an exception on any rank, a rank that dies, or the overall timeout) every rank is killed
-at once and `RankFailure` carries the failing rank's traceback; the next `run` spawns a fresh group.
+at once and `RankFailure` carries the failing rank's traceback; the next `run` starts a fresh group.
 Collectives inside the workers use a short process-group timeout (`MOE_COMM_TEST_TIMEOUT`, default 60 s)
 instead of gloo's 30 minutes.
 """
@@ -39,13 +44,14 @@ import torch.multiprocessing as mp
 from .. import env
 
 
-# What the fork server imports before it forks any rank.
-_PRELOAD = ["torch", "torch.distributed", "moe_comm", "moe_comm.testing"]
+# What the fork server imports before it forks any rank: torch, and torch._dynamo, which moe_comm's import pulls in
+# (2 of its 2.2 s); not moe_comm itself (the server does not use the parent's sys.path: it could import another copy).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def process_context():
-    """The multiprocessing context the ranks start from: the fork server, with torch and moe_comm imported in it
-    (module docstring). A child started from it has the server's environment and stdout/stderr, not the parent's at
+    """The multiprocessing context the ranks start from: the fork server, with torch imported in it (module
+    docstring). A child started from it has the server's environment and stdout/stderr, not the parent's at
     its start: pass `dict(os.environ)` to it where that matters (the ranks get it), and redirect its output where a
     test reads it (pytest's capfd does not see it)."""
     ctx = mp.get_context("forkserver")
@@ -61,8 +67,9 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int, pg_t
                  environ: dict[str, str], tasks: "mp.Queue", results: "mp.Queue") -> None:
     os.environ.clear()
     os.environ.update(environ)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     try:
+        threads = environ.get("OMP_NUM_THREADS")
+        torch.set_num_threads(int(threads) if threads else max(1, len(os.sched_getaffinity(0)) // world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
@@ -87,7 +94,7 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int, pg_t
 
 
 class WorkerPool:
-    """A long-lived group of `world_size` spawned ranks.
+    """A long-lived group of `world_size` ranks.
 
     Arguments:
         world_size: number of ranks.
