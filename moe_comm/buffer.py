@@ -94,12 +94,17 @@ class CombineCall:
     # the hybrid path's deterministic combine asks its inner buffer for them (never set by `Buffer.combine`).
     unreduced: bool = False
     return_recv_hook: bool = False
+    # Expand layout: each rank first adds the rows of a token's slots it holds (one partial sum per (token, rank)
+    # goes back), then the source adds the partial sums in ascending rank order (`Buffer._partial_sums`).
+    partial: bool = False
 
     def signature(self) -> list[int]:
-        """The values every rank must agree on (they size the exchange): `SIGNATURE_FIELDS["combine"]`, padded."""
+        """The values every rank must agree on (they size the exchange): `SIGNATURE_FIELDS["combine"]`, padded
+        (the CUDA backend fills "slots per round")."""
         w = self.topk_weights
         return padded_signature([OPERATIONS.index("combine"), self.handle.epoch, self.x.shape[1],
-                                 DTYPE_CODES[self.x.dtype], int(w is not None), DTYPE_CODES[w.dtype] if w is not None else 0])
+                                 DTYPE_CODES[self.x.dtype], int(w is not None),
+                                 DTYPE_CODES[w.dtype] if w is not None else 0, 0, int(self.partial)])
 
 
 class Buffer(PrimitivesMixin):
@@ -129,19 +134,25 @@ class Buffer(PrimitivesMixin):
             hybrid path: a token crosses between hosts once per destination host, to the rank of the same local
             index there, and fans out inside the host. False: the direct path (every rank to every rank), which
             only the reference backend can run across hosts.
-        allow_multiple_reduction: in a hybrid combine without `deterministic`, sum each token's rows inside a host
-            before they cross (one row per host crosses; FP32 partial sums, so the result is within FP32 rounding
-            of the direct path's). With `deterministic=True` or False here, rows cross unreduced and the source
-            sums them in the order of DESIGN 2.2 (bitwise the direct path's result).
+        allow_multiple_reduction: without `deterministic`, let a combine add a token's rows in groups before they
+            travel, in FP32 (FP64 for float64 rows), so the result is within FP32 rounding of DESIGN 2.2's order:
+            an expand combine on the direct path adds the rows of a token's slots on each rank (ascending slot, from
+            zero; one partial sum per (token, rank) goes back, in FP32, or the row itself when the rank holds one
+            slot: half the bytes of a token's bf16 rows once it holds 4 slots, and always one round), then the
+            source adds the partial sums in ascending rank order from zero; this order is fixed, so results are
+            still bitwise the same run to run and on both backends. A hybrid combine adds a token's rows inside
+            each host before they cross (one row per host crosses). With `deterministic=True` or False here, rows
+            travel unreduced and the source adds them in the order of DESIGN 2.2 (bitwise the direct path's).
         sl_idx: the InfiniBand service level (0 to 15) for the traffic between hosts, as DeepEP V2's; None (the
             default) leaves NCCL's setting alone. moe_comm does not choose it (the reference sends over the caller's
             group; the CUDA hybrid path's subgroups copy that group's traffic class), so on NCCL the buffer checks
             that NCCL will use this level (`NCCL_IB_SL`, else the group's
             `ProcessGroupNCCL.Options().config.traffic_class`) and raises ValueError on every rank if not
             (`moe_comm/traffic_class.py`). gloo has no service level: there it is only validated.
-        use_recv_hook: reserve room for an expand combine in one round, which `combine(..., return_recv_hook=True)`
-            needs (its rounds cannot be split at the hook): a row per (peer, token, slot). Dispatches and non-expand
-            combines take the hook with any buffer.
+        use_recv_hook: reserve room for an expand combine in DESIGN 2.2's slot order in one round (with
+            `deterministic=True` or `allow_multiple_reduction=False`), which `combine(..., return_recv_hook=True)`
+            needs (its rounds cannot be split at the hook): a row per (peer, token, slot). Dispatches, non-expand
+            combines and expand combines with partial sums (one round always) take the hook with any buffer.
         cuda_tuning: `moe_comm.backends.cuda.CudaTuning`, kernel build variants and block splits for experiments
             (`scripts/profile_ops.py`); None: the defaults.
     """
@@ -331,7 +342,8 @@ class Buffer(PrimitivesMixin):
         return None
 
     def _partial_sums(self) -> bool:
-        """Whether a hybrid combine sums a token's rows inside each host before they cross."""
+        """Whether a combine may add a token's rows in groups before they travel: inside each rank (expand layout,
+        direct path) or inside each host (hybrid path)."""
         return self.allow_multiple_reduction and not self.deterministic
 
     def _inner_buffer(self, host_group: dist.ProcessGroup, backend: str) -> "Buffer":
@@ -675,15 +687,16 @@ class Buffer(PrimitivesMixin):
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in `dispatch`.
             return_recv_hook: as in `dispatch` (the reducers run in the hook). The CUDA reducers read this rank's
                 own rows, weights and the bias when the hook runs: leave `x`, `topk_weights` and `bias` unchanged
-                until then. An expand combine must fit the receive region in one round: on the CUDA backend that
-                takes `Buffer(use_recv_hook=True)` once a token's slots outnumber what the default region holds
-                (ValueError says so).
+                until then. An expand combine must fit the receive region in one round: partial sums always do; in
+                the slot order, on the CUDA backend, that takes `Buffer(use_recv_hook=True)` once a token's slots
+                outnumber what the default region holds (ValueError says so).
 
         Returns:
             `(combined_x, combined_topk_weights, event)`, and the hook with `return_recv_hook`:
             combined_x: `[N, H]`, x's dtype: per token, the sum (FP32 accumulation, FP64 for float64) of its
                 rows, non-expand one per destination rank in ascending rank order, expand one per valid slot
-                in ascending slot order, then `bias[0]`, then `bias[1]`. No gate weights are applied.
+                in ascending slot order (with partial sums, the Buffer's default: each rank's slots first, see
+                `allow_multiple_reduction`), then `bias[0]`, then `bias[1]`. No gate weights are applied.
             combined_topk_weights: `[N, K]`: slot j's value on the rank that owns slot j's expert (a select),
                 0 for -1 slots; None without `topk_weights`.
             event: `EventOverlap`.
@@ -734,7 +747,8 @@ class Buffer(PrimitivesMixin):
         return CombineCall(x=x, handle=handle, topk_weights=topk_weights, bias=bias,
                            num_sms=num_sms or handle.num_sms, previous_event=previous_event,
                            async_with_compute_stream=async_with_compute_stream,
-                           allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook)
+                           allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook,
+                           partial=handle.do_expand and not self.is_hybrid and self._partial_sums())
 
     # ------------------------------------------------------------------------------------------------
     # Lifetime

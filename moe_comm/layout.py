@@ -319,6 +319,8 @@ STRUCTS = {
         ("int32_t", "num_slots", "sub-rows per token in the region this round"),
         ("int32_t", "first_round", ""),
         ("int32_t", "last_round", ""),
+        ("int32_t", "partial", "expand: a token's rows on this rank go back added (one row: the FP32/FP64 sum, or "
+                               "the row itself for one slot; K weights), the source adds them per rank"),
     ],
 }
 

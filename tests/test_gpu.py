@@ -391,12 +391,17 @@ def recv_hook_cuda_rank(rank: int, world_size: int) -> list[str]:
         assert bool((pattern == 7.0).all()) and bool((filler == 3.0).all()), "a hook wrote into memory made after it"
         assert_same("combined, inputs dropped before the hook", combined, ref_combined.cpu())
 
-        rounds = buffers.get(case, "cuda", cuda_tuning=CudaTuning(max_round_slots=2))
+        # Rounds come with the slot order only (partial sums, the default, take one round); the slot order of one
+        # round is their reference.
+        rounds = buffers.get(case, "cuda", cuda_tuning=CudaTuning(max_round_slots=2), deterministic=True)
         recv_x, _, recv_w, handle, _ = rounds.dispatch(x, idx, w, **kwargs)
         with pytest.raises(ValueError, match=r"this expand combine runs in 2 rounds \(CudaTuning.max_round_slots=2 "
                                              r"limits a round to 2 of a token's 4 slots\)") as info:
             rounds.combine(recv_x, handle, topk_weights=recv_w, return_recv_hook=True)
-        assert_same("combined in rounds", rounds.combine(recv_x, handle, topk_weights=recv_w)[0], ref_combined.cpu())
+        in_rounds = rounds.combine(recv_x, handle, topk_weights=recv_w)[0]
+        whole = buffers.get(case, "cuda", use_recv_hook=True, deterministic=True)
+        recv_x, _, recv_w, handle, _ = whole.dispatch(x, idx, w, **kwargs)
+        assert_same("combined in rounds", in_rounds, whole.combine(recv_x, handle, topk_weights=recv_w)[0].cpu())
         return [str(info.value)]
 
 
@@ -472,7 +477,8 @@ def rounds_rank(rank: int, world_size: int, cases: list[Case]) -> int:
         for i, case in enumerate(cases):
             # Every other case at most 2 slots per round: rounds on one rank too (it needs no region).
             tuning = CudaTuning(max_round_slots=2) if i % 2 else None
-            buf = buffers.get(case, "cuda", num_gpu_timeout_secs=100, cuda_tuning=tuning)
+            # deterministic: rounds come with the slot order only (partial sums take one round)
+            buf = buffers.get(case, "cuda", num_gpu_timeout_secs=100, cuda_tuning=tuning, deterministic=True)
             try:
                 check_case(buf, case, rank)
             except AssertionError as exc:
@@ -623,6 +629,21 @@ def test_cuda_fp8_matches_reference(nccl_pool):
     assert nccl_pool.run(fp8_rank, cases) == [2 * 7 * len(cases)] * WORLD_SIZE
 
 
+def partial_sums_rank(rank: int, world_size: int) -> str:
+    """Ranks that combine an expand dispatch with and without partial sums (moe_comm.testing.disagreement): the
+    kernels compare the signatures, move nothing, and every rank raises at the barrier."""
+    from moe_comm.testing.disagreement import CASE, partial_sums_probe
+    with Buffers() as buffers:
+        return partial_sums_probe(rank, world_size, lambda det: buffers.get(CASE, "cuda", num_gpu_timeout_secs=20,
+                                                                            deterministic=det))
+
+
+@needs_peer
+def test_cuda_ranks_must_agree_on_partial_sums(nccl_pool):
+    messages = nccl_pool.run(partial_sums_rank)
+    assert messages == [messages[0]] * WORLD_SIZE
+
+
 def disagreement_rank(rank: int, world_size: int) -> str:
     """Ranks that size a synchronizing dispatch differently all get a ValueError naming every rank's value (from the
     notify kernel's summary), and the buffer keeps working afterwards."""
@@ -738,13 +759,15 @@ def round_slots_rank(rank: int, world_size: int) -> str:
     case = Case(seed=232, num_ranks=WORLD_SIZE, num_experts=8, num_topk=4, hidden=128, num_tokens=per_rank(16),
                 num_max_tokens_per_rank=16, do_expand=True)
     with Buffers() as buffers:
-        buf = buffers.get(case, "cuda", num_gpu_timeout_secs=20, cuda_tuning=CudaTuning(max_round_slots=1 + rank))
+        buf = buffers.get(case, "cuda", num_gpu_timeout_secs=20, cuda_tuning=CudaTuning(max_round_slots=1 + rank),
+                          deterministic=True)  # rounds come with the slot order only
         x, idx, w = rank_inputs(case, rank, buf.device)
         recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=8, do_expand=True)
         buf.combine(recv_x, handle)
         with pytest.raises(ValueError) as info:
             buf.barrier()
-        agreed = buffers.get(case, "cuda", num_gpu_timeout_secs=20, cuda_tuning=CudaTuning(max_round_slots=2))
+        agreed = buffers.get(case, "cuda", num_gpu_timeout_secs=20, cuda_tuning=CudaTuning(max_round_slots=2),
+                             deterministic=True)
         check_case(agreed, case, rank)
         return str(info.value)
 

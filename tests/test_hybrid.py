@@ -262,7 +262,7 @@ def hybrid_cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: li
         with ranks_per_node(str(ranks_per_host)):
             hybrid = make_buffer(case, deterministic=True)
             partial = make_buffer(case)  # allow_multiple_reduction=True by default
-            direct = make_buffer(case, allow_hybrid_mode=False)
+            direct = make_buffer(case, allow_hybrid_mode=False, deterministic=True)  # DESIGN 2.2 order
         assert hybrid.is_hybrid and partial.is_hybrid and not direct.is_hybrid
         assert hybrid.get_logical_domain_size() == (world_size // ranks_per_host, ranks_per_host)
         assert not hybrid._impl.use_partial_reduction and partial._impl.use_partial_reduction
@@ -303,7 +303,7 @@ def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
                     use_fp8_dispatch=True, backend="torch", num_cpu_timeout_secs=60)
         with ranks_per_node("2"):
             hybrid = moe_comm.Buffer(None, deterministic=True, **make)
-        direct = moe_comm.Buffer(None, allow_hybrid_mode=False, **make)
+        direct = moe_comm.Buffer(None, allow_hybrid_mode=False, deterministic=True, **make)
         checked += check_fp8_modes(hybrid, direct, case, rank)
         x, idx, w = rank_inputs(case, rank)
         kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,

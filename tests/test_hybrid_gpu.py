@@ -84,7 +84,7 @@ def buffers(case: Case, fp8: bool = False, ranks_per_host: int = 1):
             hybrids = [moe_comm.Buffer(None, backend="cuda", **make),
                        moe_comm.Buffer(None, backend="auto", deterministic=True, **make)]
         partial = moe_comm.Buffer(cpu_group(), backend="torch", **make)
-        direct = moe_comm.Buffer(cpu_group(), backend="torch", allow_hybrid_mode=False, **make)
+        direct = moe_comm.Buffer(cpu_group(), backend="torch", allow_hybrid_mode=False, deterministic=True, **make)
     name = f"cuda hybrid 2x{ranks_per_host}"
     assert [(b.device.type, b._impl.name) for b in hybrids] == [("cuda", f"{name} partial sums"), ("cuda", name)]
     assert partial.is_hybrid and not direct.is_hybrid

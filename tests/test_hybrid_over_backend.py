@@ -82,7 +82,7 @@ def cases_rank(rank: int, world_size: int, ranks_per_host: int, cases: list[Case
         with ranks_per_node(str(ranks_per_host)):
             hybrids = [over_reference(make_buffer(case)), over_reference(make_buffer(case, deterministic=True))]
             partial = make_buffer(case)
-            direct = make_buffer(case, allow_hybrid_mode=False)
+            direct = make_buffer(case, allow_hybrid_mode=False, deterministic=True)  # DESIGN 2.2 order
         name = f"hybrid {world_size // ranks_per_host}x{ranks_per_host} over torch"
         assert [b._impl.name for b in hybrids] == [f"{name} partial sums", name]
         compare_and_destroy(i, case, rank, direct, partial, hybrids)
@@ -143,7 +143,7 @@ def fp8_async_rank(rank: int, world_size: int, cases: list[Case]) -> int:
         with ranks_per_node("2"):
             hybrid = over_reference(moe_comm.Buffer(None, **make))
             reference = moe_comm.Buffer(None, **make)
-        direct = moe_comm.Buffer(None, allow_hybrid_mode=False, **make)
+        direct = moe_comm.Buffer(None, allow_hybrid_mode=False, deterministic=True, **make)
         checked += check_fp8_modes(hybrid, direct, case, rank)
         x, idx, w = rank_inputs(case, rank)
         kwargs = dict(num_experts=case.num_experts, do_expand=case.do_expand, expert_alignment=case.expert_alignment,

@@ -250,6 +250,7 @@ GPU_TIER = {
     "expand combine in rounds": ("rounds_rank", (_EXPAND_ROUNDS,)),
     "large shapes": ("large_shapes_rank", ()),
     "sizes disagree": ("disagreement_rank", ()),
+    "partial sums disagree": ("partial_sums_rank", ()),
     "bad routing": ("bad_routing_rank", ()),
     "fp8 against the reference": ("fp8_rank", ([
         Case(seed=211, num_ranks=2, num_experts=16, num_topk=4, hidden=512, num_tokens=(300, 77),
@@ -267,7 +268,7 @@ GPU_TIER = {
 def test_gpu_tier_checks_with_a_peer(pool, check):
     name, args = GPU_TIER[check]
     first, second = pool.run(gpu_tier_rank, name, *args)
-    if name in ("disagreement_rank", "round_slots_rank", "clear_disagreement_rank"):
+    if name in ("disagreement_rank", "partial_sums_rank", "round_slots_rank", "clear_disagreement_rank"):
         assert first == second, (first, second)
 
 

@@ -366,6 +366,18 @@ def test_disagreement_is_an_error_on_every_rank_on_every_path(pools):
     assert messages[0] == messages[1]
 
 
+def partial_sums_probe_rank(rank: int, world_size: int) -> str:
+    from moe_comm.testing.disagreement import partial_sums_probe
+    return partial_sums_probe(rank, world_size, lambda det: new_buffer(num_cpu_timeout_secs=20, deterministic=det))
+
+
+def test_ranks_must_agree_on_partial_sums(pools):
+    """An expand combine between a deterministic buffer (slot order) and one with partial sums per rank would send
+    rows of two formats: every rank raises the same ValueError instead."""
+    messages = pools(2).run(partial_sums_probe_rank)
+    assert messages[0] == messages[1]
+
+
 @pytest.mark.parametrize("value", [0, 33, 2.0, True])
 def test_cuda_tuning_round_slots_bounded(value):
     from moe_comm.backends.cuda import CudaTuning

@@ -27,13 +27,14 @@ OPERATIONS = ("dispatch", "cached dispatch", "combine")
 # The words of a call's signature per operation (`DispatchCall.signature`, `CombineCall.signature`), the operation
 # first and the handle's epoch second (0 for a fresh dispatch); codes of the fields that name a choice. The CUDA
 # backend fills a combine's "slots per round" (its receive region's layout, `CudaTuning.max_round_slots`); the
-# reference leaves it 0.
+# reference leaves it 0. "partial sums": an expand combine's rows added per rank before they travel (`Buffer`'s
+# `deterministic` and `allow_multiple_reduction`).
 _DISPATCH_FIELDS = ("operation", "handle epoch", "num_experts", "num_topk", "hidden", "row dtype", "fp8 format",
                     "dequantize", "topk_weights given", "topk_weights dtype", "num_max_tokens_per_rank", "do_expand",
                     "expert_alignment", "do_cpu_sync")
 SIGNATURE_FIELDS = {"dispatch": _DISPATCH_FIELDS, "cached dispatch": _DISPATCH_FIELDS,
                     "combine": ("operation", "handle epoch", "hidden", "row dtype", "topk_weights given",
-                                "topk_weights dtype", "slots per round")}
+                                "topk_weights dtype", "slots per round", "partial sums")}
 DTYPE_CODES = {getattr(torch, name): code for name, code in lay.DTYPE_CODES.items()}
 _DTYPE_NAMES = ("none", *lay.DTYPE_CODES)  # a signature's dtype code names itself by its index
 _CHOICES = {"operation": OPERATIONS, "row dtype": _DTYPE_NAMES, "topk_weights dtype": _DTYPE_NAMES,

@@ -18,7 +18,9 @@ How a dispatch runs (the same steps a kernel takes, in plain tensors):
 Rows travel as raw bytes (`_RowCodec`), so every dtype, FP8 included, moves bit for bit.
 
 The receive order is always deterministic: source ranks ascending, then source token index ascending.
-Combine sends every row back to its source and reduces there in the order of DESIGN 2.2.
+Combine sends every row back to its source and reduces there in the order of DESIGN 2.2; an expand combine with
+partial sums (`CombineCall.partial`) first adds each received row's slots on the expert's rank and sends one row
+per received row back, as a non-expand combine does.
 
 This is the direct path (every rank to every rank). Across hosts, `torch_hybrid.HybridRefBackend` runs the
 same steps in two legs (over the rail, then inside the host) and reuses the pieces here that do not depend on
@@ -500,12 +502,27 @@ class TorchRefBackend(Backend):
     # ------------------------------------------------------------------------------------------------
     @staticmethod
     def _combine_codec(c, x_dtype: Optional[torch.dtype] = None) -> _RowCodec:
-        """A combine row: the expert output (in `x_dtype`, default x's) and its weights (non-expand `[K]`,
-        expand one)."""
+        """A combine row: the expert output (in `x_dtype`, default x's) and its weights (non-expand and partial
+        sums `[K]`, expand one)."""
         fields = [("x", x_dtype or c.x.dtype, c.x.shape[1])]
         if c.topk_weights is not None:
-            fields.append(("w", c.topk_weights.dtype, 1 if c.handle.do_expand else c.handle.num_topk))
+            per_slot = c.handle.do_expand and not c.partial
+            fields.append(("w", c.topk_weights.dtype, 1 if per_slot else c.handle.num_topk))
         return _RowCodec(fields)
+
+    @staticmethod
+    def _partial_rows(c, lay: RefLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """An expand combine's partial sums (`c.partial`): per received row, the rows of its slots here added from
+        zero in ascending slot order, in the accumulation dtype (`[M, H]`), and its weights per slot (`[M, K]`, 0
+        for slots held elsewhere)."""
+        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        rows_MK = lay.expand_row_MK
+        absent = c.x.shape[0]  # a zero row after x: absent slots add zero
+        src_MK = torch.where(rows_MK >= 0, rows_MK, absent)
+        partial = _sum_terms(torch.cat([c.x, c.x.new_zeros(1, c.x.shape[1])]), src_MK, acc_dtype)
+        if c.topk_weights is None:
+            return partial, None
+        return partial, torch.cat([c.topk_weights, c.topk_weights.new_zeros(1)])[src_MK]
 
     def _pack_back(self, c, codec: _RowCodec, lay, arrival_splits: tuple[list[int], list[int]]):
         """Every combine row packed where it goes back: non-expand into the receive block it arrived in (the unused
@@ -514,7 +531,7 @@ class TorchRefBackend(Backend):
         exchange back, `arrival_splits` (the dispatch's last leg, receiver's then sender's side) reversed for
         non-expand rows, `lay.return_send_splits`/`return_recv_splits` for expand."""
         handle, dev, hidden = c.handle, self.device, c.x.shape[1]
-        if handle.do_expand:
+        if handle.do_expand and not c.partial:
             num_send = sum(lay.return_send_splits)
             send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
             x_pad = torch.cat([c.x, c.x.new_zeros(1, hidden)])
@@ -529,27 +546,32 @@ class TorchRefBackend(Backend):
                 dst = lay.return_pos_MK[:, j]
                 codec.pack_into(send, torch.where(dst >= 0, dst, num_send), fields_j)
             return send, lay.return_send_splits, lay.return_recv_splits
+        # One row per received row, into the receive block it arrived in: its own (non-expand) or its slots' partial
+        # sum.
+        x_M, w_M = self._partial_rows(c, lay) if c.partial else (c.x, c.topk_weights)
         num_send = lay.out_row_B.shape[0]
         send = torch.zeros(num_send + 1, codec.width, dtype=torch.uint8, device=dev)
         valid_B = lay.out_row_B >= 0
         src_rows = lay.out_row_B.clamp(min=0)
-        fields_all = {"x": c.x[src_rows]}
-        if c.topk_weights is not None:
-            fields_all["w"] = c.topk_weights[src_rows]
+        fields_all = {"x": x_M[src_rows]}
+        if w_M is not None:
+            fields_all["w"] = w_M[src_rows]
         codec.pack_into(send, torch.where(valid_B, torch.arange(num_send, device=dev), num_send), fields_all)
         return (send, *arrival_splits)
 
     def combine_steps(self, c):
         handle: EPHandle = c.handle
         lay: RefLayout = handle.layout
-        codec = self._combine_codec(c)
+        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        codec = self._combine_codec(c, acc_dtype if c.partial else None)
         send, send_splits, recv_splits = self._pack_back(c, codec, lay, (lay.recv_splits, lay.send_splits))
         recv, works = self._exchange(send, send_splits, recv_splits, "combine exchange")
-        if handle.do_expand:
+        if handle.do_expand and not c.partial:
             # DESIGN 2.2 order: one term per valid slot, ascending slot.
             outputs, finalize = self._combine_outputs(c, codec, recv, lay.slot_return_pos_NK, None)
         else:
-            # DESIGN 2.2 order: one term per destination rank, ascending rank.
+            # DESIGN 2.2 order: one term per destination rank, ascending rank (with partial sums, each the sum of
+            # the token's slots on that rank).
             offsets = _block_starts(recv_splits, self.device)
             rows_NR = torch.where(lay.send_pos_NR >= 0, offsets[None, :] + lay.send_pos_NR, -1)
             dest_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // (handle.num_experts // self.num_ranks), -1)

@@ -54,6 +54,25 @@ def probes(buf, rank: int) -> list[tuple[str, str, Callable[[], object]]]:
     ]
 
 
+def partial_sums_probe(rank: int, world_size: int, make_buffer: Callable[[bool], object]) -> str:
+    """Ranks whose buffers add an expand combine's rows differently (`make_buffer(deterministic)`: rank 0 in DESIGN
+    2.2's slot order, the others by partial sums per rank) get the same ValueError naming "partial sums" with every
+    rank's value, and the buffer works afterwards for calls they agree on; returns the message."""
+    buf = make_buffer(rank == 0)
+    x, idx, w = rank_inputs(CASE, rank, buf.device)
+    rx, _, rw, handle, _ = buf.dispatch(x, idx, w, num_experts=CASE.num_experts, do_expand=True)
+    with pytest.raises(ValueError) as info:
+        try:
+            buf.combine(rx, handle, topk_weights=rw)
+        finally:
+            buf.barrier()  # where the CUDA backend raises what its kernels found
+    expected = f"partial sums: {[int(r != 0) for r in range(world_size)]}"
+    assert expected in str(info.value), f"{info.value!r} lacks {expected!r}"
+    check_case(buf, CASE, rank)  # non-expand: no partial sums, the ranks agree
+    buf.destroy()
+    return str(info.value)
+
+
 def run_probes(rank: int, world_size: int, backend_buffer: Callable[[], object]) -> list[str]:
     """Run every probe on a fresh buffer from `backend_buffer()`; returns the messages (equal on every rank)."""
     buf = backend_buffer()

@@ -159,13 +159,14 @@ def expected_dispatch(case: Case, rank: int) -> ExpectedDispatch:
     return ExpectedDispatch(ex_x, None, ex_w_t, src, per_rank, aligned)
 
 
-def expected_combine(case: Case, rank: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def expected_combine(case: Case, rank: int, partial: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Combined rows and weights of `rank`'s tokens after every receiver applied `expert_output`.
 
     Non-expand: receiver d's rows are `expert_output(row, d * L)`, scaled weights are `w * 3`; the sum runs
     over destination ranks in ascending order. Expand: each slot's row is `expert_output(row, e)` for its
-    global expert e; the sum runs over slots in ascending order. Then the biases; accumulation in float32
-    (float64 for float64), starting from zero.
+    global expert e; the sum runs over slots in ascending order, or with `partial` (a Buffer's partial sums) over
+    ranks in ascending order, each term the sum from zero of the token's slots on that rank in ascending order.
+    Then the biases; accumulation in float32 (float64 for float64), starting from zero.
     """
     L = case.num_local_experts
     x, topk_idx, w = rank_inputs(case, rank)
@@ -174,9 +175,12 @@ def expected_combine(case: Case, rank: int) -> tuple[torch.Tensor, Optional[torc
     for t in range(x.shape[0]):
         experts = topk_idx[t].tolist()
         if case.do_expand:
-            for e in experts:
-                if e >= 0:
-                    acc[t] += expert_output(x[t:t + 1], torch.tensor([e]))[0].to(acc_dtype)
+            for d in sorted({e // L for e in experts if e >= 0}) if partial else [None]:
+                part = torch.zeros(x.shape[1], dtype=acc_dtype)
+                for e in experts:
+                    if e >= 0 and d in (None, e // L):
+                        part += expert_output(x[t:t + 1], torch.tensor([e]))[0].to(acc_dtype)
+                acc[t] += part
         else:
             for d in sorted({e // L for e in experts if e >= 0}):
                 acc[t] += expert_output(x[t:t + 1], torch.tensor([d * L]))[0].to(acc_dtype)

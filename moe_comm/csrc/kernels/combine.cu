@@ -4,6 +4,18 @@
 
 using namespace moe_comm;
 
+// combine_impl<T, partial> for the dtype code (kDtypeBfloat16, kDtypeFloat32, else float64).
+template <typename Bf16, typename F32, typename F64>
+static void launch_combine(int dtype, bool partial, int num_blocks, cudaStream_t stream, const EpParams& p,
+                           const CombineArgs& a) {
+    auto go = [&](auto kernel) { kernel<<<num_blocks, kThreadsPerBlock, 0, stream>>>(p, a); };
+    switch (dtype) {
+        case kDtypeBfloat16: partial ? go(combine_impl<Bf16, true>) : go(combine_impl<Bf16, false>); break;
+        case kDtypeFloat32: partial ? go(combine_impl<F32, true>) : go(combine_impl<F32, false>); break;
+        default: partial ? go(combine_impl<F64, true>) : go(combine_impl<F64, false>); break;
+    }
+}
+
 // dtype: 1 bf16, 2 float32, 3 float64 (accumulating in float32, float32, float64). num_blocks: p->num_send_blocks
 // senders, then the reducers (at least one of each). part: kPartWhole, or kPartSend (every block a sender, with the
 // barrier) then later kPartReceive (every block a reducer, no barrier: the same row tag as the send launch's).
@@ -18,6 +30,10 @@ extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dty
     // A split combine is one round: the next round's senders would overwrite what the reducers have not read.
     MOE_COMM_REQUIRE(part == kPartWhole || (a->first_round && a->last_round), "part=%d, first_round=%d, last_round=%d",
                      part, a->first_round, a->last_round);
+    // Partial sums: one row per (token, peer) in one round, summed (never the hybrid path's unreduced terms).
+    MOE_COMM_REQUIRE(!a->partial || (a->do_expand && !a->terms && a->first_round && a->last_round),
+                     "partial=%d, do_expand=%d, terms set=%d, first_round=%d, last_round=%d", a->partial, a->do_expand,
+                     a->terms != nullptr, a->first_round, a->last_round);
     MOE_COMM_REQUIRE(p->data_bytes % 16 == 0 && p->row_stride % 16 == 0, "data_bytes=%lld, row_stride=%lld",
                      static_cast<long long>(p->data_bytes), static_cast<long long>(p->row_stride));
     MOE_COMM_REQUIRE(dtype == kDtypeBfloat16 || dtype == kDtypeFloat32 || dtype == kDtypeFloat64,
@@ -25,11 +41,7 @@ extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dty
     EpParams q = *p;
     q.num_send_blocks = part == kPartSend ? num_blocks : part == kPartReceive ? 0 : p->num_send_blocks;
     q.with_barrier = part == kPartReceive ? 0 : 1;
-    switch (dtype) {
-        case kDtypeBfloat16: combine_impl<__nv_bfloat16><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
-        case kDtypeFloat32: combine_impl<float><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
-        default: combine_impl<double><<<num_blocks, kThreadsPerBlock, 0, stream>>>(q, *a); break;
-    }
+    launch_combine<__nv_bfloat16, float, double>(dtype, a->partial != 0, num_blocks, stream, q, *a);
     return launch_result("combine_impl", num_blocks, kThreadsPerBlock, 0);
 }
 

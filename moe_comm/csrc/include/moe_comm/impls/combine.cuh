@@ -27,6 +27,10 @@ namespace moe_comm {
 // earlier rounds); after the last round bias[0], then bias[1], and the cast. combined_topk_weights is the select
 // of slot j's value on its owner rank. Unreduced (`terms` set, the hybrid path's deterministic combine): each row is
 // copied to its term's place (expand: its slot; else its rank) instead, no sum, no bias.
+// Partial sums (`partial`, expand, one round): a sender adds the rows of an item's slots here (ascending slot, from
+// zero, in Acc precision) and sends that one row, with the weights of its slots at their places among the K, or the
+// row itself when the item has one slot here; a reducer adds, per rank in ascending order, that rank's row (its own
+// rank's: its slots' rows from x added from zero first).
 // ------------------------------------------------------------------------------------------------------------
 template <typename T>
 struct AccOf { using type = float; };
@@ -42,6 +46,113 @@ template <typename T>
 __device__ __forceinline__ T from_acc(typename AccOf<T>::type v) { return static_cast<T>(v); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// 16-byte vectors of T as Acc values: kVec = 16 / sizeof(T) values, kAccVecs 16-byte vectors of Acc.
+template <typename T>
+struct AccVec {
+    using Acc = typename AccOf<T>::type;
+    static constexpr int kVec = 16 / sizeof(T);
+    static constexpr int kAccVecs = kVec * sizeof(Acc) / 16;
+    static constexpr int kPerAccVec = 16 / sizeof(Acc);
+};
+
+// acc[u] += the values of vector v0 + lane + u * 32 of a row of T (vectors past num_vecs are left alone).
+template <typename T>
+__device__ __forceinline__ void add_row(typename AccOf<T>::type (&acc)[kReduceUnroll][AccVec<T>::kVec],
+                                        const int4* src, int64_t v0, int64_t num_vecs, int lane) {
+    int4 raw[kReduceUnroll];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+        const int64_t v = v0 + lane + u * kWarpSize;
+        if (v < num_vecs) raw[u] = __ldcg(src + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+        const T* values = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+        for (int k = 0; k < AccVec<T>::kVec; ++k) acc[u][k] += to_acc<T>(values[k]);
+    }
+}
+
+// The same for a row of Acc values (a partial sum): vector v is kAccVecs 16-byte vectors from src + v * kAccVecs.
+template <typename T>
+__device__ __forceinline__ void add_acc_row(typename AccOf<T>::type (&acc)[kReduceUnroll][AccVec<T>::kVec],
+                                            const int4* src, int64_t v0, int64_t num_vecs, int lane) {
+    using V = AccVec<T>;
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {  // one vector at a time: all of them in flight would spill
+        const int64_t v = v0 + lane + u * kWarpSize;
+        if (v >= num_vecs) continue;
+        int4 raw[V::kAccVecs];
+#pragma unroll
+        for (int q = 0; q < V::kAccVecs; ++q) raw[q] = __ldcg(src + v * V::kAccVecs + q);
+#pragma unroll
+        for (int q = 0; q < V::kAccVecs; ++q) {
+            const typename V::Acc* values = reinterpret_cast<const typename V::Acc*>(&raw[q]);
+#pragma unroll
+            for (int k = 0; k < V::kPerAccVec; ++k) acc[u][q * V::kPerAccVec + k] += values[k];
+        }
+    }
+}
+
+// Partial-sum sender (`a.partial`): item k is received row m (as combine_send_rows walks them); lane j < K holds the
+// x row of slot j here (-1: none).
+template <typename T>
+__device__ void combine_send_partials(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
+                                      int lane) {
+    using V = AccVec<T>;
+    const int R = p.num_ranks, K = p.num_topk;
+    const int64_t wb = p.weight_bytes, num_vecs = a.hidden / V::kVec;
+    const int64_t tag = row_tag(p);
+    const int num_sources = R - 1;
+    int64_t max_rows = 0;
+    for (int s = 0; s < R; ++s)
+        if (s != p.rank) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
+    constexpr int64_t kGroup = kReduceUnroll * kWarpSize;  // vectors per iteration of a warp
+    for (int64_t k = warp; k < num_sources * max_rows; k += num_warps) {
+        const int s = walk_source(k, num_sources, p.rank);
+        const int64_t i = k / num_sources, first = s ? a.psum_rank[s - 1] : 0;
+        if (i >= a.psum_rank[s] - first) continue;
+        int64_t x_row = lane < K ? a.expand_row[(first + i) * K + lane] : -1;
+        if (x_row >= a.num_x_rows) x_row = -1;
+        const unsigned present = __ballot_sync(0xffffffffu, x_row >= 0);
+        if (present == 0) continue;
+        uint8_t* dst = p.peer_bases[s] + kControlBytes + (combine_block(p.rank, s) * p.cap + i) * p.row_stride;
+        if (a.weights && x_row >= 0)
+            for (int64_t b = 0; b < wb; ++b) dst[p.weights_offset + lane * wb + b] = a.weights[x_row * wb + b];
+        if (__popc(present) == 1) {
+            const int64_t r = __shfl_sync(0xffffffffu, x_row, __ffs(present) - 1);
+            warp_copy16<kCopyUnroll>(dst, a.x + r * p.data_bytes, p.data_bytes, lane);
+        } else {
+            for (int64_t v0 = 0; v0 < num_vecs; v0 += kGroup) {
+                typename V::Acc acc[kReduceUnroll][V::kVec];
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+                    for (int e = 0; e < V::kVec; ++e) acc[u][e] = 0;
+                for (unsigned rest = present; rest != 0; rest &= rest - 1) {
+                    const int64_t r = __shfl_sync(0xffffffffu, x_row, __ffs(rest) - 1);
+                    add_row<T>(acc, reinterpret_cast<const int4*>(a.x + r * p.data_bytes), v0, num_vecs, lane);
+                }
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u) {
+                    const int64_t v = v0 + lane + u * kWarpSize;
+                    if (v >= num_vecs) continue;
+#pragma unroll
+                    for (int q = 0; q < V::kAccVecs; ++q) {
+                        int4 packed;
+                        auto* values = reinterpret_cast<typename V::Acc*>(&packed);
+#pragma unroll
+                        for (int e = 0; e < V::kPerAccVec; ++e) values[e] = acc[u][q * V::kPerAccVec + e];
+                        reinterpret_cast<int4*>(dst)[v * V::kAccVecs + q] = packed;
+                    }
+                }
+            }
+        }
+        __syncwarp();  // every lane's stores above happen before the release below
+        if (lane == 0) st_release_sys(row_tag_ptr(dst, p), tag);
+    }
+}
 
 __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
                                   int lane) {
@@ -93,7 +204,10 @@ __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64
     }
 }
 
-template <typename T>
+// Flags in the low bits of a reducer's row pointers (rows are 16-byte aligned).
+constexpr uintptr_t kAccRow = 1, kOwnRun = 2, kRowFlags = 15;
+
+template <typename T, bool kPartial>
 __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
                                     int lane, const uint8_t** rows) {
     using Acc = typename AccOf<T>::type;
@@ -124,28 +238,58 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
         const int64_t v_end = min(num_vecs, v_begin + slice_vecs);
         const int64_t* pos = a.send_pos + t * R;
         const int64_t* experts = a.clean_idx + t * K;
-        // Lane r owns one candidate row (rank r, or slot slot_begin + r); the rows that exist, in lane order,
-        // are the documented order. A peer's row is in the region behind its tag; our own is a row of x.
-        const uint8_t* row = nullptr;
+        // The token's rows, in the documented order, into rows[] (flagged in their low bits: kAccRow a partial sum,
+        // kOwnRun one of our own slots' rows that partial sums add up first). A peer's row is in the region behind
+        // its tag, which the lane of that rank (non-partial: of that candidate) waits for; our own is a row of x.
         uint8_t* region_row = nullptr;
         int peer = -1;
-        if (!a.do_expand) {
-            if (lane < R && pos[lane] >= 0) peer = lane;
+        unsigned present = 0;
+        int num_rows = 0;
+        if constexpr (kPartial) {
+            // Candidates by rank: a peer's one row, or our own slots' rows in ascending slot order.
+            const int d = lane < K && experts[lane] >= 0 ? static_cast<int>(experts[lane] / L) : -1;
+            for (int q = 0; q < R; ++q) {
+                const unsigned slots = __ballot_sync(0xffffffffu, d == q);
+                if (slots == 0) continue;
+                if (q == p.rank) {
+                    for (unsigned rest = slots; rest != 0; rest &= rest - 1) {
+                        const int64_t x_row = own_x_row(pos[q], __ffs(rest) - 1);
+                        if (x_row < 0) continue;
+                        if (lane == 0) rows[num_rows] = a.x + x_row * p.data_bytes + kOwnRun;
+                        ++num_rows;
+                    }
+                } else {
+                    const int64_t block_row = combine_block(q, p.rank) * p.cap + pos[q];
+                    if (lane == q) {
+                        peer = q;
+                        region_row = region + block_row * p.row_stride;
+                        rows[num_rows] = region_row + (__popc(slots) > 1 ? kAccRow : 0);
+                    }
+                    ++num_rows;
+                }
+            }
         } else {
-            const int j = a.slot_begin + lane;
-            if (j < a.slot_end && experts[j] >= 0) peer = static_cast<int>(experts[j] / L);
+            // Lane r owns one candidate row (rank r, or slot slot_begin + r); the rows that exist, in lane order,
+            // are the documented order.
+            const uint8_t* row = nullptr;
+            if (!a.do_expand) {
+                if (lane < R && pos[lane] >= 0) peer = lane;
+            } else {
+                const int j = a.slot_begin + lane;
+                if (j < a.slot_end && experts[j] >= 0) peer = static_cast<int>(experts[j] / L);
+            }
+            if (peer == p.rank) {
+                const int64_t x_row = own_x_row(pos[peer], a.slot_begin + lane);
+                row = x_row >= 0 ? a.x + x_row * p.data_bytes : nullptr;
+            } else if (peer >= 0) {
+                const int64_t block_row = combine_block(peer, p.rank) * p.cap + pos[peer];
+                region_row = region + (a.do_expand ? block_row * a.num_slots + lane : block_row) * p.row_stride;
+                row = region_row;
+            }
+            present = __ballot_sync(0xffffffffu, row != nullptr);
+            num_rows = __popc(present);
+            if (row != nullptr) rows[__popc(present & ((1u << lane) - 1))] = row;
         }
-        if (peer == p.rank) {
-            const int64_t x_row = own_x_row(pos[peer], a.slot_begin + lane);
-            row = x_row >= 0 ? a.x + x_row * p.data_bytes : nullptr;
-        } else if (peer >= 0) {
-            const int64_t block_row = combine_block(peer, p.rank) * p.cap + pos[peer];
-            region_row = region + (a.do_expand ? block_row * a.num_slots + lane : block_row) * p.row_stride;
-            row = region_row;
-        }
-        const unsigned present = __ballot_sync(0xffffffffu, row != nullptr);
-        const int num_rows = __popc(present);
-        if (row != nullptr) rows[__popc(present & ((1u << lane) - 1))] = row;
         if (region_row != nullptr && !*reinterpret_cast<volatile int*>(&timed_out) &&
             !wait_flag_equal(row_tag_ptr(region_row, p), tag, p, p.phase, peer))
             timed_out = 1;
@@ -171,19 +315,29 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                     acc[u][k] = a.first_round || v >= num_vecs ? Acc(0)
                                                                : static_cast<const Acc*>(a.acc)[t * H + v * kVec + k];
             }
-            for (int r = 0; r < num_rows; ++r) {
-                const int4* src = reinterpret_cast<const int4*>(rows[r]);
-                int4 raw[kReduceUnroll];
+            for (int r = 0; r < num_rows;) {
+                const uintptr_t entry = reinterpret_cast<uintptr_t>(rows[r]);
+                const int4* src = reinterpret_cast<const int4*>(entry & ~kRowFlags);
+                if (kPartial && (entry & kAccRow)) {
+                    add_acc_row<T>(acc, src, v0, num_vecs, lane);
+                    ++r;
+                } else if (kPartial && (entry & kOwnRun)) {  // our own partial sum: its rows from zero, then into acc
+                    Acc part[kReduceUnroll][kVec];
 #pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u) {
-                    const int64_t v = v0 + lane + u * kWarpSize;
-                    if (v < num_vecs) raw[u] = __ldcg(src + v);
-                }
+                    for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u) {
-                    const T* values = reinterpret_cast<const T*>(&raw[u]);
+                        for (int k = 0; k < kVec; ++k) part[u][k] = 0;
+                    for (; r < num_rows && (reinterpret_cast<uintptr_t>(rows[r]) & kOwnRun); ++r)
+                        add_row<T>(part, reinterpret_cast<const int4*>(reinterpret_cast<uintptr_t>(rows[r]) &
+                                                                       ~kRowFlags),
+                                   v0, num_vecs, lane);
 #pragma unroll
-                    for (int k = 0; k < kVec; ++k) acc[u][k] += to_acc<T>(values[k]);
+                    for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+                        for (int k = 0; k < kVec; ++k) acc[u][k] += part[u][k];
+                } else {
+                    add_row<T>(acc, src, v0, num_vecs, lane);
+                    ++r;
                 }
             }
 #pragma unroll
@@ -223,7 +377,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                 const int64_t x_row = d == p.rank ? own_x_row(pos[d], j) : 0;
                 const uint8_t* src =
                     d == p.rank ? (a.do_expand ? a.weights + x_row * wb : a.weights + (x_row * K + j) * wb)
-                    : a.do_expand
+                    : a.do_expand && !kPartial
                         ? region + (block_row * a.num_slots + (j - a.slot_begin)) * p.row_stride + p.weights_offset
                         : region + block_row * p.row_stride + p.weights_offset + j * wb;
                 for (int64_t b = 0; b < wb; ++b) dst[b] = x_row < 0 ? 0 : ld_cg_u8(src + b);
@@ -237,7 +391,8 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
 __device__ uint64_t g_combine_block_times[kMaxTimedBlocks][2];  // this header is included by kernels/combine.cu only
 #endif
 
-template <typename T>
+// kPartial: a.partial (a kernel of its own: the partial sums' registers would make the plain kernel spill).
+template <typename T, bool kPartial>
 __global__ void __launch_bounds__(kThreadsPerBlock) combine_impl(EpParams p, CombineArgs a) {
     __shared__ const uint8_t* rows[kMaxWarpsPerBlock][kWarpSize];
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
@@ -249,11 +404,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock) combine_impl(EpParams p, Com
     const bool go = !skip && (!p.with_barrier || barrier_arrive_and_wait(p, is_sender));
     if (is_sender) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block;
-        if (go) combine_send_rows(p, a, warp, static_cast<int64_t>(p.num_send_blocks) * warps_per_block, lane);
+        const int64_t num_warps = static_cast<int64_t>(p.num_send_blocks) * warps_per_block;
+        if constexpr (kPartial) {
+            if (go) combine_send_partials<T>(p, a, warp, num_warps, lane);
+        } else if (go) {
+            combine_send_rows(p, a, warp, num_warps, lane);
+        }
     } else if (!skip) {
         const int64_t warp = static_cast<int64_t>(blockIdx.x - p.num_send_blocks) * warps_per_block + warp_in_block;
         const int64_t num_warps = static_cast<int64_t>(gridDim.x - p.num_send_blocks) * warps_per_block;
-        combine_reduce_rows<T>(p, a, warp, num_warps, lane, rows[warp_in_block]);
+        combine_reduce_rows<T, kPartial>(p, a, warp, num_warps, lane, rows[warp_in_block]);
     }
     BLOCK_TIME_END(g_combine_block_times);
     kernel_done(p);
