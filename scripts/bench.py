@@ -11,7 +11,10 @@ host sync; combine = reverse + FP32 index_add). Then an SM sweep of cached dispa
 token count, next to the analytical `get_theoretical_num_sms`, and the JIT build times (CUDA backend).
 `--expand`: moe_comm's dispatches use the expand layout (one row per (token, local expert), grouped by expert, as
 the MoE layer's grouped experts take them; the receivers write min(K, local experts) rows per arrived token) and
-its combines add those rows; the baseline stays as it is.
+its combines add those rows: "combine" by partial sums per rank (the Buffer's default: one row per (token, rank)
+goes back, FP32 where the rank holds several slots), "combine slot order" on a second buffer made with
+`deterministic=True` (DESIGN 2.2's order: a row per (token, slot), in rounds when they outgrow the region); the
+baseline stays as it is.
 
 Bandwidths (from the back-to-back time on CUDA): logical GB/s = bytes of all received rows (own rank included) /
 time (DeepEP's metric); wire GB/s = bytes received from other ranks / time. Host us (CUDA) = isolated-call time
@@ -59,6 +62,9 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
                          num_tokens=(min(args["tokens"]),) * world_size, num_max_tokens_per_rank=cap,
                          do_expand=expand), rank)
     baseline = AllToAllBaseline(dist.group.WORLD, E)
+    # Expand: the slot order's combine beside the partial sums', on a buffer of its own (the order is a Buffer's).
+    slot_order = moe_comm.Buffer(None, num_max_tokens_per_rank=cap, hidden=args["hidden"], num_topk=K,
+                                 backend=args["backend"], deterministic=True) if expand else None
     rows, sweep = [], []
     for num_tokens in args["tokens"]:
         case = Case(seed=2, num_ranks=world_size, num_experts=E, num_topk=K, hidden=args["hidden"],
@@ -73,6 +79,9 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
             "baseline dispatch": lambda: baseline.dispatch(x, idx),
             "baseline combine": lambda: baseline.combine(base_recv, state),
         }
+        if slot_order is not None:
+            slot_x, _, _, slot_handle, _ = slot_order.dispatch(x, idx, w, num_experts=E, do_expand=True)
+            ops["combine slot order"] = lambda: slot_order.combine(slot_x, slot_handle)
         if args["hidden"] % 128 == 0:
             x_fp8 = quant.quantize(x, "fp8_block128")
             ops["dispatch fp8"] = lambda: buf.dispatch(x_fp8, idx, w, num_experts=E, do_expand=expand)
@@ -84,15 +93,21 @@ def bench_rank(rank: int, world_size: int, args: dict) -> dict:
         timings = {op: median_time_us(fn, device, num_iters=iters) for op, fn in ops.items()}
         if device.type == "cuda":
             timings.update({f"{op} b2b": loop_times(fn, iters, device)[1] for op, fn in ops.items()})
-        # Rows that cross the wire to this rank: a dispatch's tokens once per rank (the expand layout's fan-out
-        # happens at the receiver); an expand combine sends back a row per (token, local slot), so it receives one
-        # per slot of its tokens on a peer (rows of the bench's routing: no alignment padding, no invalid slots).
+        # Rows that cross the wire to this rank, in rows of x's size: a dispatch's tokens once per rank (the expand
+        # layout's fan-out happens at the receiver); a combine as many of its tokens' rows as come back from peers:
+        # one per (token, peer) (an expand combine's partial sum of several slots: FP32, two bf16 rows' bytes), in
+        # the slot order one per (token, slot) on a peer (the bench's routing: no alignment padding, no invalid slots).
         psum = handle.psum_num_recv_tokens_per_rank.tolist()
         peer_tokens = psum[-1] - (psum[rank] - (psum[rank - 1] if rank else 0))
-        peer_slots = int(((idx >= 0) & (idx // (E // world_size) != rank)).sum())
+        dest = torch.where(idx >= 0, idx // (E // world_size), rank)
+        on_peer = torch.zeros(idx.shape[0], world_size, dtype=torch.int64, device=device).scatter_add_(
+            1, dest, (dest != rank).long())  # [N, R]: a token's slots on each peer
+        acc_rows = 4 // x.element_size() if x.dtype != torch.float64 else 1  # FP32 (FP64) sums in rows of x
+        wire_rows = {"dispatch": peer_tokens,
+                     "combine": int(((on_peer == 1) + (on_peer > 1) * acc_rows).sum()) if expand else peer_tokens,
+                     "combine slot order": int(on_peer.sum())}
         rows.append({"tokens": num_tokens, "recv_rows": recv_x.shape[0],
-                     "row_bytes": recv_x.shape[1] * recv_x.element_size(),
-                     "wire_rows": {"dispatch": peer_tokens, "combine": peer_slots if expand else peer_tokens},
+                     "row_bytes": recv_x.shape[1] * recv_x.element_size(), "wire_rows": wire_rows,
                      "num_sms": handle.num_sms, **timings})
         if num_tokens == cap:
             # Back-to-back device time on CUDA (the SM count shows in it, not behind the host's issue time).
@@ -177,10 +192,10 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
                    ("tokens", "recv_rows", "wire_rows", "row_bytes", "num_sms")}
         recv_bytes = sum(r["rows"][i]["recv_rows"] * r["rows"][i]["row_bytes"] for r in per_rank) / len(per_rank)
         wire = {kind: sum(r["rows"][i]["wire_rows"][kind] * r["rows"][i]["row_bytes"] for r in per_rank) / len(per_rank)
-                for kind in ("dispatch", "combine")}
+                for kind in row["wire_rows"]}
         for op, base in (("dispatch", "baseline dispatch"), ("cached dispatch", "baseline dispatch"),
                          ("dispatch fp8", None), ("cached dispatch fp8", None), ("cached dispatch bf16 via fp8", None),
-                         ("combine", "baseline combine")):
+                         ("combine", "baseline combine"), ("combine slot order", "baseline combine")):
             if op not in slowest:
                 continue
             scale = 0.5 if "fp8" in op else 1.0  # e4m3 rows are half the bytes (scales not counted)
@@ -189,7 +204,7 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
             entry = {"tokens": row["tokens"], "op": op, "us": us, "back_to_back_us": b2b,
                      "host_us": None if b2b is None else us - b2b, "num_sms": row["num_sms"],
                      "logical_gbs": gbs(recv_bytes * scale, device_us),
-                     "wire_gbs": gbs(wire["combine" if op == "combine" else "dispatch"] * scale, device_us),
+                     "wire_gbs": gbs(wire[op if op.startswith("combine") else "dispatch"] * scale, device_us),
                      "baseline_us": slowest.get(base) if base else None,
                      "baseline_back_to_back_us": slowest.get(f"{base} b2b") if base else None}
             table.append(entry)

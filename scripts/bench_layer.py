@@ -13,6 +13,9 @@ rank is reported):
 - `route A non-expand`: the same with `MoECommConfig`'s default layout (one row per (token, rank), permuted into
   expert blocks on the receiver by torch ops, summed back per row before the combine);
 - `route A sync-free`: expand layout without CPU sync (device counts, worst-case rows), grouped experts;
+- `route A sync-free partial`: the same with `deterministic=False`: its expand combines (forward, and the
+  dispatch's backward) add each token's rows per rank before they travel (one row per (token, rank) instead of one
+  per slot, FP32; one round), not in DESIGN 2.2's slot order, which Megatron parity needs;
 - `route A FP8`: route A with FP8 (fp8_block128) on the wire, dequantized on arrival;
 - `route B`: Megatron's flex dispatcher on moe_comm (Megatron's own permutation), grouped experts (EP > 1 only);
 - `floor`: the compute-only floor: the same layer with dispatch and combine replaced by rows already in place
@@ -55,7 +58,7 @@ from recipes.megatron_moe.model import ModelDims  # noqa: E402
 from bench import run_ranks  # noqa: E402  (scripts/ is sys.path[0] when this file runs as a script)
 
 VARIANTS = ("alltoall + sequential", "alltoall + grouped", "route A (CPU sync)", "route A non-expand",
-            "route A sync-free", "route A FP8", "route B", "floor")
+            "route A sync-free", "route A sync-free partial", "route A FP8", "route B", "floor")
 DSV3 = ModelDims(num_layers=1, hidden_size=7168, num_attention_heads=56, num_experts=256, moe_router_topk=8,
                  moe_ffn_hidden_size=2048)
 
@@ -73,9 +76,10 @@ def _layer(variant: str, dims: ModelDims, ep_size: int, seed: int, num_sms: int 
                                                   "alltoall")
     options = None
     if variant.startswith("route A"):
-        options = MoECommConfig(do_expand=variant != "route A non-expand", do_cpu_sync=variant != "route A sync-free",
-                                num_sms=num_sms,
-                                quantize="fp8_block128" if variant == "route A FP8" else None)
+        options = MoECommConfig(do_expand=variant != "route A non-expand",
+                                do_cpu_sync=not variant.startswith("route A sync-free"), num_sms=num_sms,
+                                quantize="fp8_block128" if variant == "route A FP8" else None,
+                                deterministic=not variant.endswith("partial"))
     config = transformer_config(dims, dispatcher, ep_size, torch.bfloat16, gated_linear_unit=True,
                                 activation_func=torch.nn.functional.silu, add_bias_linear=False,
                                 use_cpu_initialization=False)  # billions of expert weights: initialize on the GPU

@@ -40,6 +40,7 @@ BENCH_LINES = {
     "cached dispatch fp8": ("cached FP8 dispatch", dict(color="C2", linestyle="--", marker="s")),
     "cached dispatch bf16 via fp8": ("cached BF16 dispatch, FP8 wire", dict(color="C3", linestyle="--", marker="d")),
     "combine": ("combine", dict(color="C1", linestyle="-", marker="^")),
+    "combine slot order": ("combine, slot order", dict(color="C1", linestyle="--", marker="v")),
 }
 BASELINE_LINES = {
     "dispatch": ("dispatch", dict(color="0.3", linestyle=":", marker="x")),

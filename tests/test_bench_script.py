@@ -108,7 +108,8 @@ def test_plot_results_writes_png(bench_run, tmp_path):
 
 def test_bench_expand_counts_tokens_on_the_wire(tmp_path):
     """`--expand`: the dispatches use the expand layout; its rows outnumber the received tokens, and the wire
-    bandwidth counts tokens (they cross once per rank), the logical one rows."""
+    bandwidth counts tokens (they cross once per rank), the logical one rows; the combine by partial sums and the
+    one in slot order (a deterministic buffer's) both run."""
     out_json = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--backend", "torch", "--tokens", "16", "--hidden",
            "128", "--num-experts", "8", "--num-topk", "4", "--sms", "--iters", "2", "--expand", "--json",
@@ -118,12 +119,14 @@ def test_bench_expand_counts_tokens_on_the_wire(tmp_path):
     record = json.loads(out_json.read_text())
     assert record["config"]["expand"] and "expand layout" in done.stdout
     row = record["per_rank"][0]["rows"][0]
-    # An expand combine sends back a row per (token, local slot): more rows than the dispatch's tokens.
+    # In the slot order an expand combine sends back a row per (token, local slot): more rows than the dispatch's
+    # tokens; by partial sums one per (token, rank), two rows' bytes (FP32) where it sums several slots.
     assert row["recv_rows"] > row["wire_rows"]["dispatch"] > 0
-    assert row["wire_rows"]["combine"] > row["wire_rows"]["dispatch"]
+    assert row["wire_rows"]["combine slot order"] > row["wire_rows"]["dispatch"]
+    assert row["wire_rows"]["dispatch"] < row["wire_rows"]["combine"] <= row["wire_rows"]["combine slot order"]
     ops = {r["op"]: r for r in record["table"]}
     assert ops["cached dispatch"]["logical_gbs"] > ops["cached dispatch"]["wire_gbs"] > 0
-    assert ops["combine"]["wire_gbs"] > 0
+    assert ops["combine"]["wire_gbs"] > 0 and ops["combine slot order"]["wire_gbs"] > 0
 
 
 def test_bench_layer_runs_and_report():
