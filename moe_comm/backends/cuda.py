@@ -612,7 +612,9 @@ class CudaBackend(Backend):
         self._check_num_sms(c.num_sms)
         data_bytes = c.x.shape[1] * c.x.element_size()
         wb = 0 if c.topk_weights is None else c.topk_weights.element_size()
-        if c.partial:
+        # One rank: its partial sum is the whole sum in the slot order, which the plain kernel adds as fast as it can.
+        partial = c.partial and R > 1
+        if partial:
             # A token's row per peer: the partial sum in the accumulation precision (or the one row as it is), with
             # the weights of all its slots, as a non-expand row carries them. Always fits: the region holds two
             # dispatch rows (data, K weights and more) per (rank, token), so one round.
@@ -622,7 +624,7 @@ class CudaBackend(Backend):
             row = lay.combine_row(data_bytes, 1 if handle.do_expand else K, wb)
         peers = R - 1  # the combine region's blocks: our own rows are read from x
         num_slots = 1
-        if handle.do_expand and not c.partial:
+        if handle.do_expand and not partial:
             # As many slots per round as the region holds (one rank needs no region: one round); each round adds
             # its slots in ascending order.
             fit = self.region_bytes // (peers * cap * row.stride) if peers and cap else K
@@ -639,9 +641,9 @@ class CudaBackend(Backend):
             psum_rank=handle.psum_num_recv_tokens_per_rank.data_ptr(), expand_row=layout.pointer("expand_row"),
             send_pos=layout.pointer("send_pos"), clean_idx=layout.pointer("clean_idx"), hidden=c.x.shape[1],
             num_x_rows=c.x.shape[0], do_expand=int(handle.do_expand), num_slots=num_slots, slot_begin=0,
-            slot_end=K if c.partial else min(K, num_slots), first_round=1,
-            last_round=int(num_slots >= K or not handle.do_expand or c.partial), partial=int(c.partial))
-        num_rounds = -(-K // num_slots) if handle.do_expand and not c.partial else 1
+            slot_end=K if partial else min(K, num_slots), first_round=1,
+            last_round=int(num_slots >= K or not handle.do_expand or partial), partial=int(partial))
+        num_rounds = -(-K // num_slots) if handle.do_expand and not partial else 1
         return _Plan((params, args), num_slots=num_slots, num_rounds=num_rounds, combine_dtype=DTYPE_CODES[c.x.dtype])
 
 

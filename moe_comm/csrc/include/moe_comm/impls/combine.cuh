@@ -252,10 +252,12 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                 const unsigned slots = __ballot_sync(0xffffffffu, d == q);
                 if (slots == 0) continue;
                 if (q == p.rank) {
+                    // First among the ranks, our rows may go straight into acc: 0 + (0 + a + b) == (0 + a) + b.
+                    const uintptr_t flag = num_rows ? kOwnRun : 0;
                     for (unsigned rest = slots; rest != 0; rest &= rest - 1) {
                         const int64_t x_row = own_x_row(pos[q], __ffs(rest) - 1);
                         if (x_row < 0) continue;
-                        if (lane == 0) rows[num_rows] = a.x + x_row * p.data_bytes + kOwnRun;
+                        if (lane == 0) rows[num_rows] = a.x + x_row * p.data_bytes + flag;
                         ++num_rows;
                     }
                 } else {
