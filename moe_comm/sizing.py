@@ -750,7 +750,9 @@ def get_buffer_size_hint(
 
     What the layout holds (`moe_comm.layout`): the control region (`BUFFER_CONTROL_BYTES`), then a receive region
     of two rows per (rank, token): a dispatch fills one (a block of `num_max_tokens_per_rank` rows per source rank);
-    an expand combine returns a token's rows, one per slot, into a block per peer (a rank's own rows stay in its x),
+    an expand combine with partial sums (the Buffer's default) returns one row per (token, peer), an FP32 sum with
+    the token's weights, which the two rows always hold; in DESIGN 2.2's slot order (`deterministic=True`) it
+    returns a token's rows, one per slot, into a block per peer (a rank's own rows stay in its x),
     in rounds of as many slots as the region holds, so the second row at least halves its rounds (each round is a
     kernel with its barrier, and the FP32 accumulator of every token goes through memory between rounds): with
     DeepSeek-V3's rows, 4 slots per round at EP2 (top-8: 2 rounds), 3 at EP3, 2 from EP4 on (4 rounds). A row is

@@ -38,9 +38,12 @@ class MoECommConfig:
         num_max_tokens_per_rank: the most tokens any rank dispatches in one call. None: the maximum over the
             ranks of the first call's token count (one small all-reduce when the buffer is created).
         deterministic: fixed receive and reduction order (DESIGN 2.1/2.2); required for bitwise parity with
-            Megatron's alltoall dispatcher. (The non-expand layout's own sum of each received row's local
-            experts, `combine_preprocess`, is deterministic whatever this says: fp32 (fp64 for float64 rows),
-            experts ascending.)
+            Megatron's alltoall dispatcher. False: with the expand layout each combine (and each dispatch's
+            backward) adds a token's rows per rank before they travel (`Buffer(allow_multiple_reduction=True)`: one
+            FP32 row per (token, rank) instead of one row per slot, half the bytes at EP2 with top-8, one kernel),
+            within float32 rounding of that order and still the same from run to run. (The non-expand layout's own
+            sum of each received row's local experts, `combine_preprocess`, is deterministic whatever this says:
+            fp32 (fp64 for float64 rows), experts ascending.)
         num_cpu_timeout_secs: how long a host wait for a peer may block before raising.
         sl_idx: `Buffer(sl_idx=...)`: the InfiniBand service level (0 to 15) the traffic between hosts must
             travel on, checked against NCCL's settings when the buffer is made; None: not checked.
