@@ -136,13 +136,14 @@ class Buffer(PrimitivesMixin):
             only the reference backend can run across hosts.
         allow_multiple_reduction: without `deterministic`, let a combine add a token's rows in groups before they
             travel, in FP32 (FP64 for float64 rows), so the result is within FP32 rounding of DESIGN 2.2's order:
-            an expand combine on the direct path adds the rows of a token's slots on each rank (ascending slot, from
-            zero; one partial sum per (token, rank) goes back, in FP32, or the row itself when the rank holds one
-            slot: half the bytes of a token's bf16 rows once it holds 4 slots, and always one round), then the
-            source adds the partial sums in ascending rank order from zero; this order is fixed, so results are
-            still bitwise the same run to run and on both backends. A hybrid combine adds a token's rows inside
-            each host before they cross (one row per host crosses). With `deterministic=True` or False here, rows
-            travel unreduced and the source adds them in the order of DESIGN 2.2 (bitwise the direct path's).
+            an expand combine on the direct path (top-k at most 32) adds the rows of a token's slots on each rank
+            (ascending slot, from zero; one partial sum per (token, rank) goes back, in FP32, or the row itself when
+            the rank holds one slot: half the bytes of a token's bf16 rows once it holds 4 slots, and always one
+            round), then the source adds the partial sums in ascending rank order from zero; this order is fixed,
+            so results are still bitwise the same run to run and on both backends. A hybrid combine adds a token's
+            rows inside each host before they cross (one row per host crosses). With `deterministic=True` or False
+            here, rows travel unreduced and the source adds them in the order of DESIGN 2.2 (bitwise the direct
+            path's).
         sl_idx: the InfiniBand service level (0 to 15) for the traffic between hosts, as DeepEP V2's; None (the
             default) leaves NCCL's setting alone. moe_comm does not choose it (the reference sends over the caller's
             group; the CUDA hybrid path's subgroups copy that group's traffic class), so on NCCL the buffer checks
@@ -345,6 +346,13 @@ class Buffer(PrimitivesMixin):
         """Whether a combine may add a token's rows in groups before they travel: inside each rank (expand layout,
         direct path) or inside each host (hybrid path)."""
         return self.allow_multiple_reduction and not self.deterministic
+
+    def _expand_partial_sums(self, handle: EPHandle) -> bool:
+        """Whether a combine of `handle`'s dispatch adds a token's rows per rank first (`allow_multiple_reduction`):
+        expand layout, direct path, at most `MAX_ROUND_SLOTS` slots (a warp's lanes hold a token's slots; wider
+        tokens take the slot order, in rounds)."""
+        return (handle.do_expand and not self.is_hybrid and self._partial_sums()
+                and handle.num_topk <= layout.MAX_ROUND_SLOTS)
 
     def _inner_buffer(self, host_group: dist.ProcessGroup, backend: str) -> "Buffer":
         """The scale-up leg of the hybrid path: a direct Buffer on this rank's host, sized for a forwarder's space
@@ -748,7 +756,7 @@ class Buffer(PrimitivesMixin):
                            num_sms=num_sms or handle.num_sms, previous_event=previous_event,
                            async_with_compute_stream=async_with_compute_stream,
                            allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook,
-                           partial=handle.do_expand and not self.is_hybrid and self._partial_sums())
+                           partial=self._expand_partial_sums(handle))
 
     # ------------------------------------------------------------------------------------------------
     # Lifetime

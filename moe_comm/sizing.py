@@ -760,8 +760,9 @@ def get_buffer_size_hint(
     `layout.dispatch_row`: the row data
     (`hidden * elem_size` bytes, or with `use_fp8_dispatch` FP8 data plus one fp32 scale per 128 elements,
     whichever is wider), padded to 16; the metadata (int64 source index, per slot an int32 local expert id, an
-    int32 rank and a weight of up to 8 bytes), padded to 16; a 16-byte tag. A combine row (data and weights) is
-    never wider; an expand combine moves in rounds of as many slots as the region holds.
+    int32 rank and a weight of up to 8 bytes), padded to 16; a 16-byte tag. A combine row of the rows' dtype is
+    never wider; a partial-sum row (FP32 data, K weights) may be, up to twice, which two rows per (rank, token) hold;
+    an expand combine in the slot order moves in rounds of as many slots as the region holds.
 
     Arguments:
         num_ranks: ranks in the expert-parallel group.

@@ -56,24 +56,26 @@ LARGE_CUDA_BUFFER = dict(num_max_tokens_per_rank=4104, hidden=4 * 7168, num_topk
 class Buffers:
     """The buffers one rank function makes, all destroyed when it ends.
 
-    `get(case, backend, **kwargs)`: without extra arguments the CUDA backend's cases share one large buffer (a
-    symmetric-memory rendezvous per case would dominate the run); any other buffer is sized for its case.
+    `get(case, backend, **kwargs)`: without extra arguments (or with `deterministic` alone) the CUDA backend's cases
+    share one large buffer per `deterministic` (a symmetric-memory rendezvous per case would dominate the run); any
+    other buffer is sized for its case.
     `make(**buffer_kwargs)`: a buffer made with exactly these arguments.
     """
 
     def __init__(self) -> None:
         self._made: list[moe_comm.Buffer] = []
-        self._large: Optional[moe_comm.Buffer] = None
+        self._large: dict[bool, moe_comm.Buffer] = {}
 
     def make(self, **buffer_kwargs) -> moe_comm.Buffer:
         self._made.append(moe_comm.Buffer(None, **buffer_kwargs))
         return self._made[-1]
 
     def get(self, case: Case, backend: str = "torch", **kwargs) -> moe_comm.Buffer:
-        if backend == "cuda" and not kwargs:
-            if self._large is None:
-                self._large = self.make(backend="cuda", **LARGE_CUDA_BUFFER)
-            return self._large
+        if backend == "cuda" and set(kwargs) <= {"deterministic"}:
+            det = kwargs.get("deterministic", False)
+            if det not in self._large:
+                self._large[det] = self.make(backend="cuda", deterministic=det, **LARGE_CUDA_BUFFER)
+            return self._large[det]
         hidden = case.hidden * case.torch_dtype.itemsize // 2
         return self.make(num_max_tokens_per_rank=case.num_max_tokens_per_rank, hidden=max(hidden, 8),
                          num_topk=case.num_topk, use_fp8_dispatch=case.hidden % 128 == 0, backend=backend, **kwargs)
@@ -87,10 +89,13 @@ class Buffers:
 
 
 def random_cases_rank(rank: int, world_size: int, cases: list[Case], backend: str, recv_hook: bool = False) -> int:
+    """Each case bitwise against the oracle; every other case on a deterministic buffer (expand combines in DESIGN
+    2.2's slot order, else by partial sums per rank)."""
     with Buffers() as buffers:
         for i, case in enumerate(cases):
             try:
-                buf = buffers.get(case, backend, use_recv_hook=True) if recv_hook else buffers.get(case, backend)
+                kwargs = {"use_recv_hook": True} if recv_hook else {}
+                buf = buffers.get(case, backend, **kwargs, **({"deterministic": True} if i % 2 else {}))
                 check_case(buf, case, rank, recv_hook=recv_hook)
             except AssertionError as exc:
                 raise AssertionError(f"case {i}: {case}\n{exc}") from exc
@@ -510,8 +515,23 @@ def large_shapes_rank(rank: int, world_size: int) -> int:
     return random_cases_rank(rank, world_size, cases, "cuda")
 
 
+def wide_topk_rank(rank: int, world_size: int) -> bool:
+    """Top-40 in the expand layout: more slots than a warp's lanes, so no partial sums even on a buffer that allows
+    them (the slot order, in rounds), bitwise the oracle on both backends."""
+    case = Case(seed=204, num_ranks=WORLD_SIZE, num_experts=64, num_topk=40, hidden=256, num_tokens=per_rank(96, 70),
+                num_max_tokens_per_rank=96, do_expand=True)
+    with Buffers() as buffers:
+        for backend in BACKENDS:
+            buf = buffers.get(case, backend, num_gpu_timeout_secs=100)
+            check_case(buf, case, rank)
+            handle = buf.dispatch(*rank_inputs(case, rank, buf.device), num_experts=64, do_expand=True)[3]
+            assert buf._partial_sums() and not buf._expand_partial_sums(handle)
+    return True
+
+
 def test_cuda_large_shapes(nccl_pool):
     assert nccl_pool.run(large_shapes_rank) == [3] * WORLD_SIZE
+    assert nccl_pool.run(wide_topk_rank) == [True] * WORLD_SIZE
 
 
 def layout_rank(rank: int, world_size: int, cases: list[Case]) -> int:

@@ -9,7 +9,7 @@ import pytest
 
 import moe_comm
 from moe_comm.testing.checks import check_case
-from moe_comm.testing.routing import Case, draw_cases
+from moe_comm.testing.routing import Case, draw_cases, rank_inputs
 
 # Cases per world size: enough to cover every switch many times, inside the CPU tier's time budget.
 NUM_CASES = {1: 12, 2: 40, 3: 20, 4: 20}
@@ -46,6 +46,21 @@ def test_random_cases(pools, seed, world_size):
         assert {getattr(c, name) for c in cases} == {True, False}, name
     assert any(0 in c.num_tokens for c in cases) or world_size == 1 or NUM_CASES[world_size] < 20
     print(f"{world_size} ranks: {len(cases)} cases in {time.monotonic() - start:.1f} s")
+
+
+def wide_topk_rank(rank: int, world_size: int) -> bool:
+    case = Case(seed=5, num_ranks=world_size, num_experts=64, num_topk=40, hidden=64, num_tokens=(12, 9),
+                num_max_tokens_per_rank=12, do_expand=True)
+    buf = make_buffer(case)
+    check_case(buf, case, rank)
+    handle = buf.dispatch(*rank_inputs(case, rank), num_experts=64, do_expand=True)[3]
+    return buf._partial_sums() and not buf._expand_partial_sums(handle)
+
+
+def test_wide_topk_keeps_the_slot_order(pools):
+    """Top-40 in the expand layout: more slots than the CUDA reducer's lanes, so no partial sums on either backend
+    (the oracle follows the buffer), even where the buffer allows them."""
+    assert pools(2).run(wide_topk_rank) == [True, True]
 
 
 def test_eight_ranks(seed):

@@ -63,7 +63,8 @@ def make(case: Case, **kwargs) -> moe_comm.Buffer:
 
 def cases_rank(rank: int, world_size: int, cases: list[Case], recv_hook: bool) -> int:
     for i, case in enumerate(cases):
-        buf = make(case, use_recv_hook=recv_hook)
+        # Every other case deterministic: expand combines in the slot order, else by partial sums per rank.
+        buf = make(case, use_recv_hook=recv_hook, deterministic=i % 2 == 1)
         try:
             assert buf._impl.name == "cuda" and buf._impl._ipc is not None
             check_case(buf, case, rank, recv_hook=recv_hook)
@@ -249,6 +250,7 @@ GPU_TIER = {
     "receive hook": ("recv_hook_cuda_rank", ()),
     "expand combine in rounds": ("rounds_rank", (_EXPAND_ROUNDS,)),
     "large shapes": ("large_shapes_rank", ()),
+    "top-40 expand": ("wide_topk_rank", ()),
     "sizes disagree": ("disagreement_rank", ()),
     "partial sums disagree": ("partial_sums_rank", ()),
     "bad routing": ("bad_routing_rank", ()),

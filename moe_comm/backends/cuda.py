@@ -628,7 +628,9 @@ class CudaBackend(Backend):
             # As many slots per round as the region holds (one rank needs no region: one round); each round adds
             # its slots in ascending order.
             fit = self.region_bytes // (peers * cap * row.stride) if peers and cap else K
-            num_slots = min(K, lay.MAX_ROUND_SLOTS, fit, self.tuning.max_round_slots or K)
+            # (One rank asked for partial sums gets them in one round: fit is K there, and K <= MAX_ROUND_SLOTS.)
+            cap_slots = K if c.partial else self.tuning.max_round_slots or K
+            num_slots = min(K, lay.MAX_ROUND_SLOTS, fit, cap_slots)
             if num_slots == 0:
                 raise ValueError(f"combine rows of {row.stride} bytes do not fit the receive region "
                                  f"({self.region_bytes} bytes for {peers} peers x {cap} tokens)")

@@ -52,11 +52,6 @@ def _received(outputs: tuple, recv_hook: bool) -> tuple:
     return tuple(outputs)
 
 
-def expand_partial_sums(buffer, case: Case) -> bool:
-    """Whether `buffer` combines `case` with partial sums per rank (`Buffer(allow_multiple_reduction=...)`)."""
-    return case.do_expand and not buffer.is_hybrid and buffer._partial_sums()
-
-
 def check_case(buffer, case: Case, rank: int, check_cached: bool = True, recv_hook: bool = False) -> dict:
     """Run and verify one case on this rank; returns a few counts for the caller's summary."""
     dev = buffer.device
@@ -110,7 +105,7 @@ def check_case(buffer, case: Case, rank: int, check_cached: bool = True, recv_ho
     bias = rank_bias(case, rank, dev)
     combined, combined_w, _ = _received(buffer.combine(y, handle, topk_weights=combine_w, bias=bias or None, **hook),
                                         recv_hook)
-    exp_combined, exp_combined_w = expected_combine(case, rank, partial=expand_partial_sums(buffer, case))
+    exp_combined, exp_combined_w = expected_combine(case, rank, partial=buffer._expand_partial_sums(handle))
     assert_same("combined_x", combined, exp_combined)
     assert_same("combined_topk_weights", combined_w, exp_combined_w)
 
