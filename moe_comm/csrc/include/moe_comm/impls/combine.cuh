@@ -95,6 +95,13 @@ __device__ __forceinline__ void add_acc_row(typename AccOf<T>::type (&acc)[kRedu
     }
 }
 
+// The tag of a partial-sum row says its format (bit 47 of the sequence number, never reached, set for an Acc sum):
+// a reducer that counted another number of slots than the sender waits for a tag that never comes (a timeout naming
+// the peer) instead of reading the row as the wrong type.
+__device__ __forceinline__ int64_t partial_tag(int64_t tag, int num_slots) {
+    return num_slots > 1 ? tag ^ (int64_t(1) << 47) : tag;
+}
+
 // Partial-sum sender (`a.partial`): item k is received row m (as combine_send_rows walks them); lane j < K holds the
 // x row of slot j here (-1: none).
 template <typename T>
@@ -150,7 +157,7 @@ __device__ void combine_send_partials(const EpParams& p, const CombineArgs& a, i
             }
         }
         __syncwarp();  // every lane's stores above happen before the release below
-        if (lane == 0) st_release_sys(row_tag_ptr(dst, p), tag);
+        if (lane == 0) st_release_sys(row_tag_ptr(dst, p), partial_tag(tag, __popc(present)));
     }
 }
 
@@ -242,6 +249,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
         // kOwnRun one of our own slots' rows that partial sums add up first). A peer's row is in the region behind
         // its tag, which the lane of that rank (non-partial: of that candidate) waits for; our own is a row of x.
         uint8_t* region_row = nullptr;
+        int64_t row_tag_expected = tag;
         int peer = -1;
         unsigned present = 0;
         int num_rows = 0;
@@ -266,6 +274,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
                         peer = q;
                         region_row = region + block_row * p.row_stride;
                         rows[num_rows] = region_row + (__popc(slots) > 1 ? kAccRow : 0);
+                        row_tag_expected = partial_tag(tag, __popc(slots));
                     }
                     ++num_rows;
                 }
@@ -293,7 +302,7 @@ __device__ void combine_reduce_rows(const EpParams& p, const CombineArgs& a, int
             if (row != nullptr) rows[__popc(present & ((1u << lane) - 1))] = row;
         }
         if (region_row != nullptr && !*reinterpret_cast<volatile int*>(&timed_out) &&
-            !wait_flag_equal(row_tag_ptr(region_row, p), tag, p, p.phase, peer))
+            !wait_flag_equal(row_tag_ptr(region_row, p), row_tag_expected, p, p.phase, peer))
             timed_out = 1;
         __syncwarp();
         if (a.terms != nullptr) {
