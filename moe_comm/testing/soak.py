@@ -1,6 +1,6 @@
 """Soak: many iterations of random routing over every dispatch and combine path of one long-lived Buffer, each
 result checked against a closed form, with host RSS and CUDA memory read before and after each path. (Over 400
-lines: seven paths, each with its closed form written out next to the call it checks.)
+lines: eight paths, each with its closed form written out next to the call it checks.)
 
 Rows encode where they come from. Token t of rank s is `encode_rows(case, s, t)`: channel 0 holds s (so s < 16),
 channels 1-3 hold t in base 16 (so t < 4096), every other channel `(k - 15) / 8` for a k in [0, 31) fixed by the
@@ -23,6 +23,8 @@ Paths (`PATHS`), each a loop over the same drawn cases on one Buffer per rank:
     fp8_block128      `quantize="fp8_block128"` (`dequantize` per case), then a cached dispatch of a pre-quantized
     mxfp8             tuple; likewise with `quantize="mxfp8"`
     combine           `combine` with `topk_weights` and zero, one or two biases, after a dispatch of either layout
+    combine partial   the same in the expand layout on a second Buffer without `deterministic`: its combine adds a
+                      token's rows per rank first (partial sums; the closed form holds in any order of the terms)
 
 Cases are drawn in the parent (`draw_soak_cases`) and sent to the ranks: every rank runs the same case. A rank
 counts a wrong iteration and keeps going; an exception ends the run (the launcher reports its traceback).
@@ -48,7 +50,7 @@ from .memory import host_rss_bytes
 from .routing import DTYPES, Case, rank_bias, rank_inputs
 from .shared_gpu import every_buffer_over_ipc
 
-PATHS = ("dispatch", "dispatch no-sync", "expand", "cached", "fp8_block128", "mxfp8", "combine")
+PATHS = ("dispatch", "dispatch no-sync", "expand", "cached", "fp8_block128", "mxfp8", "combine", "combine partial")
 MAX_RANKS = 16      # channel 0 holds the source rank
 MAX_TOKENS = 4095   # channels 1-3 hold the token index in base 16
 MAX_TOPK = 8        # keeps x * F within 4 + 4 significant bits (exact in bf16)
@@ -418,10 +420,10 @@ def _path_fp8(it: _Iteration, fmt: str) -> None:
                salt=1, fp8=fmt, dequantize=c.dequantize)
 
 
-def _path_combine(it: _Iteration) -> None:
+def _path_combine(it: _Iteration, do_expand: bool) -> None:
     c, dev = it.case, it.buf.device
-    recv_x, _, recv_w, handle = it.dispatch(it.x(c.hidden, c.torch_dtype), c.do_expand, c.do_cpu_sync)
-    y = expert_rows(c, it.expected, it.rank, recv_x, c.do_expand, c.torch_dtype)
+    recv_x, _, recv_w, handle = it.dispatch(it.x(c.hidden, c.torch_dtype), do_expand, c.do_cpu_sync)
+    y = expert_rows(c, it.expected, it.rank, recv_x, do_expand, c.torch_dtype)
     bias = tuple(b.to(dev) for b in rank_bias(c, it.rank))
     combined, combined_w, _ = it.buf.combine(y, handle, topk_weights=None if recv_w is None else recv_w * 2,
                                              bias=bias or None)
@@ -440,7 +442,8 @@ _PATH_FNS: dict[str, Callable[[_Iteration], None]] = {
     "cached": _path_cached,
     "fp8_block128": lambda it: _path_fp8(it, "fp8_block128"),
     "mxfp8": lambda it: _path_fp8(it, "mxfp8"),
-    "combine": _path_combine,
+    "combine": lambda it: _path_combine(it, it.case.do_expand),
+    "combine partial": lambda it: _path_combine(it, True),
 }
 
 
@@ -486,21 +489,26 @@ def _record(result: dict, label: str, case: SoakCase, rank: int, failures: list[
 
 def soak_rank(rank: int, world_size: int, cases: list[SoakCase], warmup: Optional[SoakCase],
               config: SoakConfig) -> dict:
-    """Every path of `config` over `cases` on one Buffer (the `WorkerPool` function).
+    """Every path of `config` over `cases` on one Buffer, "combine partial" on a second (the `WorkerPool` function).
 
     Returns `{"backend": ..., "paths": {path: result}}`, a result holding `iterations`, `wrong` (iterations with
     a failed comparison), `first_wrong` (its message), `seconds` (wall time of the iterations, checks included),
     `rss_start`/`rss_end` and `cuda_start`/`cuda_end` (bytes, after the warm-up iteration and after the last;
     CUDA None on the CPU). The warm-up iteration is checked too (a wrong one counts) but not timed.
     """
-    with every_buffer_over_ipc() if config.share_gpu else contextlib.nullcontext():
-        buf = moe_comm.Buffer(None, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
-                              hidden=config.buffer_hidden, num_topk=config.max_topk, use_fp8_dispatch=True,
-                              backend=config.backend, deterministic=True,
-                              num_cpu_timeout_secs=config.num_cpu_timeout_secs)
-    results = {path: _soak_path(buf, path, cases, warmup, rank) for path in config.paths}
-    backend = buf.backend
-    buf.destroy()
+    def make(deterministic: bool) -> moe_comm.Buffer:
+        with every_buffer_over_ipc() if config.share_gpu else contextlib.nullcontext():
+            return moe_comm.Buffer(None, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+                                   hidden=config.buffer_hidden, num_topk=config.max_topk, use_fp8_dispatch=True,
+                                   backend=config.backend, deterministic=deterministic,
+                                   num_cpu_timeout_secs=config.num_cpu_timeout_secs)
+
+    # "combine partial" on a buffer of its own (partial sums), every other path on the deterministic one.
+    bufs = {partial: make(not partial) for partial in {path == "combine partial" for path in config.paths}}
+    results = {path: _soak_path(bufs[path == "combine partial"], path, cases, warmup, rank) for path in config.paths}
+    backend = next(iter(bufs.values())).backend
+    for buf in bufs.values():
+        buf.destroy()
     return {"backend": backend, "paths": results}
 
 
