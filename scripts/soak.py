@@ -5,7 +5,8 @@ Spawns `--num-ranks` ranks (NCCL with one GPU each when the machine has that man
 `--share-gpu`, gloo with every rank on GPU 0, the CUDA backend's peers mapped with CUDA IPC: its peer paths without a
 second GPU, `moe_comm.testing.shared_gpu`), draws
 the cases in this process from `--seed` and sends them to the ranks, so every rank runs the same case. Each path
-runs one warm-up iteration of the largest case, then every drawn case, on one Buffer per rank. Prints a table
+runs a warm-up iteration of the largest case in each row dtype (the kernels of each are loaded at their first
+launch), then every drawn case, on one Buffer per rank ("combine partial" on a second one). Prints a table
 per path (iterations, wrong iterations summed over ranks with the first example, wall time of the slowest rank,
 memory from after the warm-up to the end); `--json F` also writes it with the run's commit and versions.
 
@@ -30,7 +31,7 @@ import torch
 from moe_comm.testing import RankFailure, WorkerPool
 from moe_comm.testing.bench import run_metadata
 from moe_comm.testing.soak import (MAX_TOKENS, MAX_TOPK, PATHS, SoakConfig, draw_soak_cases, format_summary,
-                                   largest_case, soak_rank, summarize)
+                                   soak_rank, summarize, warmup_cases)
 
 
 def main() -> int:
@@ -71,7 +72,7 @@ def main() -> int:
         parser.error(str(exc))
     config = SoakConfig(backend=args.backend, num_max_tokens_per_rank=args.max_tokens, max_hidden=args.hidden,
                         max_topk=args.max_topk, paths=tuple(args.paths), share_gpu=args.share_gpu)
-    warmup = largest_case(config, args.num_ranks, args.max_experts)
+    warmups = warmup_cases(config, args.num_ranks, args.max_experts)
 
     meta = run_metadata(sys.argv)
     sharing = " sharing GPU 0" if args.share_gpu else ""
@@ -82,7 +83,7 @@ def main() -> int:
     start = time.monotonic()
     pool = WorkerPool(args.num_ranks, backend=pg_backend, timeout_s=args.timeout_s)
     try:
-        per_rank = pool.run(soak_rank, cases, warmup, config)
+        per_rank = pool.run(soak_rank, cases, warmups, config)
     except RankFailure as exc:
         print(f"FAILED: a rank raised, died or timed out:\n{exc}")
         return 2

@@ -20,7 +20,7 @@ from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import check_case
 from moe_comm.testing.disagreement import run_probes
 from moe_comm.testing.shared_gpu import every_buffer_over_ipc, on_gpu0
-from moe_comm.testing.soak import SoakConfig, draw_soak_cases, largest_case, soak_rank, summarize
+from moe_comm.testing.soak import SoakConfig, draw_soak_cases, soak_rank, summarize, warmup_cases
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")]
@@ -88,7 +88,7 @@ def test_soak_sharing_the_gpu(pool, seed):
     no wrong result, no CUDA memory growth (host RSS is not checked here: the pool's processes ran other tests)."""
     cases = draw_soak_cases(seed * 10 + 207, 12, 2, max_tokens=24, max_hidden=136, max_experts=12)
     config = SoakConfig(backend="cuda", num_max_tokens_per_rank=24, max_hidden=136, share_gpu=True)
-    per_rank = pool.run(soak_rank, cases, largest_case(config, 2, 12), config)
+    per_rank = pool.run(soak_rank, cases, warmup_cases(config, 2, 12), config)
     summary = summarize(per_rank, rss_tolerance=2**40, cuda_tolerance=0)
     assert summary["backend"] == "cuda" and all(e["iterations"] == len(cases) for e in summary["paths"].values())
     assert summary["ok"], "\n".join(summary["problems"])

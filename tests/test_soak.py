@@ -22,7 +22,7 @@ CONFIG = SoakConfig(num_max_tokens_per_rank=24, max_hidden=136)
 def test_soak_has_no_wrong_result(pools, seed, world_size):
     cases = draw_soak_cases(seed * 10 + world_size, NUM_ITERS[world_size], world_size, max_tokens=24, max_hidden=136,
                             max_experts=12)
-    per_rank = pools(world_size).run(soak_rank, cases, None, CONFIG)
+    per_rank = pools(world_size).run(soak_rank, cases, [], CONFIG)
     summary = summarize(per_rank, rss_tolerance=2**40, cuda_tolerance=2**40)
     print(format_summary(summary))
     assert list(summary["paths"]) == list(PATHS)

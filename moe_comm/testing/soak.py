@@ -118,15 +118,18 @@ def draw_soak_cases(seed: int, count: int, num_ranks: int, max_tokens: int = 64,
     return cases
 
 
-def largest_case(config: SoakConfig, num_ranks: int, max_experts: int) -> SoakCase:
-    """The warm-up case: every size at its maximum, so the memory read after it is the steady state."""
+def warmup_cases(config: SoakConfig, num_ranks: int, max_experts: int) -> list[SoakCase]:
+    """The warm-up cases: every size at its maximum, once per row dtype (each dtype has kernels of its own, which the
+    CUDA driver loads at their first launch: ~17 MiB of host memory for the combine's, measured on one H200), so
+    the memory read after them is the steady state."""
     num_experts = max(1, max_experts // num_ranks) * num_ranks
     hidden = max(h for h in HIDDEN_CHOICES if h <= config.max_hidden)
-    return SoakCase(seed=1, num_ranks=num_ranks, num_experts=num_experts,
-                    num_topk=min(config.max_topk, num_experts), hidden=hidden,
-                    num_tokens=(config.num_max_tokens_per_rank,) * num_ranks,
-                    num_max_tokens_per_rank=config.num_max_tokens_per_rank, dtype="float64", drop_prob=0.0,
-                    do_expand=True, expert_alignment=16, do_cpu_sync=False, num_bias=2, dequantize=True)
+    return [SoakCase(seed=1, num_ranks=num_ranks, num_experts=num_experts,
+                     num_topk=min(config.max_topk, num_experts), hidden=hidden,
+                     num_tokens=(config.num_max_tokens_per_rank,) * num_ranks,
+                     num_max_tokens_per_rank=config.num_max_tokens_per_rank, dtype=dtype, drop_prob=0.0,
+                     do_expand=True, expert_alignment=16, do_cpu_sync=False, num_bias=2, dequantize=True)
+            for dtype in ("float64", "float32", "bfloat16")]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -487,14 +490,15 @@ def _record(result: dict, label: str, case: SoakCase, rank: int, failures: list[
         result["first_wrong"] = f"{label} on rank {rank}, {case}: {failures[0]}{more}"
 
 
-def soak_rank(rank: int, world_size: int, cases: list[SoakCase], warmup: Optional[SoakCase],
+def soak_rank(rank: int, world_size: int, cases: list[SoakCase], warmups: list[SoakCase],
               config: SoakConfig) -> dict:
     """Every path of `config` over `cases` on one Buffer, "combine partial" on a second (the `WorkerPool` function).
 
     Returns `{"backend": ..., "paths": {path: result}}`, a result holding `iterations`, `wrong` (iterations with
     a failed comparison), `first_wrong` (its message), `seconds` (wall time of the iterations, checks included),
-    `rss_start`/`rss_end` and `cuda_start`/`cuda_end` (bytes, after the warm-up iteration and after the last;
-    CUDA None on the CPU). The warm-up iteration is checked too (a wrong one counts) but not timed.
+    `rss_start`/`rss_end` and `cuda_start`/`cuda_end` (bytes, after the warm-up iterations and after the last;
+    CUDA None on the CPU). The warm-up iterations (`warmups`, e.g. `warmup_cases`) are checked too (a wrong one
+    counts) but not timed.
     """
     def make(deterministic: bool) -> moe_comm.Buffer:
         with every_buffer_over_ipc() if config.share_gpu else contextlib.nullcontext():
@@ -505,17 +509,17 @@ def soak_rank(rank: int, world_size: int, cases: list[SoakCase], warmup: Optiona
 
     # "combine partial" on a buffer of its own (partial sums), every other path on the deterministic one.
     bufs = {partial: make(not partial) for partial in {path == "combine partial" for path in config.paths}}
-    results = {path: _soak_path(bufs[path == "combine partial"], path, cases, warmup, rank) for path in config.paths}
+    results = {path: _soak_path(bufs[path == "combine partial"], path, cases, warmups, rank) for path in config.paths}
     backend = next(iter(bufs.values())).backend
     for buf in bufs.values():
         buf.destroy()
     return {"backend": backend, "paths": results}
 
 
-def _soak_path(buf: moe_comm.Buffer, path: str, cases: list[SoakCase], warmup: Optional[SoakCase],
+def _soak_path(buf: moe_comm.Buffer, path: str, cases: list[SoakCase], warmups: list[SoakCase],
                rank: int) -> dict:
     r = {"iterations": 0, "wrong": 0, "first_wrong": None, "seconds": 0.0}
-    if warmup is not None:
+    for warmup in warmups:
         _record(r, "warm-up", warmup, rank, run_path(buf, path, warmup, rank))
     r["rss_start"], r["cuda_start"] = memory_now(buf.device)
     for i, case in enumerate(cases):
@@ -579,7 +583,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PATHS", "SoakCase", "SoakConfig", "draw_soak_cases", "largest_case", "encode_rows", "decode_row",
+__all__ = ["PATHS", "SoakCase", "SoakConfig", "draw_soak_cases", "warmup_cases", "encode_rows", "decode_row",
            "own_rows", "expert_factor", "Expected", "expected_receive", "expected_fp8", "expert_rows",
            "expected_combine", "Checks", "check_rows", "check_layout", "run_path", "soak_rank", "summarize",
            "format_summary", "memory_now"]
