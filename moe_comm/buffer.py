@@ -95,7 +95,7 @@ class CombineCall:
     unreduced: bool = False
     return_recv_hook: bool = False
     # Expand layout: each rank first adds the rows of a token's slots it holds (one partial sum per (token, rank)
-    # goes back), then the source adds the partial sums in ascending rank order (`Buffer._partial_sums`).
+    # goes back), then the source adds the partial sums in ascending rank order (`Buffer._expand_partial_sums`).
     partial: bool = False
 
     def signature(self) -> list[int]:

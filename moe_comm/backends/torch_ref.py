@@ -570,8 +570,8 @@ class TorchRefBackend(Backend):
             # DESIGN 2.2 order: one term per valid slot, ascending slot.
             outputs, finalize = self._combine_outputs(c, codec, recv, lay.slot_return_pos_NK, None)
         else:
-            # DESIGN 2.2 order: one term per destination rank, ascending rank (with partial sums, each the sum of
-            # the token's slots on that rank).
+            # One term per destination rank, ascending rank: DESIGN 2.2's non-expand order, and with partial sums
+            # each term is the sum of the token's slots on that rank.
             offsets = _block_starts(recv_splits, self.device)
             rows_NR = torch.where(lay.send_pos_NR >= 0, offsets[None, :] + lay.send_pos_NR, -1)
             dest_NK = torch.where(handle.topk_idx >= 0, handle.topk_idx // (handle.num_experts // self.num_ranks), -1)
