@@ -6,7 +6,8 @@
 #                                   host extension + FP8 casts on CUDA (~5 min; one GPU: one rank, the peer tests
 #                                   skip; the shared-GPU and hybrid tests run 2 ranks sharing it)
 #   scripts/gpu_check.sh bench      scripts/bench.py with DESIGN 7's sizes on the CUDA backend, then the same with the
-#                                   expand layout (--expand: the MoE layer's dispatches), then (2+ GPUs) the hybrid
+#                                   expand layout (--expand: the MoE layer's dispatches; its combine by partial sums
+#                                   beside the slot order's), then (2+ GPUs) the hybrid
 #                                   path as hosts of one GPU (--ranks-per-host 1: its overhead) (~4 min)
 #   scripts/gpu_check.sh overlap    scripts/bench_overlap.py (a GEMM beside dispatch/combine: async, receive hook, NCCL;
 #                                   both layouts) and scripts/bench_primitives.py (pipeline, all_gather,
@@ -20,6 +21,7 @@
 #                                   --python-version 3.12 -d .whl)
 #   scripts/gpu_check.sh layer      scripts/bench_layer.py: one DeepSeek-V3-shaped MoE layer with every dispatcher
 #                                   against its compute-only floor, route A at the model's SM count, 66 and 132
+#                                   (sync-free in the slot order and by partial sums)
 #                                   (.whl as above); one GPU: EP1, then every variant at EP2 with 2 ranks sharing
 #                                   it (--share-gpu, 1024 tokens: a check of the code, no timings)
 #   scripts/gpu_check.sh recipe     the recipe (2 GPUs): `small` 50 steps bf16 with alltoall and moe_comm, `small` 50
