@@ -4,15 +4,13 @@
 
 using namespace moe_comm;
 
-// combine_impl<T, partial> for the dtype code (kDtypeBfloat16, kDtypeFloat32, else float64).
-template <typename Bf16, typename F32, typename F64>
-static void launch_combine(int dtype, bool partial, int num_blocks, cudaStream_t stream, const EpParams& p,
-                           const CombineArgs& a) {
-    auto go = [&](auto kernel) { kernel<<<num_blocks, kThreadsPerBlock, 0, stream>>>(p, a); };
-    switch (dtype) {
-        case kDtypeBfloat16: partial ? go(combine_impl<Bf16, true>) : go(combine_impl<Bf16, false>); break;
-        case kDtypeFloat32: partial ? go(combine_impl<F32, true>) : go(combine_impl<F32, false>); break;
-        default: partial ? go(combine_impl<F64, true>) : go(combine_impl<F64, false>); break;
+// combine_impl<T, partial> on `stream`.
+template <typename T>
+static void launch_combine(bool partial, int num_blocks, cudaStream_t stream, const EpParams& p, const CombineArgs& a) {
+    if (partial) {
+        combine_impl<T, true><<<num_blocks, kThreadsPerBlock, 0, stream>>>(p, a);
+    } else {
+        combine_impl<T, false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(p, a);
     }
 }
 
@@ -41,7 +39,12 @@ extern "C" int moe_comm_combine(const EpParams* p, const CombineArgs* a, int dty
     EpParams q = *p;
     q.num_send_blocks = part == kPartSend ? num_blocks : part == kPartReceive ? 0 : p->num_send_blocks;
     q.with_barrier = part == kPartReceive ? 0 : 1;
-    launch_combine<__nv_bfloat16, float, double>(dtype, a->partial != 0, num_blocks, stream, q, *a);
+    const bool partial = a->partial != 0;
+    switch (dtype) {
+        case kDtypeBfloat16: launch_combine<__nv_bfloat16>(partial, num_blocks, stream, q, *a); break;
+        case kDtypeFloat32: launch_combine<float>(partial, num_blocks, stream, q, *a); break;
+        default: launch_combine<double>(partial, num_blocks, stream, q, *a); break;
+    }
     return launch_result("combine_impl", num_blocks, kThreadsPerBlock, 0);
 }
 
