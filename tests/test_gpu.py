@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm import autograd as moe_autograd
-from moe_comm import env
+from moe_comm import env, traffic_class
 from moe_comm.backends.cuda import CudaTuning
 from moe_comm.event import EventOverlap
 from moe_comm.testing import WorkerPool
@@ -830,3 +830,27 @@ def test_cuda_buffers_give_back_memory(nccl_pool):
         where = f"rank {rank}: growth {growth}, limits {limits}, {r}"
         assert r["alive"] == 0 and not r["unraisable"], where
         assert all(growth[key] <= limits[key] for key in limits), where
+
+
+def nccl_traffic_class_rank(rank: int, world_size: int) -> list:
+    """The traffic class read back from this PyTorch's NCCL groups: the default group, a group made with a class,
+    a group made without options after it, and one made with `subgroup_options` of the classed group."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.traffic_class = 3
+    ranks = list(range(world_size))
+    classed = dist.new_group(ranks, pg_options=options)
+    groups = [dist.group.WORLD, classed, dist.new_group(ranks),
+              dist.new_group(ranks, pg_options=traffic_class.subgroup_options(classed, dev))]
+    classes = [traffic_class.group_traffic_class(g, dev) for g in groups]
+    for g in groups[1:]:
+        dist.destroy_process_group(g)
+    return classes
+
+
+def test_nccl_traffic_class_is_read_and_not_inherited(nccl_pool):
+    """What README's "Traffic class" says of this PyTorch (2.11, NCCL 2.28) and `moe_comm.traffic_class` relies on:
+    an NCCL group's class reads NCCL_CONFIG_UNDEF_INT when unset, a group made without options does not take
+    another group's class, and `subgroup_options` carries it over."""
+    unset = traffic_class.NCCL_CONFIG_UNDEF_INT
+    assert nccl_pool.run(nccl_traffic_class_rank) == [[unset, 3, unset, 3]] * WORLD_SIZE
