@@ -25,9 +25,16 @@ from typing import Any, Optional
 
 import torch
 
+from .buffer import Buffer
 from .handle import EPHandle
 
 _NO_AUTOGRAD_ARGS = ("topk_weights",)
+
+
+def _check_buffer(buffer, what: str) -> None:
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"moe_comm.autograd.{what} takes the moe_comm.Buffer first, got {type(buffer).__name__} "
+                        f"(call it as {what}(buffer, ...))")
 
 
 class Dispatch(torch.autograd.Function):
@@ -112,6 +119,7 @@ def dispatch(buffer, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: O
         `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)` and the hook with `return_recv_hook`, as
         `Buffer.dispatch`; `recv_x` and `recv_topk_weights` carry gradients back to `x` and `topk_weights`.
     """
+    _check_buffer(buffer, "dispatch")
     if isinstance(x, (tuple, list)):
         q, scales = x
         out = Dispatch.apply(q, scales, topk_weights, buffer, topk_idx, dispatch_kwargs)
@@ -136,6 +144,7 @@ def combine(buffer, y: torch.Tensor, handle: EPHandle, bias=None, **combine_kwar
     Returns:
         `(combined, event)`, and the hook with `return_recv_hook`.
     """
+    _check_buffer(buffer, "combine")
     for name in _NO_AUTOGRAD_ARGS:
         if name in combine_kwargs:
             raise TypeError(f"moe_comm.autograd.combine does not take {name}; weight gradients flow through "

@@ -12,7 +12,7 @@ import datetime
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -462,8 +462,11 @@ class Buffer(PrimitivesMixin):
         if needed > self.num_bytes:
             raise ValueError(
                 f"buffer too small: this call needs {needed} bytes ({num_max_tokens_per_rank=}, {hidden=}, "
-                f"{num_topk=}, element size {elem_size}, fp8={fp8}), the buffer has {self.num_bytes}; "
-                f"create the Buffer with larger maxima (Buffer.get_buffer_size_hint)")
+                f"{num_topk=}, element size {elem_size}, fp8={fp8}), the buffer has {self.num_bytes} (made with "
+                f"num_max_tokens_per_rank={self.num_max_tokens_per_rank}, hidden={self.hidden}, "
+                f"num_topk={self.num_topk}, use_fp8_dispatch={self.use_fp8_dispatch}; its hidden counts bf16 "
+                f"elements: a float32 row takes 2x, a float64 row 4x); create the Buffer with larger maxima "
+                f"(Buffer.get_buffer_size_hint)")
         self._fitting.add(key)
 
     def _too_large(self, what: str, num_bytes: int) -> ValueError:
@@ -553,14 +556,34 @@ class Buffer(PrimitivesMixin):
             hook: with `return_recv_hook`, a callable that receives the rows (`moe_comm.RecvHook`).
         """
         self._check_ready("dispatch")
-        call = self._validate_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
-                                       expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize,
-                                       dequantize, previous_event, async_with_compute_stream,
-                                       allocate_on_comm_stream, return_recv_hook)
+        call = self._validated("dispatch", lambda: self._validate_dispatch(
+            x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, handle,
+            do_cpu_sync, do_expand, quantize, dequantize, previous_event, async_with_compute_stream,
+            allocate_on_comm_stream, return_recv_hook))
         if call.handle is None and self._check_inputs:
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
-        # MOE_COMM_CHECK_INPUTS=1: the ranks' agreement is also checked on the host before any data moves.
-        return self._impl.dispatch(call, verify_agreement=self._check_inputs)
+        return self._impl.dispatch(call, agreed=self._agrees_on_host)
+
+    @property
+    def _agrees_on_host(self) -> bool:
+        """Whether every call's agreement is checked on the host before it (the reference backend and the hybrid
+        path on the CPU, where exchanges block the host anyway; MOE_COMM_CHECK_INPUTS=1)."""
+        return self._impl.checks_every_call or self._check_inputs
+
+    def _validated(self, what: str, validate: Callable[[], Any]):
+        """`validate()`'s call, and with `_agrees_on_host` the ranks' agreement on its sizes before anything else
+        moves: a rank that refused its arguments takes part with a refusal, so that it raises its own error and
+        every other rank a ValueError naming it, at once and with the group still usable. (Elsewhere a refused
+        rank raises alone, and its peers meet the timeout of a rank that did not call.)"""
+        if not self._agrees_on_host:
+            return validate()
+        try:
+            call = validate()
+        except (TypeError, ValueError):
+            self._impl.check_agreement([OPERATIONS.index(what)], refused=True)  # the other ranks raise, naming this one
+            raise
+        self._impl.check_agreement(call.signature())
+        return call
 
     def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                            expert_alignment, num_sms, handle, do_cpu_sync, do_expand, quantize, dequantize,
@@ -711,9 +734,10 @@ class Buffer(PrimitivesMixin):
             hook: with `return_recv_hook`, a callable that runs the reducers (`moe_comm.RecvHook`).
         """
         self._check_ready("combine")
-        call = self._validate_combine(x, handle, topk_weights, bias, num_sms, previous_event,
-                                      async_with_compute_stream, allocate_on_comm_stream, return_recv_hook)
-        return self._impl.combine(call, verify_agreement=self._check_inputs)
+        call = self._validated("combine", lambda: self._validate_combine(
+            x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
+            allocate_on_comm_stream, return_recv_hook))
+        return self._impl.combine(call)
 
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
                           allocate_on_comm_stream, return_recv_hook) -> CombineCall:

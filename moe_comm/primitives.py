@@ -192,7 +192,7 @@ class PrimitivesMixin:
         them: a rank whose arguments were refused raises there and every other rank with it. Without the agreement a
         refused rank raises alone (as with torch.distributed's collectives)."""
         self._check_alive()
-        agree = self._impl.checks_every_call or self._check_inputs
+        agree = self._agrees_on_host
         error = None
         try:
             self._check_tensor("t", t)

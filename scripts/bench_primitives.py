@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm.backends.common import all_gather_single, reduce_scatter_single
 from moe_comm.testing.bench import median_time_us
 
 from bench import meta_lines  # scripts/bench.py: scripts/ is sys.path[0] when this runs as a script
@@ -54,15 +55,15 @@ def primitives_rank(rank: int, world_size: int, args: dict) -> dict:
 
         ops = {  # name: (moe_comm call taking async kwargs, NCCL call, bytes moved per rank)
             "all_gather": (lambda **kw: buf.all_gather(t[:numel // R], **kw)[1],
-                           lambda: dist.all_gather_into_tensor(gathered, t[:numel // R]), numel * 2),
+                           lambda: all_gather_single(gathered, t[:numel // R]), numel * 2),
             "reduce_scatter": (lambda **kw: buf.reduce_scatter(t, **kw)[1],
-                               lambda: dist.reduce_scatter_tensor(scattered, t), numel * 2),
+                               lambda: reduce_scatter_single(scattered, t), numel * 2),
         }
         if R > 1:
             ops["pipeline send/recv"] = (ring_moe, ring_nccl, numel * 2)
         # moe_comm's data movement bitwise NCCL's first (reduce_scatter sums in another order than NCCL's bf16).
         moe_gathered = buf.all_gather(t[:numel // R])[0].view(-1)
-        dist.all_gather_into_tensor(gathered, t[:numel // R])
+        all_gather_single(gathered, t[:numel // R])
         assert torch.equal(moe_gathered, gathered), f"all_gather at {mb} MB differs from NCCL's"
         if R > 1:
             ring_moe().current_stream_wait()

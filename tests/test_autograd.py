@@ -163,3 +163,13 @@ def cached_keeps_weight_grad_rank(rank: int, world_size: int) -> bool:
 
 def test_cached_dispatch_keeps_weight_gradient(pools):
     assert pools(2).run(cached_keeps_weight_grad_rank) == [True, True]
+
+
+def test_wrappers_take_the_buffer_first():
+    """The wrappers' first argument is the Buffer (unlike `Buffer.dispatch`, a method): a tensor there is a
+    TypeError that says so, before anything runs."""
+    x = torch.zeros(2, 8)
+    with pytest.raises(TypeError, match=r"moe_comm.autograd.dispatch takes the moe_comm.Buffer first, got Tensor"):
+        moe_autograd.dispatch(x, torch.zeros(2, 1, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"moe_comm.autograd.combine takes the moe_comm.Buffer first, got Tensor"):
+        moe_autograd.combine(x, x, None)

@@ -952,15 +952,20 @@ def test_flex_dispatcher_builds_on_moe_comm(mcore_pool):
 
 
 def test_module_runner_installs_route_b(tmp_path):
-    """`python -m moe_comm.integrations.megatron SCRIPT ARGS` runs SCRIPT with route B installed."""
+    """`python -m moe_comm.integrations.megatron SCRIPT ARGS` runs SCRIPT with route B installed, its options
+    written either way, the script's own passed on untouched; without a script it exits 2 with its usage."""
     script = tmp_path / "pretrain_stub.py"
     script.write_text("import sys\n"
                       "from megatron.core.transformer.moe import token_dispatcher as td\n"
                       "print(td.fused_dispatch.__module__, sys.argv[1:], __name__)\n")
-    out = subprocess.run([sys.executable, "-m", "moe_comm.integrations.megatron", "--moe-comm-backend=torch",
-                          str(script), "--num-layers", "2"], check=True, timeout=120, capture_output=True, text=True)
-    assert out.stdout.split("\n")[-2] == "moe_comm.integrations.megatron.flex_route ['--num-layers', '2'] __main__", \
-        out.stdout
+    runner = [sys.executable, "-m", "moe_comm.integrations.megatron"]
+    for option in (["--moe-comm-backend=torch"], ["--moe-comm-backend", "torch"]):
+        out = subprocess.run(runner + option + [str(script), "--num-layers", "2", "-h"], check=True, timeout=120,
+                             capture_output=True, text=True)
+        assert out.stdout.split("\n")[-2] == \
+            "moe_comm.integrations.megatron.flex_route ['--num-layers', '2', '-h'] __main__", out.stdout
+    out = subprocess.run(runner, timeout=120, capture_output=True, text=True)
+    assert out.returncode == 2 and "the following arguments are required: script" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("case", FAST_LAYER_CASES, ids=str)

@@ -98,6 +98,22 @@ def test_share_gpu_refusals(monkeypatch, capsys):
     assert parse_args(["--preset", "tiny", "--share-gpu"]).share_gpu
 
 
+def test_arguments_refused_before_building(monkeypatch, capsys):
+    """FP8 on the wire needs bf16 rows and a moe_comm dispatcher, and the dsv3 preset needs GPUs: refused at the
+    command line rather than at the first forward (or by the kernel's out-of-memory killer)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from recipes.megatron_moe.train import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "casts bf16 rows; --preset tiny runs in torch.float32 (add --dtype bfloat16)" in refused(
+        parse_args, ["--preset", "tiny", "--quantize", "mxfp8"], capsys)
+    assert "got --dispatcher alltoall" in refused(
+        parse_args, ["--preset", "small", "--quantize", "mxfp8", "--dispatcher", "alltoall"], capsys)
+    assert parse_args(["--preset", "tiny", "--quantize", "mxfp8", "--dtype", "bfloat16"]).quantize == "mxfp8"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert "--preset dsv3 is one DeepSeek-V3 layer for GPUs" in refused(parse_args, ["--preset", "dsv3"], capsys)
+
+
 def test_deterministic_expand_run_reproduces_alltoall_losses(tmp_path):
     """The GPU loss-curve check's runs (`--deterministic`, route A's expand layout against Megatron's alltoall, fp32)
     on CPU, where every kernel is deterministic anyway: the flags run and are recorded, and every step's loss is

@@ -58,6 +58,9 @@ def argument_errors(buf, rank):
         ("buffer too small", ValueError, "buffer too small: this call needs",
          lambda: d(torch.zeros(x.shape[0], 256, dtype=torch.bfloat16), idx, w, num_experts=4)),
         ("buffer too small fp64", ValueError, "element size 8", lambda: d(x.double(), idx, w, num_experts=4)),
+        ("buffer too small names its own sizes", ValueError, "(made with num_max_tokens_per_rank=8, hidden=128, "
+         "num_topk=2, use_fp8_dispatch=False; its hidden counts bf16 elements: a float32 row takes 2x",
+         lambda: d(x.double(), idx, w, num_experts=4)),
         ("no num_experts", ValueError, "num_experts is required", lambda: d(x, idx, w)),
         ("num_experts past memory", ValueError, "per-expert counts of num_experts=1099511627776 would need "
          "8796093022216 bytes, more than the", lambda: d(x, idx, w, num_experts=2**40)),
@@ -284,26 +287,34 @@ def test_check_inputs_env_must_agree(pools):
         "not a boolean" in malformed, malformed
 
 
-def one_bad_rank(rank: int, world_size: int) -> str:
-    """Only rank 0 passes a bad argument: it raises before communicating, so rank 1 waits at its first exchange
-    and times out there (had rank 0 sent anything first, rank 1 would fail later or not at all)."""
-    buf = new_buffer(num_cpu_timeout_secs=2)
+def one_bad_rank(rank: int, world_size: int) -> list[str]:
+    """Arguments refused on rank 1 only, in a fresh dispatch, a cached dispatch and a combine: rank 1 raises its own
+    error, rank 0 a ValueError naming rank 1, both at once (the refusal travels in the call's agreement, well within
+    the 30 s timeout); the buffer works afterwards on both."""
+    buf = new_buffer()
     x, idx, w = rank_inputs(GOOD, rank)
-    if rank == 0:
-        with pytest.raises(TypeError, match="x.dtype=torch.int32"):
-            buf.dispatch(x.int(), idx, w, num_experts=4)
-        time.sleep(5)
-        return "raised"
-    with pytest.raises(TimeoutError) as info:
-        buf.dispatch(x, idx, w, num_experts=4)
-    return str(info.value)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
+    bad = rank == 1
+    calls = [lambda: buf.dispatch(x.int() if bad else x, idx, w, num_experts=4),
+             lambda: buf.dispatch(x, handle=handle, topk_weights=w if bad else None),
+             lambda: buf.combine(recv_x[:, :64] if bad else recv_x, handle)]
+    messages = []
+    for call in calls:
+        start = time.monotonic()
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        assert time.monotonic() - start < 10, info.value
+        messages.append(f"{type(info.value).__name__}: {info.value}")
+    check_case(buf, GOOD, rank)
+    return messages
 
 
-def test_argument_errors_come_before_any_communication():
-    from moe_comm.testing import parallel_launch
-    raised, timed_out = parallel_launch(2, one_bad_rank, timeout_s=120)
-    assert raised == "raised"
-    assert "rank 1 dispatch argument agreement: receive from peer 0" in timed_out, timed_out
+def test_arguments_refused_on_one_rank_raise_on_every_rank(pools):
+    ok, refused = pools(2).run(one_bad_rank)
+    assert ok == [f"ValueError: {what}: rank(s) [1] refused their arguments (their error says why)"
+                  for what in ("dispatch", "cached dispatch", "combine")], ok
+    assert refused[0].startswith("TypeError: x.dtype=torch.int32"), refused
+    assert refused[1].startswith("ValueError: topk_weights") and refused[2].startswith("ValueError: x"), refused
 
 
 def disagreement_rank(rank: int, world_size: int) -> str:

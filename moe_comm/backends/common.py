@@ -19,11 +19,17 @@ from ..event import EventOverlap, RecvHook, wait_error
 from ..handle import EPHandle
 from ..layout import SIGNATURE_LEN
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn); 2.11 has only those.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # What a synchronous call returns: nothing to wait for (stateless once complete, so one object serves all).
 DONE = EventOverlap()
 
 # What ranks can be running; a call's signature starts with its index (ranks on different operations disagree).
 OPERATIONS = ("dispatch", "cached dispatch", "combine")
+# The operation word of a rank that refused its arguments, in place of its signature (`Backend.check_agreement`).
+REFUSED = -1
 # The words of a call's signature per operation (`DispatchCall.signature`, `CombineCall.signature`), the operation
 # first and the handle's epoch second (0 for a fresh dispatch); codes of the fields that name a choice. The CUDA
 # backend fills a combine's "slots per round" (its receive region's layout, `CudaTuning.max_round_slots`); the
@@ -82,40 +88,34 @@ class Backend:
     # ------------------------------------------------------------------------------------------------
     # Entry points (Buffer calls these with validated calls)
     # ------------------------------------------------------------------------------------------------
-    def dispatch(self, c, verify_agreement: bool) -> tuple:
-        """Run a validated `DispatchCall` (see `moe_comm.buffer`); with `verify_agreement` (MOE_COMM_CHECK_INPUTS)
-        first check on the host that all ranks called it with the same sizes (each backend also checks on its
-        own, see `checks_every_call` and the CUDA backend's barrier)."""
+    def dispatch(self, c, agreed: bool) -> tuple:
+        """Run a validated `DispatchCall` (see `moe_comm.buffer`). `agreed`: the ranks' agreement on its sizes was
+        checked on the host before (`Buffer._validated`); otherwise a backend checks where it can (the reference
+        backend's dispatch with a CPU sync; the CUDA backend's barrier, on the device)."""
         self.after_host_sync()
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None] \
             if c.async_with_compute_stream else ()
-        outputs, event, hook = self.run(lambda: self.dispatch_steps(c, verify_agreement), c.previous_event,
+        outputs, event, hook = self.run(lambda: self.dispatch_steps(c, agreed), c.previous_event,
                                         c.async_with_compute_stream, inputs, c.return_recv_hook)
         recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
         return (recv_x, recv_topk_idx, recv_topk_weights, handle, event) + (() if hook is None else (hook,))
 
-    def dispatch_steps(self, c, verify_agreement: bool):
-        """The dispatch itself, inside the stream scope of `run`: `(outputs, works, finalizers)`; with
-        `verify_agreement` it first checks on the host that all ranks called it with the same sizes."""
+    def dispatch_steps(self, c, agreed: bool):
+        """The dispatch itself, inside the stream scope of `run`: `(outputs, works, finalizers)`; `agreed` as in
+        `dispatch`."""
         raise NotImplementedError
 
     def combine_steps(self, c):
         """The combine itself, inside the stream scope of `run`: `(outputs, works, finalizers)`."""
         raise NotImplementedError
 
-    def combine(self, c, verify_agreement: bool) -> tuple:
-        """Run a validated `CombineCall` (see `moe_comm.buffer`); with `verify_agreement` (or `checks_every_call`),
-        first check on the host, after `previous_event`, that all ranks called it with the same sizes."""
+    def combine(self, c) -> tuple:
+        """Run a validated `CombineCall` (see `moe_comm.buffer`; the ranks' agreement on its sizes is checked on the
+        host before it where every call's is, else by the CUDA backend's barrier on the device)."""
         self.after_host_sync()
         inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None] if c.async_with_compute_stream else ()
-
-        def steps():
-            if verify_agreement or self.checks_every_call:
-                self.check_agreement(c.signature())
-            return self.combine_steps(c)
-
-        outputs, event, hook = self.run(steps, c.previous_event, c.async_with_compute_stream, inputs,
-                                        c.return_recv_hook)
+        outputs, event, hook = self.run(lambda: self.combine_steps(c), c.previous_event, c.async_with_compute_stream,
+                                        inputs, c.return_recv_hook)
         combined_x, combined_w = outputs
         return (combined_x, combined_w, event) + (() if hook is None else (hook,))
 
@@ -278,16 +278,25 @@ class Backend:
         self.after_host_sync()
         self.raise_for_flags(flags, topk_idx, num_experts, "")
 
-    def check_agreement(self, signature: list[int]) -> None:
+    def check_agreement(self, signature: list[int], refused: bool = False) -> None:
         """Raise ValueError on every rank if the ranks called different operations or one with different values.
 
         Exchange sizes follow these values, so ranks that disagree would otherwise crash or corrupt rows. Every
         signature has `SIGNATURE_LEN` words, so this exchange itself always matches. Costs one small exchange and a
-        host sync.
+        host sync. A rank that refused its arguments (`refused`; `signature` then holds the operation alone) takes
+        part with a refusal and returns (to raise its own error); the others raise a ValueError naming it.
         """
-        mine = torch.tensor(signature, dtype=torch.int64, device=self.device)
-        rows = self.gather_values(mine, f"{OPERATIONS[signature[0]]} argument agreement").tolist()
+        phase = f"{OPERATIONS[signature[0]]} argument agreement"
+        mine = torch.tensor(padded_signature([REFUSED]) if refused else signature, dtype=torch.int64,
+                            device=self.device)
+        rows = self.gather_values(mine, phase).tolist()
         self.after_host_sync(synchronized=True)
+        if refused:
+            return
+        refusing = [r for r, row in enumerate(rows) if row[0] == REFUSED]
+        if refusing:
+            raise ValueError(f"{OPERATIONS[signature[0]]}: rank(s) {refusing} refused their arguments (their error "
+                             f"says why)")
         problem = disagreement(rows)
         if problem:
             raise ValueError(problem)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from .. import layout as lay
 from ..handle import EPHandle
-from .common import DTYPE_CODES, SIGNATURE_FIELDS, Backend, disagreement
+from .common import DTYPE_CODES, SIGNATURE_FIELDS, Backend, all_gather_single, disagreement
 from .cuda_ipc import IpcMemory
 from .cuda_kernels import current_stream, load_kernels
 
@@ -356,7 +356,7 @@ class CudaBackend(Backend):
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
         everyone = mine.new_empty(self.num_ranks, mine.numel())
-        work = dist.all_gather_into_tensor(everyone, mine.view(1, -1), group=self.group, async_op=True)
+        work = all_gather_single(everyone, mine.view(1, -1), group=self.group, async_op=True)
         self._wait([(work, f"rank {self.rank} {phase} (all-gather)")])
         return everyone
 
@@ -424,9 +424,7 @@ class CudaBackend(Backend):
             raise ValueError(f"handle (epoch {handle.epoch}) was made before the ranks' disagreement that a "
                              f"synchronizing call raised: its dispatch may have moved nothing; dispatch again")
 
-    def dispatch_steps(self, c, verify_agreement: bool):
-        if verify_agreement:
-            self.check_agreement(c.signature())
+    def dispatch_steps(self, c, agreed: bool):
         if c.handle is not None:
             self._check_handle_epoch(c.handle)
             return self._cached_dispatch(c)

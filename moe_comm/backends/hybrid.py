@@ -224,14 +224,12 @@ class HybridBackend(Backend):
             c, x=None if fp8 else x_F, fp8_q=x_F[0] if fp8 else None, fp8_scales=x_F[1] if fp8 else None,
             quantize=None, previous_event=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
             **fields)
-        return self.inner._impl.dispatch(call, verify_agreement=False)
+        return self.inner._impl.dispatch(call, agreed=False)
 
     # ------------------------------------------------------------------------------------------------
     # Dispatch
     # ------------------------------------------------------------------------------------------------
-    def dispatch_steps(self, c, verify_agreement: bool):
-        if verify_agreement or self.checks_every_call:
-            self.check_agreement(c.signature())
+    def dispatch_steps(self, c, agreed: bool):
         return self._fresh_dispatch(c) if c.handle is None else self._cached_dispatch(c)
 
     def _fresh_dispatch(self, c):
@@ -446,7 +444,7 @@ class HybridBackend(Backend):
                                    topk_weights=_gather(c.topk_weights, lay.inverse), bias=(),
                                    previous_event=None, async_with_compute_stream=False,
                                    allocate_on_comm_stream=False, unreduced=unreduced)
-        out, out_w, _ = self.inner._impl.combine(call, verify_agreement=False)  # [space, H] or [space, T, H]
+        out, out_w, _ = self.inner._impl.combine(call)  # [space, H] or [space, T, H]
 
         # Back along the scale-out leg, one row per arrived row (rows that hold none send any row: never read):
         # the rows' bytes, then the weights' bytes padded to 16 (so both parts view as their dtypes).

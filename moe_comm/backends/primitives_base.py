@@ -75,7 +75,11 @@ class PrimitivesBase:
         if refused:
             raise ValueError(f"{what}: rank(s) {refused} refused their arguments (their error says why)")
         rows = [row[1:] for row in rows]
-        differing = [f"{name}: {[row[i] for row in rows]}" for i, name in enumerate(names)
+
+        def show(name: str, value: int):  # a dtype by its name (`shape_words` sends its index in DTYPES)
+            return str(DTYPES[value]).removeprefix("torch.") if name.endswith("dtype") else value
+
+        differing = [f"{name}: {[show(name, row[i]) for row in rows]}" for i, name in enumerate(names)
                      if len({row[i] for row in rows}) > 1]
         if differing:
             raise ValueError(f"ranks called {what} with different values (per rank): " + "; ".join(differing))

@@ -28,9 +28,9 @@ def main(argv=None) -> int:
             return 2
     diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a["history"], b["history"])]
     max_diff = max(diffs)
-    worst = diffs.index(max_diff) + 1
-    print(f"COMPARE preset={sa['preset']} steps={sa['steps']} seed={sa['seed']} | max |loss diff| {max_diff:.3g} "
-          f"(step {worst}) | final loss {sa['dispatcher']} {sa['final_loss']:.4f}, {sb['dispatcher']} "
+    where = f" (step {diffs.index(max_diff) + 1})" if max_diff else " (equal at every step)"
+    print(f"COMPARE preset={sa['preset']} steps={sa['steps']} seed={sa['seed']} | max |loss diff| {max_diff:.3g}"
+          f"{where} | final loss {sa['dispatcher']} {sa['final_loss']:.4f}, {sb['dispatcher']} "
           f"{sb['final_loss']:.4f} | tokens/s {sa['dispatcher']} {sa['mean_tokens_per_s']:.0f}, {sb['dispatcher']} "
           f"{sb['mean_tokens_per_s']:.0f}")
     print(f"wandb run directories: {sa['dispatcher']} {sa['wandb_run_dir']} | {sb['dispatcher']} {sb['wandb_run_dir']}")

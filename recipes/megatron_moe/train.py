@@ -103,6 +103,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--log-interval={args.log_interval} must be >= 1")
     if args.no_cpu_sync and args.dispatcher != "moe_comm":
         p.error(f"--no-cpu-sync is route A's (--dispatcher moe_comm), got --dispatcher {args.dispatcher}")
+    dtype = getattr(torch, args.dtype) if args.dtype is not None else PRESETS[args.preset].dtype
+    if args.quantize is not None and args.dispatcher == "alltoall":
+        p.error(f"--quantize {args.quantize} is moe_comm's FP8 on the wire (--dispatcher moe_comm or moe_comm_flex), "
+                f"got --dispatcher alltoall")
+    if args.quantize is not None and dtype != torch.bfloat16:
+        p.error(f"--quantize {args.quantize} casts bf16 rows; --preset {args.preset} runs in {dtype} (add --dtype "
+                f"bfloat16)")
+    if args.preset == "dsv3" and not torch.cuda.is_available():
+        p.error("--preset dsv3 is one DeepSeek-V3 layer for GPUs (~114 GB per rank at EP2 for its weights and Adam "
+                "state); on a machine without CUDA use --preset tiny")
     if args.share_gpu and not torch.cuda.is_available():
         p.error("--share-gpu puts every rank on GPU 0 and needs CUDA; this torch sees no GPU")
     if args.share_gpu and args.backend == "torch" and args.dispatcher != "alltoall":
