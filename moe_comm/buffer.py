@@ -523,7 +523,8 @@ class Buffer(PrimitivesMixin):
             topk_weights: `[N, K]`, `torch.float32` (`torch.float64` allowed with float64 x), or None.
             num_experts: global expert count, a multiple of the group size (from the handle when cached).
             num_max_tokens_per_rank: worst-case tokens per rank (default: the buffer's).
-            expert_alignment: expand mode pads each expert block to a multiple of this many rows (1 to 1024).
+            expert_alignment: expand mode pads each expert block to a multiple of this many rows (1 to 1024);
+                without expand only the handle's `num_recv_tokens_per_expert_list` is rounded up to it (as DeepEP).
             num_sms: SMs to run on; 0 = `get_theoretical_num_sms(num_experts, K, do_expand)`.
             handle: an `EPHandle` to reuse (cached dispatch: no layout work, no CPU sync).
             do_cpu_sync: None = True unless `handle`. False: worst-case sized outputs, true counts on the device.
@@ -572,17 +573,20 @@ class Buffer(PrimitivesMixin):
 
     def _validated(self, what: str, validate: Callable[[], Any]):
         """`validate()`'s call, and with `_agrees_on_host` the ranks' agreement on its sizes before anything else
-        moves: a rank that refused its arguments takes part with a refusal, so that it raises its own error and
-        every other rank a ValueError naming it, at once and with the group still usable. (Elsewhere a refused
-        rank raises alone, and its peers meet the timeout of a rank that did not call.)"""
-        if not self._agrees_on_host:
-            return validate()
+        moves. A rank that refused its arguments (TypeError/ValueError) takes part in the agreement with a refusal
+        before it raises: with `_agrees_on_host` every other rank raises a ValueError naming it at once; on the
+        CUDA backend the refusal goes through the operation's barrier on the device, and every rank raises that
+        ValueError at its next synchronizing call (`Backend.refuse`). Either way the buffer stays usable."""
         try:
             call = validate()
         except (TypeError, ValueError):
-            self._impl.check_agreement([OPERATIONS.index(what)], refused=True)  # the other ranks raise, naming this one
+            if self._agrees_on_host:
+                self._impl.check_agreement([OPERATIONS.index(what)], refused=True)
+            else:
+                self._impl.refuse(what)
             raise
-        self._impl.check_agreement(call.signature())
+        if self._agrees_on_host:
+            self._impl.check_agreement(call.signature())
         return call
 
     def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,

@@ -47,7 +47,7 @@ class EPHandle:
     Host values (None when `do_cpu_sync` is False):
         num_recv_tokens: rows of the dispatch output that hold data (non-expand: tokens received; expand:
             expanded rows including alignment padding).
-        num_recv_tokens_per_expert_list: aligned row count of each local expert.
+        num_recv_tokens_per_expert_list: row count of each local expert, rounded up to `expert_alignment`.
 
     Other:
         num_recv_rows: first dimension P of the dispatch output (worst case without a CPU sync).

@@ -373,6 +373,7 @@ FUNCTIONS = {
                                   ("int", "part"), ("cudaStream_t", "stream")]),
     "moe_comm_combine": ("int", [("const EpParams*", "p"), ("const CombineArgs*", "a"), ("int", "dtype"),
                                  ("int", "num_blocks"), ("int", "part"), ("cudaStream_t", "stream")]),
+    "moe_comm_refuse": ("int", [("const EpParams*", "p"), ("cudaStream_t", "stream")]),
     "moe_comm_wait_flag": ("int", [("const EpParams*", "p"), ("const int64_t*", "flag"), ("int64_t", "expected"),
                                    ("int", "peer"), ("int", "phase"), ("cudaStream_t", "stream")]),
     "moe_comm_signal_flag": ("int", [("int64_t*", "flag"), ("int64_t", "value"), ("cudaStream_t", "stream")]),

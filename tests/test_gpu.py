@@ -723,6 +723,21 @@ def device_probes_rank(rank: int, world_size: int) -> list[str]:
         num_gpu_timeout_secs=20))
 
 
+def device_refusals_rank(rank: int, world_size: int) -> list[str]:
+    from moe_comm.testing.disagreement import run_refusals
+    return run_refusals(rank, world_size, lambda: moe_comm.Buffer(
+        None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="cuda", num_gpu_timeout_secs=20),
+        deferred=True)
+
+
+@pytest.mark.skipif(WORLD_SIZE != 2, reason="the refusals are written for 2 ranks (2 GPUs)")
+def test_refusal_found_on_the_device(nccl_pool):
+    """Arguments refused on rank 0 only, on the CUDA backend: rank 0 raises its own error and runs the operation's
+    barrier with a refusal, the other rank's kernels move nothing, and both raise the ValueError naming rank 0 at
+    their next synchronizing call (instead of rank 1 timing out); the buffer works afterwards."""
+    nccl_pool.run(device_refusals_rank)
+
+
 @pytest.mark.skipif(WORLD_SIZE != 2, reason="the probes are written for 2 ranks (2 GPUs)")
 def test_disagreement_found_on_the_device(nccl_pool):
     """Every probe of moe_comm.testing.disagreement on the CUDA backend: the kernels compare the ranks' signatures at

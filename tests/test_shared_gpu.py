@@ -18,7 +18,7 @@ from moe_comm import layout as lay
 from moe_comm.backends.cuda import CudaTuning
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import check_case
-from moe_comm.testing.disagreement import run_probes
+from moe_comm.testing.disagreement import run_probes, run_refusals
 from moe_comm.testing.shared_gpu import every_buffer_over_ipc, on_gpu0
 from moe_comm.testing.soak import SoakConfig, draw_soak_cases, soak_rank, summarize, warmup_cases
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
@@ -105,6 +105,21 @@ def test_disagreement_on_the_cuda_path(pool):
     after each (issue 13 item 1 on the CUDA path)."""
     first, second = pool.run(probes_rank)
     assert first == second and len(first) >= 12, first
+
+
+def refusals_rank(rank: int, world_size: int) -> list[str]:
+    return run_refusals(rank, world_size, lambda: make(Case(seed=43, num_ranks=2, num_experts=4, num_topk=2,
+                                                            hidden=128, num_tokens=(6, 4), num_max_tokens_per_rank=8)),
+                        deferred=True)
+
+
+def test_refusal_on_the_cuda_path(pool):
+    """Arguments refused on rank 0 only: rank 0 raises its own error at the call and runs the operation's barrier
+    with a refusal; rank 1's kernels move nothing and both raise the ValueError naming rank 0 at the next
+    synchronizing call; the buffer works afterwards (no rank waits for its timeout)."""
+    start = time.monotonic()
+    pool.run(refusals_rank)
+    assert time.monotonic() - start < 60
 
 
 def disagreeing_dispatch(buf: moe_comm.Buffer, rank: int) -> None:

@@ -278,6 +278,12 @@ class Backend:
         self.after_host_sync()
         self.raise_for_flags(flags, topk_idx, num_experts, "")
 
+    def refuse(self, what: str) -> None:
+        """This rank refused its arguments to `what` ("dispatch" or "combine") where the ranks' agreement is not
+        checked on the host (`Buffer._validated`), and raises next; its peers called it. A backend that checks
+        agreement on the device takes part there with a refusal (the CUDA backend); elsewhere nothing: the peers
+        end in the timeout of a rank that did not call."""
+
     def check_agreement(self, signature: list[int], refused: bool = False) -> None:
         """Raise ValueError on every rank if the ranks called different operations or one with different values.
 
@@ -293,10 +299,6 @@ class Backend:
         self.after_host_sync(synchronized=True)
         if refused:
             return
-        refusing = [r for r, row in enumerate(rows) if row[0] == REFUSED]
-        if refusing:
-            raise ValueError(f"{OPERATIONS[signature[0]]}: rank(s) {refusing} refused their arguments (their error "
-                             f"says why)")
         problem = disagreement(rows)
         if problem:
             raise ValueError(problem)
@@ -406,6 +408,10 @@ def disagreement(rows: Sequence[Sequence[int]]) -> Optional[str]:
         choices = _CHOICES.get(name)
         return choices[value] if choices is not None and 0 <= value < len(choices) else value
 
+    refused = [r for r, row in enumerate(rows) if row[0] == REFUSED]
+    if refused and len(refused) < len(rows):
+        what = show("operation", next(row[0] for row in rows if row[0] != REFUSED))
+        return f"{what}: rank(s) {refused} refused their arguments (their error says why)"
     if len({row[0] for row in rows}) > 1:
         return f"ranks called different operations (per rank): {[show('operation', row[0]) for row in rows]}"
     if not 0 <= rows[0][0] < len(OPERATIONS):

@@ -19,7 +19,9 @@ rows (their own from the combine input) in FP32/FP64 in DESIGN 2.2's order.
 
 Every operation's barrier carries the call's signature (`DispatchCall.signature`): ranks that disagree all see it
 before any row moves, record it in host-mapped memory and set the abort word (`moe_comm.layout`), so every later
-kernel moves nothing until the host raises a ValueError at its next synchronizing call (`after_host_sync`).
+kernel moves nothing until the host raises a ValueError at its next synchronizing call (`after_host_sync`). A rank
+that refused its arguments runs the barrier alone, with a refusal for a signature (`refuse`), so that its peers'
+kernels end the same way instead of waiting for it.
 
 Nothing reads device values on the host unless the call asked for a CPU sync, so no-sync steps can be captured in
 a CUDA graph. Every wait spins with a timeout (`num_gpu_timeout_secs`); a timed-out wait fills a host-mapped
@@ -48,7 +50,8 @@ import torch.distributed as dist
 
 from .. import layout as lay
 from ..handle import EPHandle
-from .common import DTYPE_CODES, SIGNATURE_FIELDS, Backend, all_gather_single, disagreement
+from .common import (DTYPE_CODES, REFUSED, SIGNATURE_FIELDS, Backend, all_gather_single, disagreement,
+                     padded_signature)
 from .cuda_ipc import IpcMemory
 from .cuda_kernels import current_stream, load_kernels
 
@@ -423,6 +426,25 @@ class CudaBackend(Backend):
         if handle.epoch <= self._stale_epoch:
             raise ValueError(f"handle (epoch {handle.epoch}) was made before the ranks' disagreement that a "
                              f"synchronizing call raised: its dispatch may have moved nothing; dispatch again")
+
+    def refuse(self, what: str) -> None:
+        """The operation's barrier with the refusal as this rank's signature (one block): the peers' kernels see the
+        disagreement and move nothing, and every rank raises it at its next synchronizing call, instead of the
+        peers waiting for this rank until their timeout. Ordered on the current stream as a synchronous call."""
+        if self.num_ranks == 1:
+            return
+        barrier = _PHASE["barrier before combine" if what == "combine" else "barrier before dispatch"]
+        params = lay.EpParams(
+            peer_bases=self._peer_bases, local_base=self.buffer.data_ptr(), error=self._mapped_dev,
+            timeout_ns=self.timeout_ns, rank=self.rank, num_ranks=self.num_ranks, phase=barrier,
+            barrier_phase=barrier, with_barrier=1,
+            signature=(ctypes.c_int64 * lay.SIGNATURE_LEN)(*padded_signature([REFUSED])))
+
+        def launch():
+            self.kernels.check(self.kernels.refuse(ctypes.byref(params), self._raw_stream()), "refusal", self.rank)
+            return (), [], []
+
+        self.run(launch, None, False, ())
 
     def dispatch_steps(self, c, agreed: bool):
         if c.handle is not None:

@@ -4,10 +4,13 @@ Each probe makes the ranks call one operation with a different value of one thin
 different operations altogether). Every rank must raise the same ValueError naming the field and every rank's
 value, and the buffer must work afterwards. The reference backend on the CPU raises at the call itself; the CUDA
 backend detects it on the device and raises at the next synchronizing call (here `Buffer.barrier()`).
+Refusals: arguments refused on one rank only; that rank raises its own error at the call, the others a ValueError
+naming it (the CUDA backend: every rank, at the next synchronizing call).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import pytest
@@ -52,6 +55,54 @@ def probes(buf, rank: int) -> list[tuple[str, str, Callable[[], object]]]:
         ("dispatch vs combine", "ranks called different operations (per rank): ['combine', 'dispatch']",
          lambda: buf.combine(rx, handle) if odd else d(x, idx, w, num_experts=E, do_cpu_sync=False)),
     ]
+
+
+def refusals(buf, rank: int) -> list[tuple[str, str, Callable[[], object]]]:
+    """(label, the other ranks' operation, call) for arguments refused on rank 0 only, on every call path."""
+    x, idx, w = rank_inputs(CASE, rank, buf.device)
+    E = CASE.num_experts
+    odd = rank == 0
+    rx, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
+    d = buf.dispatch
+    return [
+        ("dispatch x dtype", "dispatch", lambda: d(x.int() if odd else x, idx, w, num_experts=E)),
+        ("no-sync dispatch alignment", "dispatch",
+         lambda: d(x, idx, w, num_experts=E, do_cpu_sync=False, expert_alignment=0 if odd else 1)),
+        ("cached dispatch num_sms", "cached dispatch", lambda: d(x, handle=handle, num_sms=-1 if odd else 0)),
+        ("combine num_sms", "combine", lambda: buf.combine(rx, handle, num_sms=-1 if odd else 0)),
+    ]
+
+
+def run_refusals(rank: int, world_size: int, backend_buffer: Callable[[], object], deferred: bool) -> list[str]:
+    """Every refusal on a fresh buffer from `backend_buffer()`: rank 0 raises its own TypeError/ValueError at the
+    call; the other ranks a ValueError naming rank 0, at the call (the ranks' agreement checked on the host), or
+    with `deferred` (the CUDA backend: the refusal went through the operation's barrier on the device) at the next
+    synchronizing call, `barrier()`, where rank 0 raises it too; the buffer works afterwards on every rank.
+    Returns the messages: rank 0's own errors, the others' ValueErrors."""
+    buf = backend_buffer()
+    messages = []
+    for i in range(len(refusals(buf, rank))):
+        label, what, call = refusals(buf, rank)[i]
+        expected = f"{what}: rank(s) [0] refused their arguments (their error says why)"
+        if rank == 0:
+            with pytest.raises((TypeError, ValueError)) as info:
+                call()
+            if deferred:
+                with pytest.raises(ValueError, match=re.escape(expected)):
+                    buf.barrier()
+            else:
+                buf.barrier()  # the other ranks' (they call it whether or not their call raised)
+        else:
+            with pytest.raises(ValueError) as info:
+                try:
+                    call()
+                finally:
+                    buf.barrier()  # raises what the CUDA kernels found, if the call did not
+            assert expected in str(info.value), f"{label}: {info.value!r} lacks {expected!r}"
+        messages.append(f"{type(info.value).__name__}: {info.value}")
+        check_case(buf, CASE, rank)  # still usable
+    buf.destroy()
+    return messages
 
 
 def partial_sums_probe(rank: int, world_size: int, make_buffer: Callable[[bool], object]) -> str:

@@ -1,12 +1,14 @@
 // What the host needs besides kernels: host-mapped memory (the ErrorRecord and the notify summary), the wait for a
-// synchronized dispatch's notify, the clearing of a disagreement, the message of the last failure, and the ABI table
-// that the host compares with its ctypes structs (moe_comm/layout.py).
+// synchronized dispatch's notify, a refused call's barrier and the clearing of a disagreement, the message of the
+// last failure, and the ABI table that the host compares with its ctypes structs (moe_comm/layout.py).
 #include <atomic>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
 
 #include "moe_comm/common/comm.cuh"
+#include "moe_comm/common/rows.cuh"
+#include "moe_comm/common/tuning.cuh"
 #include "moe_comm/host/launch.h"
 
 namespace moe_comm {
@@ -20,6 +22,15 @@ void set_last_error(const char* format, ...) {
     va_start(args, format);
     vsnprintf(g_last_error, sizeof(g_last_error), format, args);
     va_end(args);
+}
+
+// The barrier of an operation whose arguments this rank refused, run as a kernel with the barrier fused in (one
+// block), with the refusal as its signature: the peers' kernels of that operation see the disagreement and move
+// nothing, and every rank raises it at its next synchronizing call, instead of the peers waiting for this rank until
+// their timeout. Nothing when this rank is already aborted (as every operation's kernel).
+__global__ void __launch_bounds__(kThreadsPerBlock) refuse_impl(EpParams p) {
+    if (!block_aborted(p)) barrier_arrive_and_wait(p, true);
+    kernel_done(p);
 }
 
 // The record's code, then the abort word, from kErrorDisagree to 0, each only if it still holds the disagreement: a
@@ -115,6 +126,17 @@ int moe_comm_ipc_free(void* ptr) {
     const cudaError_t err = cudaFree(ptr);
     MOE_COMM_REQUIRE(err == cudaSuccess, "cudaFree: %s", cudaGetErrorString(err));
     return 0;
+}
+
+// A refused call's barrier (refuse_impl): p carries the buffer, the rank, the timeout, the barrier's phase and the
+// refusal's signature, with the barrier fused in.
+int moe_comm_refuse(const EpParams* p, cudaStream_t stream) {
+    MOE_COMM_REQUIRE(p->with_barrier == 1 && p->num_ranks >= 1 && p->num_ranks <= kWarpSize && p->local_base &&
+                         p->error,
+                     "with_barrier=%d, num_ranks=%d, local_base=%p, error=%p", p->with_barrier, p->num_ranks,
+                     static_cast<void*>(p->local_base), static_cast<void*>(p->error));
+    refuse_impl<<<1, kThreadsPerBlock, 0, stream>>>(*p);
+    return launch_result("refuse_impl", 1, kThreadsPerBlock, 0);
 }
 
 // After ranks disagreed (the host realigns at a synchronizing call): clear the record and the abort word on `stream`
