@@ -292,6 +292,7 @@ class Backend:
         host sync. A rank that refused its arguments (`refused`; `signature` then holds the operation alone) takes
         part with a refusal and returns (to raise its own error); the others raise a ValueError naming it.
         """
+        self.after_host_sync()  # first of all: a buffer whose group broke refuses work
         phase = f"{OPERATIONS[signature[0]]} argument agreement"
         mine = torch.tensor(padded_signature([REFUSED]) if refused else signature, dtype=torch.int64,
                             device=self.device)

@@ -431,7 +431,7 @@ class CudaBackend(Backend):
         """The operation's barrier with the refusal as this rank's signature (one block): the peers' kernels see the
         disagreement and move nothing, and every rank raises it at its next synchronizing call, instead of the
         peers waiting for this rank until their timeout. Ordered on the current stream as a synchronous call."""
-        if self.num_ranks == 1:
+        if self.num_ranks == 1 or self.broken is not None:
             return
         barrier = _PHASE["barrier before combine" if what == "combine" else "barrier before dispatch"]
         params = lay.EpParams(
