@@ -65,6 +65,7 @@ class DispatchCall:
     async_with_compute_stream: bool
     allocate_on_comm_stream: bool
     return_recv_hook: bool = False
+    plan: Any = None  # the backend's launch plan, made while validating (`Backend.check_call`)
 
     def signature(self) -> list[int]:
         """The values every rank must agree on (they size the exchanges): `SIGNATURE_FIELDS["dispatch"]`, padded."""
@@ -97,6 +98,7 @@ class CombineCall:
     # Expand layout: each rank first adds the rows of a token's slots it holds (one partial sum per (token, rank)
     # goes back), then the source adds the partial sums in ascending rank order (`Buffer._expand_partial_sums`).
     partial: bool = False
+    plan: Any = None  # as DispatchCall's
 
     def signature(self) -> list[int]:
         """The values every rank must agree on (they size the exchange): `SIGNATURE_FIELDS["combine"]`, padded
@@ -560,7 +562,7 @@ class Buffer(PrimitivesMixin):
         call = self._validated("dispatch", lambda: self._validate_dispatch(
             x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, handle,
             do_cpu_sync, do_expand, quantize, dequantize, previous_event, async_with_compute_stream,
-            allocate_on_comm_stream, return_recv_hook))
+            allocate_on_comm_stream, return_recv_hook), previous_event)
         if call.handle is None and self._check_inputs:
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
         return self._impl.dispatch(call, agreed=self._agrees_on_host)
@@ -571,19 +573,22 @@ class Buffer(PrimitivesMixin):
         path on the CPU, where exchanges block the host anyway; MOE_COMM_CHECK_INPUTS=1)."""
         return self._impl.checks_every_call or self._check_inputs
 
-    def _validated(self, what: str, validate: Callable[[], Any]):
-        """`validate()`'s call, and with `_agrees_on_host` the ranks' agreement on its sizes before anything else
-        moves. A rank that refused its arguments (TypeError/ValueError) takes part in the agreement with a refusal
-        before it raises: with `_agrees_on_host` every other rank raises a ValueError naming it at once; on the
-        CUDA backend the refusal goes through the operation's barrier on the device, and every rank raises that
-        ValueError at its next synchronizing call (`Backend.refuse`). Either way the buffer stays usable."""
+    def _validated(self, what: str, validate: Callable[[], Any], previous_event):
+        """`validate()`'s call with the backend's own checks (`Backend.check_call`), and with `_agrees_on_host` the
+        ranks' agreement on its sizes, before anything else moves. A rank that refused its arguments (TypeError/
+        ValueError) takes part in the agreement with a refusal before it raises: with `_agrees_on_host` every other
+        rank raises a ValueError naming it at once; on the CUDA backend the refusal goes through the operation's
+        barrier on the device (`Backend.refuse`), and every rank raises that ValueError at its next synchronizing
+        call. Both leave the buffer usable. (The reference backend on GPUs and the hybrid path on GPUs take no
+        part: their peers end in the timeout of a rank that did not call.)"""
         try:
             call = validate()
+            call.plan = self._impl.check_call(what, call)
         except (TypeError, ValueError):
             if self._agrees_on_host:
                 self._impl.check_agreement([OPERATIONS.index(what)], refused=True)
             else:
-                self._impl.refuse(what)
+                self._impl.refuse(what, previous_event if isinstance(previous_event, EventOverlap) else None)
             raise
         if self._agrees_on_host:
             self._impl.check_agreement(call.signature())
@@ -740,7 +745,7 @@ class Buffer(PrimitivesMixin):
         self._check_ready("combine")
         call = self._validated("combine", lambda: self._validate_combine(
             x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,
-            allocate_on_comm_stream, return_recv_hook))
+            allocate_on_comm_stream, return_recv_hook), previous_event)
         return self._impl.combine(call)
 
     def _validate_combine(self, x, handle, topk_weights, bias, num_sms, previous_event, async_with_compute_stream,

@@ -278,11 +278,17 @@ class Backend:
         self.after_host_sync()
         self.raise_for_flags(flags, topk_idx, num_experts, "")
 
-    def refuse(self, what: str) -> None:
+    def check_call(self, what: str, c):
+        """This backend's own checks of a validated call of `what` ("dispatch", "combine") that need no device values
+        (ValueError), run by `Buffer` while validating; returns what the call's steps may reuse (`c.plan`), here
+        None."""
+        return None
+
+    def refuse(self, what: str, previous_event: Optional[EventOverlap]) -> None:
         """This rank refused its arguments to `what` ("dispatch" or "combine") where the ranks' agreement is not
-        checked on the host (`Buffer._validated`), and raises next; its peers called it. A backend that checks
-        agreement on the device takes part there with a refusal (the CUDA backend); elsewhere nothing: the peers
-        end in the timeout of a rank that did not call."""
+        checked on the host (`Buffer._validated`), and raises next; its peers called it (after `previous_event`, if
+        the call named a valid one). A backend that checks agreement on the device takes part there with a refusal
+        (the CUDA backend); elsewhere nothing: the peers end in the timeout of a rank that did not call."""
 
     def check_agreement(self, signature: list[int], refused: bool = False) -> None:
         """Raise ValueError on every rank if the ranks called different operations or one with different values.
@@ -297,7 +303,8 @@ class Backend:
         mine = torch.tensor(padded_signature([REFUSED]) if refused else signature, dtype=torch.int64,
                             device=self.device)
         rows = self.gather_values(mine, phase).tolist()
-        self.after_host_sync(synchronized=True)
+        # Every earlier operation of this rank is complete unless an async one may still run on a side stream.
+        self.after_host_sync(synchronized=not self._busy_streams)
         if refused:
             return
         problem = disagreement(rows)

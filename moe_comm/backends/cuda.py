@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .. import layout as lay
+from ..event import EventOverlap
 from ..handle import EPHandle
 from .common import (DTYPE_CODES, REFUSED, SIGNATURE_FIELDS, Backend, all_gather_single, disagreement,
                      padded_signature)
@@ -409,7 +410,6 @@ class CudaBackend(Backend):
 
     def _dispatch_params(self, c, num_tokens: int, num_topk: int, weight_bytes: int, signature=()) -> lay.EpParams:
         """EpParams of a dispatch with these sizes (cached by the caller)."""
-        self._check_num_sms(c.num_sms)
         data_bytes = c.hidden * (c.x.element_size() if c.wire_format is None else 1)
         scale_bytes = 0 if c.wire_format is None else (c.hidden // lay.FP8_CHANNELS_PER_SCALE) * 4
         row = lay.dispatch_row(data_bytes, scale_bytes, num_topk, weight_bytes)
@@ -427,7 +427,7 @@ class CudaBackend(Backend):
             raise ValueError(f"handle (epoch {handle.epoch}) was made before the ranks' disagreement that a "
                              f"synchronizing call raised: its dispatch may have moved nothing; dispatch again")
 
-    def refuse(self, what: str) -> None:
+    def refuse(self, what: str, previous_event: Optional[EventOverlap]) -> None:
         """The operation's barrier with the refusal as this rank's signature (one block): the peers' kernels see the
         disagreement and move nothing, and every rank raises it at its next synchronizing call, instead of the
         peers waiting for this rank until their timeout. Ordered on the current stream as a synchronous call."""
@@ -444,13 +444,27 @@ class CudaBackend(Backend):
             self.kernels.check(self.kernels.refuse(ctypes.byref(params), self._raw_stream()), "refusal", self.rank)
             return (), [], []
 
-        self.run(launch, None, False, ())
+        self.run(launch, previous_event, False, ())
+
+    def check_call(self, what: str, c) -> _Plan:
+        """The call's launch plan (`_plan`): `Buffer` asks for it while validating, so that what this backend
+        refuses (ValueError) is refused before anything runs, as any argument is (`refuse`)."""
+        return self._plan(what, c)
+
+    def _plan(self, what: str, c) -> _Plan:
+        """The launch plan of `what` ("dispatch", "combine") at the call's shape, made at its first call and kept,
+        after the checks that need no device values (ValueError): the SM count, a handle made before a
+        disagreement, the receive region and the kernels' limits, a hook on a combine in rounds."""
+        self._check_num_sms(c.num_sms)
+        if what == "combine":
+            return self._combine_call_plan(c)
+        if c.handle is None:
+            return self._fresh_call_plan(c)
+        return self._cached_call_plan(c)
 
     def dispatch_steps(self, c, agreed: bool):
-        if c.handle is not None:
-            self._check_handle_epoch(c.handle)
-            return self._cached_dispatch(c)
-        return self._fresh_dispatch(c)
+        plan = c.plan or self._plan("dispatch", c)
+        return self._fresh_dispatch(c, plan) if c.handle is None else self._cached_dispatch(c, plan)
 
     @staticmethod
     def _kernel_rows(c) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
@@ -488,9 +502,7 @@ class CudaBackend(Backend):
                      offsets=lay.workspace_offsets(N, K, R, E, cap, c.do_expand, blocks), num_rows=M,
                      num_expand_rows=P)
 
-    def _fresh_dispatch(self, c):
-        """Layout, notify (the barrier with the call's signature, then the counts through the control slots), then
-        one kernel that sends and receives at the same time."""
+    def _fresh_call_plan(self, c) -> _Plan:
         signature = c.signature()
         key = (*signature, c.num_tokens, c.num_sms)
         plan = self._shapes.get(key)
@@ -498,6 +510,11 @@ class CudaBackend(Backend):
             if len(self._shapes) >= MAX_SHAPES:  # token counts that vary without end: keep the cache bounded
                 self._shapes.clear()
             plan = self._shapes[key] = self._fresh_plan(c, signature)
+        return plan
+
+    def _fresh_dispatch(self, c, plan: _Plan):
+        """Layout, notify (the barrier with the call's signature, then the counts through the control slots), then
+        one kernel that sends and receives at the same time."""
         params, layout_args, notify, inputs, outputs = plan.addresses
         data, scales, quantize, dequantize = self._kernel_rows(c)
         stream, part = self._raw_stream(), _part(c)
@@ -529,9 +546,9 @@ class CudaBackend(Backend):
         results = (self._finish_x(out_x, out_scales), None if c.do_expand else out_idx, out_w, handle)
         return results, [], self._receivers(c, plan, results)
 
-    def _cached_dispatch(self, c):
-        """The dispatch kernel along the handle's layout, barrier fused in (no layout work, no host sync)."""
+    def _cached_call_plan(self, c) -> _Plan:
         handle: EPHandle = c.handle
+        self._check_handle_epoch(handle)
         layout: CudaLayout = handle.layout
         plans = self._handle_plans(handle)
         # Everything of the signature that is not the handle's (the plan carries it to the barrier).
@@ -545,6 +562,11 @@ class CudaBackend(Backend):
                                       num_rows=handle.recv_src_idx.shape[0], num_expand_rows=handle.num_recv_rows,
                                       do_expand=int(handle.do_expand))
             plan = plans[key] = _Plan((params, inputs, outputs))
+        return plan
+
+    def _cached_dispatch(self, c, plan: _Plan):
+        """The dispatch kernel along the handle's layout, barrier fused in (no layout work, no host sync)."""
+        handle: EPHandle = c.handle
         data, scales, quantize, dequantize = self._kernel_rows(c)
         params, inputs, outputs = plan.addresses
         out_x, out_scales = self.launcher.cached_dispatch(params, inputs, outputs, data, scales, quantize, dequantize,
@@ -592,9 +614,7 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------------------------
     # Combine
     # ------------------------------------------------------------------------------------------------
-    def combine_steps(self, c):
-        """Rows back to their sources while the reducers add them, in slot rounds for expand combines that need
-        them (each round one kernel, barrier fused in)."""
+    def _combine_call_plan(self, c) -> _Plan:
         handle: EPHandle = c.handle
         self._check_handle_epoch(handle)
         weights = c.topk_weights
@@ -606,6 +626,14 @@ class CudaBackend(Backend):
             plans[key] = plan
         if c.return_recv_hook and plan.num_rounds > 1:
             raise ValueError(self._rounds_error(c, plan))
+        return plan
+
+    def combine_steps(self, c):
+        """Rows back to their sources while the reducers add them, in slot rounds for expand combines that need
+        them (each round one kernel, barrier fused in)."""
+        handle: EPHandle = c.handle
+        weights = c.topk_weights
+        plan = c.plan or self._plan("combine", c)
         bias = c.bias
         combined, combined_w = self.launcher.combine(
             *plan.addresses, c.x, weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None,
@@ -629,7 +657,6 @@ class CudaBackend(Backend):
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
         R, K, cap = self.num_ranks, handle.num_topk, handle.num_max_tokens_per_rank
-        self._check_num_sms(c.num_sms)
         data_bytes = c.x.shape[1] * c.x.element_size()
         wb = 0 if c.topk_weights is None else c.topk_weights.element_size()
         # One rank: its partial sum is the whole sum in the slot order, which the plain kernel adds as fast as it can.

@@ -223,7 +223,7 @@ class HybridBackend(Backend):
         call = dataclasses.replace(
             c, x=None if fp8 else x_F, fp8_q=x_F[0] if fp8 else None, fp8_scales=x_F[1] if fp8 else None,
             quantize=None, previous_event=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
-            **fields)
+            plan=None, **fields)
         return self.inner._impl.dispatch(call, agreed=False)
 
     # ------------------------------------------------------------------------------------------------
@@ -443,7 +443,7 @@ class HybridBackend(Backend):
         call = dataclasses.replace(c, x=y if unreduced else y.to(acc_dtype), handle=lay.inner,
                                    topk_weights=_gather(c.topk_weights, lay.inverse), bias=(),
                                    previous_event=None, async_with_compute_stream=False,
-                                   allocate_on_comm_stream=False, unreduced=unreduced)
+                                   allocate_on_comm_stream=False, unreduced=unreduced, plan=None)
         out, out_w, _ = self.inner._impl.combine(call)  # [space, H] or [space, T, H]
 
         # Back along the scale-out leg, one row per arrived row (rows that hold none send any row: never read):

@@ -70,7 +70,8 @@ def refusals(buf, rank: int) -> list[tuple[str, str, Callable[[], object]]]:
          lambda: d(x, idx, w, num_experts=E, do_cpu_sync=False, expert_alignment=0 if odd else 1)),
         ("cached dispatch num_sms", "cached dispatch", lambda: d(x, handle=handle, num_sms=-1 if odd else 0)),
         ("combine num_sms", "combine", lambda: buf.combine(rx, handle, num_sms=-1 if odd else 0)),
-    ]
+    ] + ([("combine num_sms=1 (the CUDA backend's own check)", "combine",
+           lambda: buf.combine(rx, handle, num_sms=1 if odd else 0))] if buf.backend == "cuda" else [])
 
 
 def run_refusals(rank: int, world_size: int, backend_buffer: Callable[[], object], deferred: bool) -> list[str]:
