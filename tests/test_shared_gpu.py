@@ -18,7 +18,7 @@ from moe_comm import layout as lay
 from moe_comm.backends.cuda import CudaTuning
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import check_case
-from moe_comm.testing.disagreement import run_probes, run_refusals
+from moe_comm.testing.disagreement import assert_cuda_refusals, run_probes, run_refusals
 from moe_comm.testing.shared_gpu import every_buffer_over_ipc, on_gpu0
 from moe_comm.testing.soak import SoakConfig, draw_soak_cases, soak_rank, summarize, warmup_cases
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
@@ -118,8 +118,10 @@ def test_refusal_on_the_cuda_path(pool):
     with a refusal; rank 1's kernels move nothing and both raise the ValueError naming rank 0 at the next
     synchronizing call; the buffer works afterwards (no rank waits for its timeout)."""
     start = time.monotonic()
-    pool.run(refusals_rank)
+    refused, ok = pool.run(refusals_rank)
     assert time.monotonic() - start < 60
+    assert_cuda_refusals(refused, ok)
+
 
 
 def disagreeing_dispatch(buf: moe_comm.Buffer, rank: int) -> None:

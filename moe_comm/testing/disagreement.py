@@ -106,6 +106,17 @@ def run_refusals(rank: int, world_size: int, backend_buffer: Callable[[], object
     return messages
 
 
+def assert_cuda_refusals(refused: list[str], ok: list[str]) -> None:
+    """`run_refusals`' messages on the CUDA backend with 2 ranks: rank 0's own errors (`refusals`, five there), the
+    other rank's ValueErrors naming rank 0 for each operation."""
+    assert refused[0].startswith("TypeError: x.dtype=torch.int32"), refused
+    assert refused[1].startswith("ValueError: expert_alignment=0 must be >= 1"), refused
+    assert refused[2].startswith("ValueError: num_sms=-1") and refused[3].startswith("ValueError: num_sms=-1"), refused
+    assert refused[4].startswith("ValueError: num_sms=1: the CUDA backend needs 2"), refused
+    assert [m.split(":")[1].strip() for m in ok] == ["dispatch", "dispatch", "cached dispatch", "combine", "combine"]
+    assert all("rank(s) [0] refused their arguments" in m for m in ok), ok
+
+
 def partial_sums_probe(rank: int, world_size: int, make_buffer: Callable[[bool], object]) -> str:
     """Ranks whose buffers add an expand combine's rows differently (`make_buffer(deterministic)`: rank 0 in DESIGN
     2.2's slot order, the others by partial sums per rank) get the same ValueError naming "partial sums" with every
