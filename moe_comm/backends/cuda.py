@@ -447,14 +447,10 @@ class CudaBackend(Backend):
         self.run(launch, previous_event, False, ())
 
     def check_call(self, what: str, c) -> _Plan:
-        """The call's launch plan (`_plan`): `Buffer` asks for it while validating, so that what this backend
-        refuses (ValueError) is refused before anything runs, as any argument is (`refuse`)."""
-        return self._plan(what, c)
-
-    def _plan(self, what: str, c) -> _Plan:
         """The launch plan of `what` ("dispatch", "combine") at the call's shape, made at its first call and kept,
         after the checks that need no device values (ValueError): the SM count, a handle made before a
-        disagreement, the receive region and the kernels' limits, a hook on a combine in rounds."""
+        disagreement, the receive region and the kernels' limits, a hook on a combine in rounds. `Buffer` asks for
+        it while validating, so that what this backend refuses is refused as any argument is (`refuse`)."""
         self._check_num_sms(c.num_sms)
         if what == "combine":
             return self._combine_call_plan(c)
@@ -463,7 +459,7 @@ class CudaBackend(Backend):
         return self._cached_call_plan(c)
 
     def dispatch_steps(self, c, agreed: bool):
-        plan = c.plan or self._plan("dispatch", c)
+        plan = c.plan or self.check_call("dispatch", c)
         return self._fresh_dispatch(c, plan) if c.handle is None else self._cached_dispatch(c, plan)
 
     @staticmethod
@@ -633,7 +629,7 @@ class CudaBackend(Backend):
         them (each round one kernel, barrier fused in)."""
         handle: EPHandle = c.handle
         weights = c.topk_weights
-        plan = c.plan or self._plan("combine", c)
+        plan = c.plan or self.check_call("combine", c)
         bias = c.bias
         combined, combined_w = self.launcher.combine(
             *plan.addresses, c.x, weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None,
