@@ -403,6 +403,11 @@ def subgroup_of(group: dist.ProcessGroup, device: torch.device, partition: Seque
                           backend=dist.get_backend(group), pg_options=options, use_local_synchronization=True)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What sums of rows of `dtype` accumulate in (DESIGN 2.2): float64 for float64 rows, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def padded_signature(values: list[int]) -> list[int]:
     """A call's signature as the `SIGNATURE_LEN` words that travel (zero-padded)."""
     return values + [0] * (SIGNATURE_LEN - len(values))

@@ -51,8 +51,8 @@ import torch.distributed as dist
 from .. import layout as lay
 from ..event import EventOverlap
 from ..handle import EPHandle
-from .common import (DTYPE_CODES, REFUSED, SIGNATURE_FIELDS, Backend, all_gather_single, disagreement,
-                     padded_signature)
+from .common import (DTYPE_CODES, REFUSED, SIGNATURE_FIELDS, Backend, accumulation_dtype, all_gather_single,
+                     disagreement, padded_signature)
 from .cuda_ipc import IpcMemory
 from .cuda_kernels import current_stream, load_kernels
 
@@ -661,7 +661,7 @@ class CudaBackend(Backend):
             # A token's row per peer: the partial sum in the accumulation precision (or the one row as it is), with
             # the weights of all its slots, as a non-expand row carries them. Always fits: the region holds two
             # dispatch rows (data, K weights and more) per (rank, token), so one round.
-            acc_bytes = c.x.shape[1] * (8 if c.x.dtype == torch.float64 else 4)
+            acc_bytes = c.x.shape[1] * accumulation_dtype(c.x.dtype).itemsize
             row = lay.combine_row(acc_bytes, K, wb)
         else:
             row = lay.combine_row(data_bytes, 1 if handle.do_expand else K, wb)

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from ..handle import EPHandle
 from ..layout import SIGNATURE_LEN
-from .common import Backend, disagreement, subgroup_of
+from .common import Backend, accumulation_dtype, disagreement, subgroup_of
 
 MAX_SIGNATURES = 64  # signature tensors kept on the device per buffer (one per call shape)
 
@@ -437,7 +437,7 @@ class HybridBackend(Backend):
         handle: EPHandle = c.handle
         lay: HybridLayout = handle.layout
         N, hidden, dev = handle.num_tokens, c.x.shape[1], self.device
-        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        acc_dtype = accumulation_dtype(c.x.dtype)
         unreduced = not self.use_partial_reduction
         y = _gather(c.x, lay.inverse)
         call = dataclasses.replace(c, x=y if unreduced else y.to(acc_dtype), handle=lay.inner,

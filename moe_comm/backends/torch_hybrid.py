@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..handle import EPHandle
-from .common import exclusive_cumsum
+from .common import accumulation_dtype, exclusive_cumsum
 from .torch_ref import (ReceivedCounts, TorchRefBackend, _block_of_rows, _block_starts, _compact_rows,
                         _meta_fields, _pack_blocks, _rows_in_blocks, _RowCodec, _select_weights, _sum_terms)
 
@@ -334,7 +334,7 @@ class HybridRefBackend(TorchRefBackend):
         """The forwarder's partial sums: per arrived row, its terms on this host added from zero in term order, in
         the accumulation precision, with slot j's weight selected from the term that owns it. Returns the partial
         rows' codec and the scale-out send buffer (the positions the rows arrived at)."""
-        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        acc_dtype = accumulation_dtype(c.x.dtype)
         F, K = lay.fwd_term_pos_FT.shape[0], c.handle.num_topk
         got = codec.unpack(back, pad_rows=1)
         pad = back.shape[0]

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .common import subgroup_of
+from .common import accumulation_dtype, subgroup_of
 from .primitives_base import PrimitivesBase
 
 
@@ -128,7 +128,7 @@ class TorchPrimitives(PrimitivesBase):
         n = t.shape[0] // R
         recv, works = b._exchange(t, [n] * R, [n] * R, "reduce_scatter")
         out = t.new_empty(n, *t.shape[1:])
-        acc_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        acc_dtype = accumulation_dtype(t.dtype)
 
         def finalize() -> None:
             blocks = recv.view(R, n, *t.shape[1:])

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .. import quant
 from ..handle import EPHandle
-from .common import Backend, exclusive_cumsum
+from .common import Backend, accumulation_dtype, exclusive_cumsum
 
 @dataclass(frozen=True)
 class RefLayout:
@@ -515,7 +515,7 @@ class TorchRefBackend(Backend):
         """An expand combine's partial sums (`c.partial`): per received row, the rows of its slots here added from
         zero in ascending slot order, in the accumulation dtype (`[M, H]`), and its weights per slot (`[M, K]`, 0
         for slots held elsewhere)."""
-        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        acc_dtype = accumulation_dtype(c.x.dtype)
         rows_MK = lay.expand_row_MK
         absent = c.x.shape[0]  # a zero row after x: absent slots add zero
         src_MK = torch.where(rows_MK >= 0, rows_MK, absent)
@@ -562,7 +562,7 @@ class TorchRefBackend(Backend):
     def combine_steps(self, c):
         handle: EPHandle = c.handle
         lay: RefLayout = handle.layout
-        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        acc_dtype = accumulation_dtype(c.x.dtype)
         codec = self._combine_codec(c, acc_dtype if c.partial else None)
         send, send_splits, recv_splits = self._pack_back(c, codec, lay, (lay.recv_splits, lay.send_splits))
         recv, works = self._exchange(send, send_splits, recv_splits, "combine exchange")
@@ -589,7 +589,7 @@ class TorchRefBackend(Backend):
         """
         handle, dev = c.handle, self.device
         N, K, hidden = handle.num_tokens, handle.num_topk, c.x.shape[1]
-        acc_dtype = torch.float64 if c.x.dtype == torch.float64 else torch.float32
+        acc_dtype = accumulation_dtype(c.x.dtype)
         combined = torch.empty(N, *rows_NT.shape[1:] if c.unreduced else (), hidden, dtype=c.x.dtype, device=dev)
         combined_w = None if c.topk_weights is None else torch.empty(N, K, dtype=c.topk_weights.dtype, device=dev)
 
