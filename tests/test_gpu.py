@@ -735,8 +735,8 @@ def test_refusal_found_on_the_device(nccl_pool):
     """Arguments refused on rank 0 only, on the CUDA backend: rank 0 raises its own error and runs the operation's
     barrier with a refusal, the other rank's kernels move nothing, and both raise the ValueError naming rank 0 at
     their next synchronizing call (instead of rank 1 timing out); the buffer works afterwards."""
-    from moe_comm.testing.disagreement import assert_cuda_refusals
-    assert_cuda_refusals(*nccl_pool.run(device_refusals_rank))
+    from moe_comm.testing.disagreement import assert_refusals
+    assert_refusals(*nccl_pool.run(device_refusals_rank), cuda=True)
 
 
 @pytest.mark.skipif(WORLD_SIZE != 2, reason="the probes are written for 2 ranks (2 GPUs)")

@@ -18,7 +18,7 @@ from moe_comm import layout as lay
 from moe_comm.backends.cuda import CudaTuning
 from moe_comm.testing import WorkerPool
 from moe_comm.testing.checks import check_case
-from moe_comm.testing.disagreement import assert_cuda_refusals, run_probes, run_refusals
+from moe_comm.testing.disagreement import assert_refusals, run_probes, run_refusals
 from moe_comm.testing.shared_gpu import every_buffer_over_ipc, on_gpu0
 from moe_comm.testing.soak import SoakConfig, draw_soak_cases, soak_rank, summarize, warmup_cases
 from moe_comm.testing.routing import Case, draw_cases, rank_inputs
@@ -120,7 +120,7 @@ def test_refusal_on_the_cuda_path(pool):
     start = time.monotonic()
     refused, ok = pool.run(refusals_rank)
     assert time.monotonic() - start < 60
-    assert_cuda_refusals(refused, ok)
+    assert_refusals(refused, ok, cuda=True)
 
 
 
