@@ -102,25 +102,43 @@ __device__ __forceinline__ int64_t partial_tag(int64_t tag, int num_slots) {
     return num_slots > 1 ? tag ^ (int64_t(1) << 47) : tag;
 }
 
-// Partial-sum sender (`a.partial`): item k is received row m (as combine_send_rows walks them); lane j < K holds the
-// x row of slot j here (-1: none).
+// The senders' walk over the rows this rank received in the dispatch: rows interleaved across sources (row i to
+// every source before row i + 1), so that every link carries traffic all the time and every source's reducers can
+// start at once. Rows from this rank itself stay: its reducers read them from x.
+// NOTES: going source by source sent everything to rank 0 first, then to rank 1: half the links idle.
+// The number of items: (R - 1) times the most rows received from one source.
+__device__ __forceinline__ int64_t num_send_items(const EpParams& p, const CombineArgs& a) {
+    int64_t max_rows = 0;
+    for (int s = 0; s < p.num_ranks; ++s)
+        if (s != p.rank) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
+    return (p.num_ranks - 1) * max_rows;
+}
+
+// Item k is row i received from source s, dispatch output row m; false when s sent fewer rows than that.
+__device__ __forceinline__ bool send_item(const EpParams& p, const CombineArgs& a, int64_t k, int* s, int64_t* i,
+                                          int64_t* m) {
+    const int num_sources = p.num_ranks - 1;
+    *s = walk_source(k, num_sources, p.rank);
+    *i = k / num_sources;
+    *m = (*s ? a.psum_rank[*s - 1] : 0) + *i;
+    return *m < a.psum_rank[*s];
+}
+
+// Partial-sum sender (`a.partial`): one row per item; lane j < K holds the x row of slot j here (-1: none).
 template <typename T>
 __device__ void combine_send_partials(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
                                       int lane) {
     using V = AccVec<T>;
-    const int R = p.num_ranks, K = p.num_topk;
+    const int K = p.num_topk;
     const int64_t wb = p.weight_bytes, num_vecs = a.hidden / V::kVec;
     const int64_t tag = row_tag(p);
-    const int num_sources = R - 1;
-    int64_t max_rows = 0;
-    for (int s = 0; s < R; ++s)
-        if (s != p.rank) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
     constexpr int64_t kGroup = kReduceUnroll * kWarpSize;  // vectors per iteration of a warp
-    for (int64_t k = warp; k < num_sources * max_rows; k += num_warps) {
-        const int s = walk_source(k, num_sources, p.rank);
-        const int64_t i = k / num_sources, first = s ? a.psum_rank[s - 1] : 0;
-        if (i >= a.psum_rank[s] - first) continue;
-        int64_t x_row = lane < K ? a.expand_row[(first + i) * K + lane] : -1;
+    const int64_t total = num_send_items(p, a);
+    for (int64_t k = warp; k < total; k += num_warps) {
+        int s;
+        int64_t i, m;
+        if (!send_item(p, a, k, &s, &i, &m)) continue;
+        int64_t x_row = lane < K ? a.expand_row[m * K + lane] : -1;
         if (x_row >= a.num_x_rows) x_row = -1;
         const unsigned present = __ballot_sync(0xffffffffu, x_row >= 0);
         if (present == 0) continue;
@@ -163,28 +181,17 @@ __device__ void combine_send_partials(const EpParams& p, const CombineArgs& a, i
 
 __device__ void combine_send_rows(const EpParams& p, const CombineArgs& a, int64_t warp, int64_t num_warps,
                                   int lane) {
-    const int R = p.num_ranks, K = p.num_topk;
+    const int K = p.num_topk;
     const int64_t wb = p.weight_bytes;
     const int64_t tag = row_tag(p);
     const int64_t slots = a.do_expand ? a.num_slots : 1;  // region rows per dispatch output row
-    // Rows interleaved across sources (row i to every source before row i + 1), so that every link carries
-    // traffic all the time and every source's reducers can start at once. Rows from this rank itself stay: its
-    // reducers read them from x.
-    // NOTES: going source by source sent everything to rank 0 first, then to rank 1: half the links idle.
-    const int num_sources = R - 1;
-    int64_t max_rows = 0;
-    for (int s = 0; s < R; ++s)
-        if (s != p.rank) max_rows = max(max_rows, a.psum_rank[s] - (s ? a.psum_rank[s - 1] : 0));
-    const int64_t total = num_sources * max_rows;
-    // Item k is row k / num_sources received from the walk's source; sub-row q is slot slot_begin + q (expand).
-    // The region row it goes to on that source and the x row it comes from, or false when there is none.
+    const int64_t total = num_send_items(p, a);
+    // Sub-row q of item k is slot slot_begin + q (expand): the region row it goes to on the item's source and the x
+    // row it comes from, or false when there is none.
     auto locate = [&](int64_t k, int64_t q, uint8_t** dst, int64_t* x_row) {
-        if (k >= total) return false;
-        const int s = walk_source(k, num_sources, p.rank);
-        const int64_t i = k / num_sources;
-        const int64_t first = s ? a.psum_rank[s - 1] : 0;
-        if (i >= a.psum_rank[s] - first || a.slot_begin + q >= a.slot_end) return false;
-        const int64_t m = first + i;
+        int s;
+        int64_t i, m;
+        if (k >= total || !send_item(p, a, k, &s, &i, &m) || a.slot_begin + q >= a.slot_end) return false;
         *x_row = a.do_expand ? a.expand_row[m * K + a.slot_begin + q] : m;
         if (*x_row < 0 || *x_row >= a.num_x_rows) return false;
         *dst = p.peer_bases[s] + kControlBytes +
