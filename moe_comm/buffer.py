@@ -815,16 +815,21 @@ class Buffer(PrimitivesMixin):
 
     @torch.compiler.disable
     def destroy(self) -> None:
-        """Release the buffer once its communication has finished; later calls raise.
+        """Release the buffer once its communication has finished; later calls raise. Tensors this rank sent with
+        `pp_send` are received first (the receivers' `pp_recv`; a receiver that never comes: the TimeoutError naming
+        it, the buffer released all the same).
 
         A buffer dropped without `destroy()` is released as well once nothing refers to it (the CUDA backend's
         finalizer frees its memory); `destroy()` frees the memory now, whatever still refers to the buffer.
         """
-        if self._impl is not None:
-            self._prims.close()
-            self._impl.close()
-        self._impl = None
-        self._destroyed = True
+        try:
+            if self._impl is not None:
+                self._prims.close()
+        finally:
+            if self._impl is not None:
+                self._impl.close()
+            self._impl = None
+            self._destroyed = True
 
     def __repr__(self) -> str:
         return (f"moe_comm.Buffer(backend={self.backend!r}, num_ranks={self.num_ranks}, device={self.device}, "

@@ -15,10 +15,8 @@ import torch.distributed as dist
 
 from .args import check_bool, check_int
 from .backends import cuda_primitives
-from .backends.primitives_base import MAX_ROW_DIMS, shape_words
+from .backends.common import MAX_TENSOR_DIMS, tensor_words
 from .event import EventOverlap
-
-MAX_DIMS = MAX_ROW_DIMS + 1  # of an all_gather / reduce_scatter tensor (its shape travels in the agreement)
 
 _REDUCE_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
@@ -47,6 +45,8 @@ class PrimitivesMixin:
         slots per rank of the group (calls alternate between them), each rounded up to 256 bytes, and flags. The
         reference backend allocates none beyond the call's output."""
         check_int(1, num_max_bytes=num_max_bytes)
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
         num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)
         return cuda_primitives.agrs_region_bytes(num_ranks, num_max_bytes)
 
@@ -101,7 +101,7 @@ class PrimitivesMixin:
         Returns:
             `EventOverlap` (complete unless `async_with_compute_stream`).
         """
-        self._check_pp(t, dst, "dst")
+        self._check_pp(t, dst, "dst", previous_event, async_with_compute_stream)
         return self._run_primitive("pp_send", lambda: self._prims.pp_send(t, dst), previous_event,
                                    async_with_compute_stream, [t], self._prims.pp_stream(dst, True))[1]
 
@@ -120,11 +120,11 @@ class PrimitivesMixin:
         Returns:
             `EventOverlap`: `t` holds the tensor once it is complete.
         """
-        self._check_pp(t, src, "src")
+        self._check_pp(t, src, "src", previous_event, async_with_compute_stream)
         return self._run_primitive("pp_recv", lambda: self._prims.pp_recv(t, src), previous_event,
                                    async_with_compute_stream, [t], self._prims.pp_stream(src, False))[1]
 
-    def _check_pp(self, t, peer, name: str) -> None:
+    def _check_pp(self, t, peer, name: str, previous_event, async_with_compute_stream) -> None:
         self._check_alive()
         if self._prims.pp_config is None:
             raise RuntimeError("moe_comm: call pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors) on "
@@ -139,6 +139,7 @@ class PrimitivesMixin:
         if peer not in neighbours:
             raise ValueError(f"{name}={peer} is not a ring neighbour of rank {self.rank} of {R} "
                              f"(neighbours: {neighbours})")
+        self._check_stream_args(previous_event, async_with_compute_stream)
 
     # ------------------------------------------------------------------------------------------------
     # All-gather, reduce-scatter
@@ -155,7 +156,7 @@ class PrimitivesMixin:
         Returns:
             `(out, event)`: `out` is `[R, *t.shape]`, row r rank r's `t`.
         """
-        self._check_collective("all_gather", t)
+        self._check_collective("all_gather", t, previous_event, async_with_compute_stream)
         outputs, event = self._run_primitive("all_gather", lambda: self._prims.all_gather(t), previous_event,
                                              async_with_compute_stream, [t])
         return outputs[0], event
@@ -181,32 +182,33 @@ class PrimitivesMixin:
                 raise ValueError(f"t's first dimension must be a multiple of the {self.num_ranks} ranks, got shape "
                                  f"{tuple(t.shape)}")
 
-        self._check_collective("reduce_scatter", t, check)
+        self._check_collective("reduce_scatter", t, previous_event, async_with_compute_stream, check)
         outputs, event = self._run_primitive("reduce_scatter", lambda: self._prims.reduce_scatter(t), previous_event,
                                              async_with_compute_stream, [t])
         return outputs[0], event
 
-    def _check_collective(self, what: str, t, check=None) -> None:
+    def _check_collective(self, what: str, t, previous_event, async_with_compute_stream, check=None) -> None:
         """Arguments of a collective (`check(t)`: the caller's own, run after the common ones), then (reference on
-        CPU, or MOE_COMM_CHECK_INPUTS=1) that every rank gives the same shape and dtype, the exchange being sized by
-        them: a rank whose arguments were refused raises there and every other rank with it. Without the agreement a
-        refused rank raises alone (as with torch.distributed's collectives)."""
+        CPU, or MOE_COMM_CHECK_INPUTS=1) that every rank called `what` with the same shape and dtype, the exchange
+        being sized by them: a rank whose arguments were refused raises there and every other rank with it. Without
+        the agreement a refused rank raises alone (as with torch.distributed's collectives; the CUDA backend's
+        ranks agree when its region is made or grows)."""
         self._check_alive()
         agree = self._agrees_on_host
         error = None
         try:
             self._check_tensor("t", t)
-            if t.dim() > MAX_DIMS:
-                raise ValueError(f"t must have at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}")
+            if t.dim() > MAX_TENSOR_DIMS:
+                raise ValueError(f"t must have at most {MAX_TENSOR_DIMS} dimensions, got shape {tuple(t.shape)}")
             if check is not None:
                 check(t)
+            self._check_stream_args(previous_event, async_with_compute_stream)
         except (TypeError, ValueError) as exc:
             if not agree:
                 raise
             error = exc
         if agree:
-            names, values = shape_words("", MAX_DIMS) if error else shape_words("", MAX_DIMS, t.dtype, t.shape)
-            self._prims.agree(values, names, what, error)
+            self._prims.agree(what, [] if error else tensor_words(MAX_TENSOR_DIMS, t.dtype, t.shape), error)
 
     # ------------------------------------------------------------------------------------------------
     # Engram
@@ -250,7 +252,6 @@ class PrimitivesMixin:
                                 f"{tuple(indices.shape)}")
         except (RuntimeError, TypeError, ValueError) as exc:  # raised on every rank by the fetch's first exchange
             error = exc
-        self._impl.after_host_sync()
         if error is None:
             self._prims.before_call("engram_fetch")
         # The callable waits for the rows (the reference backend: for the exchange), eager under torch.compile too.
@@ -259,12 +260,14 @@ class PrimitivesMixin:
     # ------------------------------------------------------------------------------------------------
     # Shared
     # ------------------------------------------------------------------------------------------------
-    def _run_primitive(self, what: str, steps, previous_event, async_with_compute_stream, inputs,
-                       side_stream=None) -> tuple:
-        """`(outputs, event)` of a primitive's steps run by the backend (`Backend.run`, async on `side_stream` when
-        given, else the comm stream)."""
+    def _check_stream_args(self, previous_event, async_with_compute_stream) -> None:
         check_bool(async_with_compute_stream=async_with_compute_stream)
         self._check_event(previous_event)
+
+    def _run_primitive(self, what: str, steps, previous_event, async_with_compute_stream, inputs,
+                       side_stream=None) -> tuple:
+        """`(outputs, event)` of a primitive's steps (arguments checked) run by the backend (`Backend.run`, async
+        on `side_stream` when given, else the comm stream)."""
         self._impl.after_host_sync()
         self._prims.before_call(what)
         outputs, event, _ = self._impl.run(steps, previous_event, async_with_compute_stream,

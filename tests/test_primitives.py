@@ -231,6 +231,64 @@ def test_refused_arguments_raise_on_every_rank(pools):
     assert ok[3] == refused[3] == "moe_comm: call engram_write(storage) on every rank before engram_fetch"
 
 
+def mixed_calls_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
+    """Ranks that called different primitives, or one with a bad stream argument on one rank only: every rank raises
+    at once (the first exchange of every primitive is the fixed-size agreement, the operation first), none dies in
+    the transport or waits for a timeout, and the buffer works afterwards. The CUDA backend: the calls whose
+    agreement runs on the host there (pp_set_config, engram_write, engram_fetch, an all_gather / reduce_scatter that
+    makes its region)."""
+    buf = make_buffer(backend=backend)
+    dev = buf.device
+    t = torch.zeros(2 * world_size, 3, device=dev)
+    buf.engram_write(torch.zeros(2, 3, device=dev))
+    calls = {"all_gather": lambda: buf.all_gather(t), "reduce_scatter": lambda: buf.reduce_scatter(t),
+             "engram_fetch": lambda: buf.engram_fetch(torch.zeros(1, dtype=torch.int64, device=dev)),
+             "engram_write": lambda: buf.engram_write(torch.zeros(2, 3, device=dev)),
+             "pp_set_config": lambda: buf.pp_set_config(64, 2),
+             "dispatch": lambda: buf.dispatch(torch.zeros(2, 16, dtype=torch.bfloat16, device=dev),
+                                              torch.zeros(2, 2, dtype=torch.int64, device=dev), None, num_experts=4)}
+    pairs = [("all_gather", "reduce_scatter"), ("engram_fetch", "all_gather"), ("pp_set_config", "engram_write"),
+             ("engram_write", "engram_fetch")]
+    if backend == "torch":  # the CUDA backend's dispatch and a grown region's collectives agree on the device only
+        pairs += [("all_gather", "dispatch"), ("pp_set_config", "all_gather")]
+    messages = []
+    for mine, other in pairs:
+        with pytest.raises(ValueError) as info:
+            calls[mine if rank == 0 else other]()
+        messages.append(str(info.value))
+    if backend == "torch":  # bad stream arguments on rank 1 only
+        for what, call in (("all_gather", lambda: buf.all_gather(t, previous_event="x" if rank else None)),
+                           ("reduce_scatter", lambda: buf.reduce_scatter(
+                               t, async_with_compute_stream="yes" if rank else False))):
+            with pytest.raises((TypeError, ValueError)) as info:
+                call()
+            messages.append(str(info.value))
+    out, _ = buf.all_gather(torch.full((2,), float(rank), device=dev))
+    messages.append(str(torch.equal(out.cpu(), torch.arange(world_size).float()[:, None].expand(-1, 2))))
+    return messages
+
+
+def expected_mixed_calls(rank: int, backend: str) -> list[str]:
+    """`mixed_calls_rank`'s messages on `rank` of 2."""
+    pairs = [("all_gather", "reduce_scatter"), ("engram_fetch", "all_gather"), ("pp_set_config", "engram_write"),
+             ("engram_write", "engram_fetch")]
+    if backend == "torch":
+        pairs += [("all_gather", "dispatch"), ("pp_set_config", "all_gather")]
+    messages = [f"ranks called different operations (per rank): {list(pair)}" for pair in pairs]
+    if backend == "torch":
+        if rank == 0:
+            messages += [f"{what}: rank(s) [1] refused their arguments (their error says why)"
+                         for what in ("all_gather", "reduce_scatter")]
+        else:
+            messages += ["previous_event must be a moe_comm.EventOverlap or None, got str",
+                         "async_with_compute_stream must be a bool, got 'yes' (str)"]
+    return messages + ["True"]
+
+
+def test_mixed_calls_raise_on_every_rank(pools):
+    assert pools(2).run(mixed_calls_rank) == [expected_mixed_calls(r, "torch") for r in range(2)]
+
+
 def collectives_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]:
     """all_gather and reduce_scatter against torch.distributed's all_gather and a local rank-ordered FP32 sum of
     every rank's blocks (bitwise), sync and async; then the errors. `backend="cuda"`: the copy-engine path."""
@@ -275,7 +333,7 @@ def collectives_rank(rank: int, world_size: int, backend: str = "torch") -> list
     # Ranks that disagree on the shape: the same ValueError on every rank (checked on the CPU tier; on GPUs with
     # MOE_COMM_CHECK_INPUTS=1), then it works.
     if dev.type == "cpu" and world_size > 1:
-        with pytest.raises(ValueError, match=r"ranks called all_gather with different values \(per rank\): "
+        with pytest.raises(ValueError, match=r"ranks called all_gather with different arguments \(per rank\): "
                                              r"shape\[0\]: \[1, 2"):
             buf.all_gather(torch.zeros(rank + 1, 3))
     out = buf.all_gather(torch.full((2,), float(rank), device=dev))[0]
@@ -318,8 +376,8 @@ def engram_rank(rank: int, world_size: int, backend: str = "torch") -> list[str]
         buf.engram_fetch(torch.zeros(2, dtype=torch.int32, device=buf.device))
     if world_size > 1:
         dtypes = str(["float64"] + ["float32"] * (world_size - 1))
-        with pytest.raises(ValueError, match=r"ranks called engram_write with different values \(per rank\): "
-                                             rf"row dtype: {re.escape(dtypes)}"):
+        with pytest.raises(ValueError, match=r"ranks called engram_write with different arguments \(per rank\): "
+                                             rf"table row dtype: {re.escape(dtypes)}"):
             buf.engram_write(torch.zeros(2, 4, dtype=torch.float32 if rank else torch.float64, device=buf.device))
     return problems
 
@@ -362,7 +420,7 @@ def pipeline_errors_rank(rank: int, world_size: int) -> list[str]:
     messages = []
     with pytest.raises(RuntimeError, match=r"call pp_set_config\(num_max_tensor_bytes, num_max_inflight_tensors\)"):
         buf.pp_send(torch.zeros(2), (rank + 1) % world_size)
-    with pytest.raises(ValueError, match=r"ranks called pp_set_config with different values \(per rank\): "
+    with pytest.raises(ValueError, match=r"ranks called pp_set_config with different arguments \(per rank\): "
                                          r"num_max_inflight_tensors: \[1, 2"):
         buf.pp_set_config(64, rank + 1)
     buf.pp_set_config(64, 2)
@@ -372,14 +430,75 @@ def pipeline_errors_rank(rank: int, world_size: int) -> list[str]:
         buf.pp_send(torch.zeros(2), rank)
     with pytest.raises(TypeError, match="src must be an int"):
         buf.pp_recv(torch.zeros(2), 1.0)
-    # A peer that never sends: the receive ends in a TimeoutError naming rank, phase and peer.
+    # A peer that never sends: the receive ends in a TimeoutError naming rank, phase and peer; then every call of
+    # that rank refuses before it exchanges anything (its peers are out of step).
     if rank == 0:
         with pytest.raises(TimeoutError) as info:
             buf.pp_recv(torch.zeros(2), world_size - 1)
         messages.append(str(info.value))
+        for call in (lambda: buf.pp_set_config(64, 2), lambda: buf.all_gather(torch.zeros(2)),
+                     lambda: buf.reduce_scatter(torch.zeros(world_size)), lambda: buf.engram_write(torch.zeros(2)),
+                     lambda: buf.engram_fetch(torch.zeros(0, dtype=torch.int64)),
+                     lambda: buf.pp_send(torch.zeros(2), 1)):
+            with pytest.raises(RuntimeError, match="broken since an earlier error"):
+                call()
     return messages
 
 
 def test_pipeline_errors(pools):
     messages = pools(3).run(pipeline_errors_rank)
     assert "rank 0 pp_recv: receive from peer 2 did not complete within num_cpu_timeout_secs=2" in messages[0][0]
+
+
+def pipeline_destroy_rank(rank: int, world_size: int) -> list[str]:
+    """`destroy()` right after a ring of sends: the last rank receives late (a sleep), and every rank's tensor still
+    arrives (destroy waits for this rank's sends to be received); then a send whose receiver never receives: the
+    sender's destroy ends in the TimeoutError naming it, and releases the buffer all the same."""
+    group = dist.new_group(list(range(world_size)))  # of its own: rank 1's last send is never received
+    results = []
+    for step in range(2):
+        buf = moe_comm.Buffer(group, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
+                              num_cpu_timeout_secs=3)
+        buf.pp_set_config(64, 2)
+        if step == 0:
+            buf.pp_send(tensor_of(rank, 0, (4,)), (rank + 1) % world_size)
+            if rank == world_size - 1:
+                time.sleep(1.0)
+            out = torch.empty(4)
+            buf.pp_recv(out, (rank - 1) % world_size)
+            results.append(str(torch.equal(out, tensor_of((rank - 1) % world_size, 0, (4,)))))
+            buf.destroy()
+        elif rank == 1:
+            buf.pp_send(tensor_of(rank, 1, (4,)), 0)
+            with pytest.raises(TimeoutError) as info:
+                buf.destroy()
+            results.append(str(info.value).split(" did not")[0])
+            with pytest.raises(RuntimeError, match="destroyed"):
+                buf.all_gather(torch.zeros(2))
+        else:
+            buf.destroy()
+    return results
+
+
+def test_pipeline_destroy_waits_for_the_receivers(pools):
+    results = pools(3).run(pipeline_destroy_rank)
+    assert results == [["True"], ["True", "moe_comm: rank 1 pp_send: send to peer 0"], ["True"]], results
+
+
+def grad_free_rank(rank: int, world_size: int, backend: str = "torch") -> list[bool]:
+    """Outputs of the buffer's calls carry no autograd history, whatever their inputs require (as torch.distributed's;
+    the reference once returned an all_gather whose own block had it: gradients of this rank's rows only)."""
+    buf = make_buffer(backend=backend)
+    dev = buf.device
+    t = torch.randn(2 * world_size, 3, device=dev, requires_grad=True)
+    x = torch.randn(4, 16, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], device=dev)
+    w = torch.rand(4, 2, device=dev, requires_grad=True)
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
+    outputs = [buf.all_gather(t)[0], buf.reduce_scatter(t)[0], recv_x, recv_w]
+    outputs += buf.combine(recv_x.detach().requires_grad_(), handle, topk_weights=recv_w.detach().requires_grad_())[:2]
+    return [o.requires_grad for o in outputs]
+
+
+def test_outputs_carry_no_autograd_history(pools):
+    assert pools(2).run(grad_free_rank) == [[False] * 6] * 2

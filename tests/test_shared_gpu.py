@@ -318,6 +318,17 @@ def primitives_check_rank(rank: int, world_size: int, name: str):
         return getattr(test_primitives, name)(rank, world_size, "cuda")
 
 
+def test_mixed_calls_raise_on_every_rank(pool):
+    """Ranks that called different primitives where the agreement runs on the host (tests/test_primitives.py)."""
+    import test_primitives
+    expected = [test_primitives.expected_mixed_calls(rank, "cuda") for rank in range(2)]
+    assert pool.run(primitives_check_rank, "mixed_calls_rank") == expected
+
+
+def test_outputs_carry_no_autograd_history(pool):
+    assert pool.run(primitives_check_rank, "grad_free_rank") == [[False] * 6] * 2
+
+
 def test_pipeline_lagging_receiver(pool):
     """The third send into two slots waits on the stream for the receiver's first receive; no slot is overwritten
     before it is received."""

@@ -26,8 +26,10 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 # What a synchronous call returns: nothing to wait for (stateless once complete, so one object serves all).
 DONE = EventOverlap()
 
-# What ranks can be running; a call's signature starts with its index (ranks on different operations disagree).
-OPERATIONS = ("dispatch", "cached dispatch", "combine")
+# What ranks can be running; a call's signature starts with its index (ranks on different operations disagree):
+# dispatch and combine, then the primitives (whose agreement runs on the host: `moe_comm.primitives`).
+OPERATIONS = ("dispatch", "cached dispatch", "combine", "pp_set_config", "all_gather", "reduce_scatter",
+              "engram_write", "engram_fetch")
 # The operation word of a rank that refused its arguments, in place of its signature (`Backend.check_agreement`).
 REFUSED = -1
 # The words of a call's signature per operation (`DispatchCall.signature`, `CombineCall.signature`), the operation
@@ -38,13 +40,28 @@ REFUSED = -1
 _DISPATCH_FIELDS = ("operation", "handle epoch", "num_experts", "num_topk", "hidden", "row dtype", "fp8 format",
                     "dequantize", "topk_weights given", "topk_weights dtype", "num_max_tokens_per_rank", "do_expand",
                     "expert_alignment", "do_cpu_sync")
+# The primitives' signatures carry a tensor's dtype (its index in TORCH_DTYPES: they take any), number of dimensions
+# and sizes, zero-padded (`tensor_words`): MAX_TENSOR_DIMS for an all_gather / reduce_scatter tensor, MAX_ROW_DIMS
+# for the rows of an Engram table. Words past a signature's fields may differ (an Engram table's row count, a fetch's
+# first bad index).
+MAX_ROW_DIMS = 4
+MAX_TENSOR_DIMS = MAX_ROW_DIMS + 1
+TORCH_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_TENSOR_FIELDS = ("operation", "dtype", "dims", *(f"shape[{i}]" for i in range(MAX_TENSOR_DIMS)))
 SIGNATURE_FIELDS = {"dispatch": _DISPATCH_FIELDS, "cached dispatch": _DISPATCH_FIELDS,
                     "combine": ("operation", "handle epoch", "hidden", "row dtype", "topk_weights given",
-                                "topk_weights dtype", "slots per round", "partial sums")}
+                                "topk_weights dtype", "slots per round", "partial sums"),
+                    "pp_set_config": ("operation", "num_max_tensor_bytes", "num_max_inflight_tensors"),
+                    "all_gather": _TENSOR_FIELDS, "reduce_scatter": _TENSOR_FIELDS,
+                    "engram_write": ("operation", "table row dtype", "table row dims",
+                                     *(f"table row shape[{i}]" for i in range(MAX_ROW_DIMS))),
+                    "engram_fetch": ("operation",)}
 DTYPE_CODES = {getattr(torch, name): code for name, code in lay.DTYPE_CODES.items()}
 _DTYPE_NAMES = ("none", *lay.DTYPE_CODES)  # a signature's dtype code names itself by its index
+_TORCH_DTYPE_NAMES = tuple(str(dtype).removeprefix("torch.") for dtype in TORCH_DTYPES)
 _CHOICES = {"operation": OPERATIONS, "row dtype": _DTYPE_NAMES, "topk_weights dtype": _DTYPE_NAMES,
-            "fp8 format": ("none", *quant.FP8_FORMATS)}
+            "fp8 format": ("none", *quant.FP8_FORMATS), "dtype": _TORCH_DTYPE_NAMES,
+            "table row dtype": _TORCH_DTYPE_NAMES}
 
 
 class Backend:
@@ -62,6 +79,9 @@ class Backend:
     checks_every_call = False
     # Whether calls take `return_recv_hook=True` (not the hybrid paths: their legs run one after another).
     supports_recv_hook = True
+    # Steps written with torch ops (the reference, the hybrid paths) run with autograd off: their outputs would carry
+    # history otherwise, of the rows this rank kept only. The CUDA backend's outputs come from its kernels.
+    steps_use_torch_ops = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_timeout_secs: float) -> None:
         self.group = group
@@ -169,6 +189,10 @@ class Backend:
         otherwise queue behind each other: a receive posted first would hold back the send it waits for; their
         waits share only the error record and end only on a timeout).
         """
+        if self.steps_use_torch_ops and torch.is_grad_enabled():  # no autograd history (`moe_comm.autograd` has it)
+            with torch.no_grad():
+                return self.run(body, previous_event, async_with_compute_stream, inputs, return_recv_hook,
+                                side_stream)
         side = self.comm_stream if side_stream is None else side_stream
         if previous_event is not None:
             previous_event.current_stream_wait()
@@ -290,13 +314,15 @@ class Backend:
         the call named a valid one). A backend that checks agreement on the device takes part there with a refusal
         (the CUDA backend); elsewhere nothing: the peers end in the timeout of a rank that did not call."""
 
-    def check_agreement(self, signature: list[int], refused: bool = False) -> None:
-        """Raise ValueError on every rank if the ranks called different operations or one with different values.
+    def check_agreement(self, signature: list[int], refused: bool = False) -> list[list[int]]:
+        """Raise ValueError on every rank if the ranks called different operations or one with different values
+        (`SIGNATURE_FIELDS`); else return every rank's signature.
 
         Exchange sizes follow these values, so ranks that disagree would otherwise crash or corrupt rows. Every
-        signature has `SIGNATURE_LEN` words, so this exchange itself always matches. Costs one small exchange and a
-        host sync. A rank that refused its arguments (`refused`; `signature` then holds the operation alone) takes
-        part with a refusal and returns (to raise its own error); the others raise a ValueError naming it.
+        signature has `SIGNATURE_LEN` words, so this exchange itself always matches, whatever each rank called (the
+        first exchange of every call that exchanges on the host). Costs one small exchange and a host sync. A rank
+        that refused its arguments (`refused`; `signature` then holds the operation alone) takes part with a
+        refusal and returns (to raise its own error); the others raise a ValueError naming it.
         """
         self.after_host_sync()  # first of all: a buffer whose group broke refuses work
         phase = f"{OPERATIONS[signature[0]]} argument agreement"
@@ -306,10 +332,11 @@ class Backend:
         # Every earlier operation of this rank is complete unless an async one may still run on a side stream.
         self.after_host_sync(synchronized=not self._busy_streams)
         if refused:
-            return
+            return rows
         problem = disagreement(rows)
         if problem:
             raise ValueError(problem)
+        return rows
 
     # ------------------------------------------------------------------------------------------------
     # Transport (the reference backend's, and the primitives of `torch_primitives`)
@@ -411,6 +438,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def padded_signature(values: list[int]) -> list[int]:
     """A call's signature as the `SIGNATURE_LEN` words that travel (zero-padded)."""
     return values + [0] * (SIGNATURE_LEN - len(values))
+
+
+def tensor_words(max_dims: int, dtype: torch.dtype, shape: Sequence[int]) -> list[int]:
+    """A tensor's dtype (its index in TORCH_DTYPES), number of dimensions and sizes zero-padded to `max_dims`: how
+    the primitives' signatures carry a tensor that sizes their exchanges."""
+    return [TORCH_DTYPES.index(dtype), len(shape), *shape, *[0] * (max_dims - len(shape))]
 
 
 def disagreement(rows: Sequence[Sequence[int]]) -> Optional[str]:

@@ -238,6 +238,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    steps_use_torch_ops = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int, num_cpu_timeout_secs: float,
                  num_gpu_timeout_secs: float, tuning: Optional[CudaTuning] = None) -> None:

@@ -5,8 +5,8 @@ Engram: `engram_write` puts each rank's rows in an IPC region that every rank ma
 requested rows one-sided with one small kernel (peer loads; the owners take no part), after the index check that
 raises the same error on every rank (one exchange).
 
-All-gather / reduce-scatter: one region per rank, made at the first such call with slots of the largest size any
-rank asks for (a later call needing more makes a larger one), flags arrived[R] and released[R] (call numbers), and
+All-gather / reduce-scatter: one region per rank, made at the first such call (the ranks agree on the operation and
+the tensor first; a later call needing more makes a larger region, agreeing again), flags arrived[R] and released[R] (call numbers), and
 2 parities x R slots. Call s (the same number on every rank) uses parity s % 2: wait until every peer released its
 slots of call s - 2, copy into every rank's slot `me` (own included: the reduce-scatter sums its own block from
 there), release `arrived[me] = s` on every peer, wait for every peer's arrival, read the slots (all-gather: copy
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .. import layout as lay
-from .common import DTYPE_CODES
+from .common import DTYPE_CODES, MAX_TENSOR_DIMS, tensor_words
 from .cuda import _PHASE, CudaBackend
 from .cuda_ipc import IpcMemory
 from .primitives_base import PrimitivesBase
@@ -206,20 +206,19 @@ class CudaPrimitives(PrimitivesBase):
     # ------------------------------------------------------------------------------------------------
     # All-gather, reduce-scatter
     # ------------------------------------------------------------------------------------------------
-    def _agrs_region(self, slot_bytes: int) -> None:
-        """The all-gather / reduce-scatter region with slots of at least `slot_bytes`: made at the first call, made
-        again when a call needs more (collective either way: every rank's call has the same size; the slots take
-        the largest any rank asks for, one exchange and a host sync, so no copy can overrun a peer's)."""
+    def _agrs_region(self, what: str, t: torch.Tensor, slot_bytes: int) -> None:
+        """The all-gather / reduce-scatter region with slots of at least `slot_bytes` (of `what`'s tensor `t`): made
+        at the first call, made again when a call needs more (collective either way; the ranks agree on `what` and
+        `t`'s shape and dtype first, one exchange and a host sync, so no copy can overrun a peer's slot)."""
         b = self.backend
         if self._agrs is not None and slot_bytes <= self._agrs_slot_bytes:
             return
-        asked = b.gather_values(torch.tensor([slot_bytes], dtype=torch.int64, device=b.device),
-                                "all_gather / reduce_scatter slot size")
+        self.agree(what, tensor_words(MAX_TENSOR_DIMS, t.dtype, t.shape))
         if self._agrs is not None:
             self._free_region(self._agrs)
             self._agrs = None
         R = b.num_ranks
-        self._agrs_slot_bytes = _slot_size(int(asked.max()))
+        self._agrs_slot_bytes = _slot_size(slot_bytes)
         region = self._new_region(agrs_region_bytes(R, self._agrs_slot_bytes))
         # Where this rank signals on every peer: its arrival, its release of a slot.
         me, bases = b.rank, region.addresses
@@ -268,7 +267,7 @@ class CudaPrimitives(PrimitivesBase):
         b, k = self.backend, self.backend.kernels
         R, me, nbytes = b.num_ranks, b.rank, t.nbytes
         out = t.new_empty(R, *t.shape)
-        self._agrs_region(nbytes)
+        self._agrs_region("all_gather", t, nbytes)
         parity, stream = self._agrs_exchange(lambda p: None if p == me else (t.data_ptr(), nbytes), "all_gather")
         for q in range(R):
             source = t.data_ptr() if q == me else self._agrs_slot(me, parity, q)
@@ -283,7 +282,7 @@ class CudaPrimitives(PrimitivesBase):
         n = t.shape[0] // R
         out = t.new_empty(n, *t.shape[1:])
         block_bytes = out.nbytes
-        self._agrs_region(block_bytes)
+        self._agrs_region("reduce_scatter", t, block_bytes)
         parity, stream = self._agrs_exchange(lambda p: (t[p * n:(p + 1) * n].data_ptr(), block_bytes),
                                              "reduce_scatter")
         self._check(k.reduce_slots(self._agrs_slot(me, parity, 0), self._agrs_slot_bytes, R, out.numel(),

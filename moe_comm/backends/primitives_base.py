@@ -11,25 +11,10 @@ from typing import Optional
 
 import torch
 
-from .common import exclusive_cumsum
+from .common import MAX_ROW_DIMS, OPERATIONS, exclusive_cumsum, padded_signature, tensor_words
 
-# Engram tables: rows of at most this many dimensions (their shape travels in a fixed-size agreement check).
-MAX_ROW_DIMS = 4
-# Every torch dtype by a code the ranks share (agreement checks name them).
-DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int8,
-                 torch.uint8, torch.int32, torch.int64)
-
-
-def shape_words(prefix: str, max_dims: int, dtype: Optional[torch.dtype] = None,
-                shape=()) -> tuple[tuple[str, ...], list[int]]:
-    """`(names, values)` by which ranks agree on a tensor's dtype and shape (`PrimitivesBase.agree`): the dtype's
-    code in DTYPES, the number of dimensions, the sizes zero-padded to `max_dims`; names start with `prefix`. No
-    dtype (this rank refused its arguments): zeros."""
-    names = (f"{prefix}dtype", f"{prefix}dims", *(f"{prefix}shape[{i}]" for i in range(max_dims)))
-    if dtype is None:
-        return names, [0] * len(names)
-    return names, [DTYPES.index(dtype), len(shape), *shape, *[0] * (max_dims - len(shape))]
+                torch.uint8, torch.int32, torch.int64)
 
 
 class PrimitivesBase:
@@ -60,30 +45,18 @@ class PrimitivesBase:
     # ------------------------------------------------------------------------------------------------
     # Agreement
     # ------------------------------------------------------------------------------------------------
-    def agree(self, values: list[int], names: tuple[str, ...], what: str,
-              error: Optional[Exception] = None) -> list[list[int]]:
-        """Every rank's `values`; ValueError on every rank when one of the `names` differs (values past them may),
-        naming each field with every rank's value (the exchanges below are sized by them). A rank that refused its
-        arguments (`error`; its `values` any of the right length) still takes part, so that every rank raises: that
-        rank its own error, the others a ValueError naming it."""
-        b = self.backend
-        mine = torch.tensor([int(error is not None), *values], dtype=torch.int64, device=b.device)
-        rows = b.gather_values(mine, f"{what} agreement").tolist()
+    def agree(self, what: str, values: list[int], error: Optional[Exception] = None) -> list[list[int]]:
+        """Every rank's `values` (after `what`'s operation word; at most `SIGNATURE_LEN - 1`), by the backend's
+        agreement (`Backend.check_agreement`): ValueError on every rank when the ranks called different operations
+        or `what` with different values in its `SIGNATURE_FIELDS` (the words past them may differ), and on a
+        buffer whose group broke. A rank that refused its arguments (`error`) still takes part, so that every rank
+        raises: that rank its own error, the others a ValueError naming it."""
+        operation = OPERATIONS.index(what)
+        rows = self.backend.check_agreement(padded_signature([operation] if error else [operation, *values]),
+                                            refused=error is not None)
         if error is not None:
             raise error
-        refused = [r for r, row in enumerate(rows) if row[0]]
-        if refused:
-            raise ValueError(f"{what}: rank(s) {refused} refused their arguments (their error says why)")
-        rows = [row[1:] for row in rows]
-
-        def show(name: str, value: int):  # a dtype by its name (`shape_words` sends its index in DTYPES)
-            return str(DTYPES[value]).removeprefix("torch.") if name.endswith("dtype") else value
-
-        differing = [f"{name}: {[show(name, row[i]) for row in rows]}" for i, name in enumerate(names)
-                     if len({row[i] for row in rows}) > 1]
-        if differing:
-            raise ValueError(f"ranks called {what} with different values (per rank): " + "; ".join(differing))
-        return rows
+        return [row[1:] for row in rows]
 
     # ------------------------------------------------------------------------------------------------
     # Pipeline configuration and streams
@@ -100,14 +73,14 @@ class PrimitivesBase:
         """
         b = self.backend
         R = b.num_ranks
-        values = [0, 0] if error is not None else [num_max_tensor_bytes, num_max_inflight_tensors]
+        self.agree("pp_set_config", [num_max_tensor_bytes, num_max_inflight_tensors], error)
         counts = [self.num_sent[q] for q in range(R)] + [self.num_received[q] for q in range(R)]
-        rows = self.agree(values + counts, ("num_max_tensor_bytes", "num_max_inflight_tensors"), "pp_set_config",
-                          error)
+        rows = b.gather_values(torch.tensor(counts, dtype=torch.int64, device=b.device),
+                               "pp_set_config in-flight counts").tolist()
         in_flight = []
         for r in range(R):
             for q in range(R):
-                sent, received = rows[r][2 + q], rows[q][2 + R + r]
+                sent, received = rows[r][q], rows[q][R + r]
                 if sent > received:
                     in_flight.append(f"rank {r} sent {sent} to rank {q}, which posted {received} receives from it "
                                      f"(receive the rest)")
@@ -150,38 +123,28 @@ class PrimitivesBase:
         if error is None and (not 1 <= storage.dim() <= MAX_ROW_DIMS + 1 or 0 in storage.shape[1:]):
             error = ValueError(f"storage must have 1 to {MAX_ROW_DIMS + 1} dimensions (rows first) and non-empty "
                                f"rows, got shape {tuple(storage.shape)}")
-        if error is None:
-            names, values = shape_words("row ", MAX_ROW_DIMS, storage.dtype, storage.shape[1:])
-        else:
-            names, values = shape_words("row ", MAX_ROW_DIMS)
-        values.append(storage.shape[0] if error is None else 0)  # the row count: it may differ between ranks
-        rows = self.agree(values, names, "engram_write", error)
-        self.table_offsets = exclusive_cumsum([r[-1] for r in rows]) + [sum(r[-1] for r in rows)]
+        # The row count after the row shape: it may differ between ranks.
+        count_at = 2 + MAX_ROW_DIMS
+        values = [] if error else [*tensor_words(MAX_ROW_DIMS, storage.dtype, storage.shape[1:]), storage.shape[0]]
+        counts = [row[count_at] for row in self.agree("engram_write", values, error)]
+        self.table_offsets = exclusive_cumsum(counts) + [sum(counts)]
 
     def check_fetch(self, indices: torch.Tensor, error: Optional[Exception]) -> None:
         """Refused arguments or bad indices on any rank: an error on every rank before any row moves (one exchange;
         the ranks' exchanges would not match otherwise)."""
-        b = self.backend
         offsets = self.table_offsets
-        i64 = dict(dtype=torch.int64, device=b.device)
         first_bad, value = -1, 0
         if error is None:
             bad = (indices < 0) | (indices >= offsets[-1])
             if bool(bad.any()):
                 first_bad = int(bad.nonzero()[0, 0])
                 value = int(indices[first_bad])
-        everyone = b.gather_values(torch.tensor([int(error is not None), first_bad, value], **i64),
-                                   "engram_fetch index check").tolist()
-        if error is not None:
-            raise error
-        refused = [r for r, row in enumerate(everyone) if row[0]]
-        if refused:
-            raise ValueError(f"engram_fetch: rank(s) {refused} refused their arguments (their error says why)")
+        everyone = self.agree("engram_fetch", [first_bad, value], error)
         total = offsets[-1]
-        problems = [f"rank {r}: indices[{i}]={v}" for r, (_, i, v) in enumerate(everyone) if i >= 0]
+        problems = [f"rank {r}: indices[{i}]={v}" for r, (i, v, *_) in enumerate(everyone) if i >= 0]
         if problems:
             raise ValueError(f"engram_fetch indices must be in [0, {total}) (rows of every rank's table): "
                              + ", ".join(problems))
 
 
-__all__ = ["PrimitivesBase", "MAX_ROW_DIMS", "TABLE_DTYPES", "DTYPES", "shape_words"]
+__all__ = ["PrimitivesBase", "TABLE_DTYPES"]

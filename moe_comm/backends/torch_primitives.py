@@ -53,8 +53,13 @@ class TorchPrimitives(PrimitivesBase):
         self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 
     def close(self) -> None:
-        super().close()
+        """Wait until every tensor sent was received (a send dropped here would be lost: its receiver would time
+        out; on the CPU a receiver that never comes is the TimeoutError naming it), then drop the table."""
+        sends = [send for queue in self._sends.values() for send in queue]  # the staged copies live until the end
         self._sends.clear()
+        super().close()
+        if sends and self.backend.broken is None:
+            self.backend._wait([(work, description) for work, description, _ in sends])
 
     # ------------------------------------------------------------------------------------------------
     # Pipeline send/recv
