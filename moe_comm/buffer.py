@@ -815,9 +815,9 @@ class Buffer(PrimitivesMixin):
 
     @torch.compiler.disable
     def destroy(self) -> None:
-        """Release the buffer once its communication has finished; later calls raise. Tensors this rank sent with
-        `pp_send` are received first (the receivers' `pp_recv`; a receiver that never comes: the TimeoutError naming
-        it, the buffer released all the same).
+        """Release the buffer once its communication has finished; later calls raise. On the CPU, tensors this rank
+        sent with `pp_send` are received first (the receivers' `pp_recv`; a receiver that never comes: the
+        TimeoutError naming it, the buffer released all the same).
 
         A buffer dropped without `destroy()` is released as well once nothing refers to it (the CUDA backend's
         finalizer frees its memory); `destroy()` frees the memory now, whatever still refers to the buffer.

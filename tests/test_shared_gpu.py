@@ -168,6 +168,34 @@ def test_primitives_after_a_disagreement(pool):
     assert pool.run(primitives_after_disagreement_rank) == [["True", "True", "True"], ["True", "True"]]
 
 
+def agreement_with_a_busy_stream_rank(rank: int, world_size: int) -> str:
+    """After a disagreement, rank 1 sends async (its pipeline stream may still run) and rank 0 receives synchronously;
+    then both reconfigure the pipeline. Its host agreement is a synchronizing point on neither rank (it is one only
+    where it is one on every rank), so neither raises there alone (rank 0 did, and rank 1 waited in the next exchange
+    until its timeout); the next synchronizing call raises the disagreement on both."""
+    from moe_comm.testing.disagreement import CASE
+    buf = make(CASE)
+    buf.pp_set_config(num_max_tensor_bytes=1024, num_max_inflight_tensors=2)
+    disagreeing_dispatch(buf, rank)
+    sent = torch.arange(64, dtype=torch.float32, device=buf.device)
+    if rank == 1:
+        buf.pp_send(sent, 0, async_with_compute_stream=True)
+    else:
+        buf.pp_recv(torch.empty_like(sent), 1)
+    buf.pp_set_config(num_max_tensor_bytes=2048, num_max_inflight_tensors=2)
+    with pytest.raises(ValueError, match=r"num_experts: \[8, 4\]"):
+        buf.barrier()
+    check_case(buf, CASE, rank)  # still usable
+    buf.destroy()
+    return "ok"
+
+
+def test_agreement_with_a_busy_stream(pool):
+    start = time.monotonic()
+    assert pool.run(agreement_with_a_busy_stream_rank) == ["ok", "ok"]
+    assert time.monotonic() - start < 60
+
+
 def missing_peer_rank(rank: int, world_size: int) -> str:
     case = Case(seed=92, num_ranks=2, num_experts=8, num_topk=2, hidden=128, num_tokens=(64, 64),
                 num_max_tokens_per_rank=64)

@@ -32,6 +32,8 @@ OPERATIONS = ("dispatch", "cached dispatch", "combine", "pp_set_config", "all_ga
               "engram_write", "engram_fetch")
 # The operation word of a rank that refused its arguments, in place of its signature (`Backend.check_agreement`).
 REFUSED = -1
+# The last word of a signature, in the host agreement: 1 where that rank has no async call left on a side stream.
+_QUIET_WORD = SIGNATURE_LEN - 1
 # The words of a call's signature per operation (`DispatchCall.signature`, `CombineCall.signature`), the operation
 # first and the handle's epoch second (0 for a fresh dispatch); codes of the fields that name a choice. The CUDA
 # backend fills a combine's "slots per round" (its receive region's layout, `CudaTuning.max_round_slots`); the
@@ -326,11 +328,13 @@ class Backend:
         """
         self.after_host_sync()  # first of all: a buffer whose group broke refuses work
         phase = f"{OPERATIONS[signature[0]]} argument agreement"
-        mine = torch.tensor(padded_signature([REFUSED]) if refused else signature, dtype=torch.int64,
-                            device=self.device)
-        rows = self.gather_values(mine, phase).tolist()
-        # Every earlier operation of this rank is complete unless an async one may still run on a side stream.
-        self.after_host_sync(synchronized=not self._busy_streams)
+        words = padded_signature([REFUSED]) if refused else list(signature)
+        # Once the exchange is done every earlier operation of this rank is complete, unless an async one may still
+        # run on a side stream: a synchronizing point (where ranks raise what their kernels recorded) only if it is
+        # one on every rank, else one rank would raise alone while its peers go on to their next exchange.
+        words[_QUIET_WORD] = int(not self._busy_streams)
+        rows = self.gather_values(torch.tensor(words, dtype=torch.int64, device=self.device), phase).tolist()
+        self.after_host_sync(synchronized=all(row[_QUIET_WORD] for row in rows))
         if refused:
             return rows
         problem = disagreement(rows)
@@ -436,7 +440,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def padded_signature(values: list[int]) -> list[int]:
-    """A call's signature as the `SIGNATURE_LEN` words that travel (zero-padded)."""
+    """A call's signature as the `SIGNATURE_LEN` words that travel (zero-padded; the last is the host agreement's)."""
+    assert len(values) <= _QUIET_WORD, values
     return values + [0] * (SIGNATURE_LEN - len(values))
 
 
