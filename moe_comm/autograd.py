@@ -16,7 +16,8 @@ the communication ends: call `event.current_stream_wait()` (or use `with event:`
 With `return_recv_hook=True` they return the hook after the event: call it before using the outputs (autograd
 records the call as usual; the hook fills its outputs in place).
 The backward passes run on the comm stream and make the current stream wait for their result (on CUDA the host
-does not block; on CPU the reference backend waits for its collectives).
+does not block; on CPU the reference backend waits for its collectives). They are differentiable once: a double
+backward through them (`create_graph=True`, then a backward of the gradients) raises a RuntimeError.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .buffer import Buffer
 from .handle import EPHandle
@@ -63,21 +65,25 @@ class Dispatch(torch.autograd.Function):
         # No gradient reaches x through FP8 rows: a pre-quantized input or an FP8 tuple output.
         ctx.x_has_grad = x_scales is None and recv_scales is None
         ctx.row_dtype = x.dtype if x_scales is None else torch.bfloat16
+        ctx.hidden = recv_x.shape[1]
         return recv_x, recv_scales, recv_idx, recv_w, handle, event, *hook
 
     @staticmethod
+    @once_differentiable  # no double backward: a second one raises (it would treat moe_comm as a constant)
     def backward(ctx, grad_recv_x, grad_scales, grad_idx, grad_recv_w, grad_handle, grad_event, *grad_hook):
         need_x = ctx.needs_input_grad[0] and ctx.x_has_grad
         need_w = ctx.needs_input_grad[2]
         if not (need_x or need_w):
             return (None,) * 6
-        if not need_x:
-            # Weight gradients still need a combine; the rows carry nothing back.
-            grad_recv_x = torch.zeros(ctx.handle.num_recv_rows, 16 // ctx.row_dtype.itemsize, dtype=ctx.row_dtype,
-                                      device=grad_recv_w.device)
+        if grad_recv_x is None or not ctx.x_has_grad:
+            # Weight gradients still need a combine; FP8 rows carry nothing back: zeros of the rows' width (the
+            # peers call the same combine). Rows with a gradient always go back: they are the peers' tokens too,
+            # whatever this rank's own x needs.
+            grad_recv_x = torch.zeros(ctx.handle.num_recv_rows, ctx.hidden, dtype=ctx.row_dtype,
+                                      device=ctx.buffer.device)
         combined, combined_w, _ = ctx.buffer.combine(
             grad_recv_x.contiguous(), ctx.handle,
-            topk_weights=grad_recv_w.contiguous() if need_w and grad_recv_w is not None else None,
+            topk_weights=None if grad_recv_w is None else grad_recv_w.contiguous(),
             allocate_on_comm_stream=ctx.allocate_on_comm_stream)
         return (combined if need_x else None), None, (combined_w if need_w else None), None, None, None
 
@@ -95,6 +101,7 @@ class Combine(torch.autograd.Function):
         return combined, event, *hook
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_combined, grad_event, *grad_hook):
         need_y, need_b0, need_b1 = ctx.needs_input_grad[:3]
         grad_y = None
@@ -120,7 +127,7 @@ def dispatch(buffer, x, topk_idx: Optional[torch.Tensor] = None, topk_weights: O
         `Buffer.dispatch`; `recv_x` and `recv_topk_weights` carry gradients back to `x` and `topk_weights`.
     """
     _check_buffer(buffer, "dispatch")
-    if isinstance(x, (tuple, list)):
+    if isinstance(x, tuple) and len(x) == 2:  # pre-quantized; anything else is the Buffer's to refuse
         q, scales = x
         out = Dispatch.apply(q, scales, topk_weights, buffer, topk_idx, dispatch_kwargs)
     else:

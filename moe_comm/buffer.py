@@ -692,7 +692,9 @@ class Buffer(PrimitivesMixin):
                                           f"{self.num_ranks} ranks x {num_max_tokens_per_rank=})",
                                           rows * (hidden * elem_size + 8 * num_topk))
         if num_tokens > num_max_tokens_per_rank:
-            raise ValueError(f"num_tokens={num_tokens} (x rows) exceeds {num_max_tokens_per_rank=}")
+            raise ValueError(f"num_tokens={num_tokens} (x rows) exceeds {num_max_tokens_per_rank=} (make the Buffer "
+                             f"for the largest call; the Megatron integration: MoECommConfig(num_max_tokens_per_rank"
+                             f"=...), route B: install_flex_dispatcher(num_max_tokens_per_rank=...))")
         if expert_alignment > MAX_EXPERT_ALIGNMENT:
             raise ValueError(f"expert_alignment={expert_alignment} exceeds {MAX_EXPERT_ALIGNMENT} (every expert "
                              f"block is padded up to it; grouped GEMMs ask for 16 to 256)")

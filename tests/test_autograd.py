@@ -165,6 +165,68 @@ def test_cached_dispatch_keeps_weight_gradient(pools):
     assert pools(2).run(cached_keeps_weight_grad_rank) == [True, True]
 
 
+def double_backward_rank(rank: int, world_size: int) -> list[str]:
+    """A gradient penalty through dispatch and combine (`create_graph=True`, then a backward of the gradient): the
+    backward passes are differentiable once, so the second backward raises on every rank (it used to treat moe_comm
+    as a constant and return wrong gradients); a plain backward afterwards still works."""
+    case = Case(seed=34, num_ranks=world_size, num_experts=4, num_topk=2, hidden=8, num_tokens=(5, 3),
+                num_max_tokens_per_rank=8, dtype="float64")
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=32, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=60)
+    x, idx, w = rank_inputs(case, rank)
+    messages = []
+    for which in ("dispatch", "combine"):
+        x_in = x.clone().requires_grad_()
+        recv_x, _, _, handle, _ = moe_autograd.dispatch(buf, x_in, idx, w, num_experts=4)
+        y = recv_x.square() if which == "dispatch" else recv_x.detach().requires_grad_()
+        out, _ = moe_autograd.combine(buf, y, handle)
+        inner = x_in if which == "dispatch" else y
+        (grad,) = torch.autograd.grad(out.square().sum(), inner, create_graph=True)
+        with pytest.raises(RuntimeError) as info:
+            grad.square().sum().backward()
+        messages.append(str(info.value))
+    x_in = x.clone().requires_grad_()
+    recv_x, _, _, handle, _ = moe_autograd.dispatch(buf, x_in, idx, w, num_experts=4)
+    moe_autograd.combine(buf, recv_x, handle)[0].sum().backward()
+    messages.append(str(x_in.grad is not None))
+    return messages
+
+
+def mixed_requires_grad_rank(rank: int, world_size: int) -> list[str]:
+    """Ranks whose x differ in requires_grad (rank 1 differentiates its weights only): the dispatch's backward is
+    the same combine on both (the weights-only rank sends zero rows of the rows' width; it sent narrower ones, and
+    every rank raised a disagreement on a combine the user never called), and each rank gets its gradients. A list
+    as x is the Buffer's TypeError, on that rank, with its peer told (was a bare unpacking error)."""
+    case = Case(seed=35, num_ranks=world_size, num_experts=4, num_topk=2, hidden=16, num_tokens=(5, 3),
+                num_max_tokens_per_rank=8)
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=16, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=60)
+    x, idx, w = rank_inputs(case, rank)
+    x.requires_grad_(rank == 0)
+    w.requires_grad_()
+    recv_x, _, recv_w, handle, _ = moe_autograd.dispatch(buf, x, idx, w, num_experts=4)
+    (recv_x.float().sum() + recv_w.sum()).backward()
+    # Every valid slot's weight lands once; each token's row once per destination rank.
+    results = [str(torch.equal(w.grad, (idx >= 0).float()))]
+    if rank == 0:
+        ranks = torch.stack([(idx >= 0) & (idx // 2 == r) for r in range(2)]).any(-1).sum(0)
+        results.append(str(torch.equal(x.grad, ranks[:, None].to(x.dtype).expand_as(x))))
+    with pytest.raises((TypeError, ValueError)) as info:
+        moe_autograd.dispatch(buf, [x, x, x] if rank == 0 else x.detach(), idx, w.detach(), num_experts=4)
+    return results + [str(info.value)]
+
+
+def test_x_requires_grad_on_one_rank(pools):
+    first, second = pools(2).run(mixed_requires_grad_rank)
+    assert first[:2] == ["True", "True"] and first[2].startswith("x must be a torch.Tensor"), first
+    assert second == ["True", "dispatch: rank(s) [0] refused their arguments (their error says why)"], second
+
+
+def test_double_backward_raises(pools):
+    twice = "trying to differentiate twice a function that was marked with @once_differentiable"
+    assert pools(2).run(double_backward_rank) == [[twice, twice, "True"]] * 2
+
+
 def test_wrappers_take_the_buffer_first():
     """The wrappers' first argument is the Buffer (unlike `Buffer.dispatch`, a method): a tensor there is a
     TypeError that says so, before anything runs."""

@@ -461,8 +461,11 @@ def _is_destroyed(buf) -> bool:
 
 
 def buffer_cache_rank(rank: int, world_size: int) -> dict:
-    """One buffer per group object; a grown buffer replaces and destroys the old one; clear_buffers() destroys
-    the rest."""
+    """One buffer per group object; a grown buffer replaces the old one, which is released once nothing refers to
+    it (a backward may still hold it); clear_buffers() destroys the rest."""
+    import gc
+    import weakref
+
     import torch.distributed as dist
 
     from moe_comm.integrations.megatron import MoECommConfig, clear_buffers, get_buffer
@@ -473,8 +476,12 @@ def buffer_cache_rank(rank: int, world_size: int) -> dict:
     reused = get_buffer(group, 8, 32, 4, 2, options) is small
     grown = get_buffer(group, 8, 128, 4, 2, options)
     other = get_buffer(other_group, 8, 64, 4, 2, options)
-    result = dict(reused=reused, grown_is_new=grown is not small, old_destroyed=_is_destroyed(small),
+    result = dict(reused=reused, grown_is_new=grown is not small, old_alive=not _is_destroyed(small),
                   grown_alive=not _is_destroyed(grown), other_is_new=other not in (small, grown))
+    old = weakref.ref(small)
+    del small
+    gc.collect()
+    result["old_released"] = old() is None
     # Options that the shared buffer was not made with: every rank raises, naming them.
     for name, value in (("num_cpu_timeout_secs", 60.0), ("num_max_tokens_per_rank", 16)):
         try:
@@ -710,7 +717,7 @@ def test_define_missing_te_names_keeps_existing_ones(monkeypatch):
     assert moe_utils.te_general_gemm is gemm and moe_utils.fused_permute is None
 
 
-def test_buffer_cache_keyed_by_group_destroys_replaced_buffers(mcore_pool):
+def test_buffer_cache_keyed_by_group_releases_replaced_buffers(mcore_pool):
     for r in mcore_pool.run(buffer_cache_rank):
         assert all(r.values()), r
 
@@ -760,6 +767,14 @@ def test_config_errors_name_the_argument():
         MoECommConfig(sl_idx=16)
     with pytest.raises(TypeError, match="sl_idx must be an int or None"):
         MoECommConfig(sl_idx="3")
+    # A bool is not an int here (Buffer refused it only at the first forward), nor an alignment Buffer refuses.
+    for name in ("num_sms", "expert_alignment", "num_max_tokens_per_rank"):
+        with pytest.raises(TypeError, match=f"{name} must be an int, got True"):
+            MoECommConfig(**{name: True})
+    with pytest.raises(ValueError, match="expert_alignment=4096 exceeds 1024"):
+        MoECommConfig(expert_alignment=4096)
+    with pytest.raises(TypeError, match="do_expand must be a bool, got 1"):
+        MoECommConfig(do_expand=1)
     assert MoECommConfig(sl_idx=3).sl_idx == 3
 
 
@@ -985,6 +1000,70 @@ def test_expert_alignment_pads_tokens_per_expert(mcore_pool, do_expand, alignmen
     shape. Counts are checked exactly in the worker."""
     case = Case("A", 2, do_expand=do_expand)
     assert_parity(mcore_pool.run(dispatcher_parity_rank, case, LAYER_DIMS, alignment, None), exact=False)
+
+
+def shared_buffer_rank(rank: int, world_size: int) -> list[str]:
+    """The buffer cache behind both routes (`get_buffer`): a layer that grows the shared buffer (FP8 here) leaves an
+    earlier layer's backward its old buffer (it was destroyed, and that backward raised 'destroyed' in the first
+    step); a call with more tokens on one rank than the buffer holds is refused on every rank by the dispatch
+    (the check in get_buffer raised on that rank alone, and its peer waited for it until its timeout)."""
+    from moe_comm import autograd as moe_autograd
+    from moe_comm.integrations.megatron import MoECommConfig, clear_buffers
+    from moe_comm.integrations.megatron.buffers import get_buffer
+
+    import torch.distributed as dist
+
+    setup_worker(0)
+    group = dist.new_group(list(range(world_size)))  # of its own: the cache holds the other tests' buffers
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(16, 128, generator=g).bfloat16().requires_grad_()
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(16)])
+    w = torch.rand(16, 2, generator=g)
+    plain = get_buffer(group, 16, 128, 2, 2, MoECommConfig(backend="torch", num_cpu_timeout_secs=30))
+    recv_x, _, _, handle, _ = moe_autograd.dispatch(plain, x, idx, w, num_experts=4)
+    out, _ = moe_autograd.combine(plain, recv_x, handle)
+    grown = get_buffer(group, 16, 128, 2, 2, MoECommConfig(backend="torch", quantize="mxfp8",
+                                                           num_cpu_timeout_secs=30))
+    out.float().sum().backward()  # on the old buffer
+    ranks_per_token = 1 + (idx[:, 0] // 2 != idx[:, 1] // 2).to(x.dtype)  # d(sum of out)/dx: one row per rank
+    results = [str(grown is not plain and grown.use_fp8_dispatch),
+               str(torch.equal(x.grad, ranks_per_token[:, None].expand_as(x)))]
+    rows = 32 if rank == 0 else 16
+    buf = get_buffer(group, rows, 128, 2, 2, MoECommConfig(backend="torch", quantize="mxfp8",
+                                                           num_cpu_timeout_secs=30))
+    with pytest.raises(ValueError) as info:
+        moe_autograd.dispatch(buf, torch.zeros(rows, 128, dtype=torch.bfloat16), idx[:1].repeat(rows, 1), None,
+                              num_experts=4)
+    results.append(str(info.value).split(" (make")[0])
+    clear_buffers()
+    return results
+
+
+def test_shared_buffer_grows_and_refuses_on_every_rank(mcore_pool):
+    results = mcore_pool.run(shared_buffer_rank)
+    assert results == [["True", "True", "num_tokens=32 (x rows) exceeds num_max_tokens_per_rank=16"],
+                       ["True", "True", "dispatch: rank(s) [0] refused their arguments (their error says why)"]]
+
+
+def quantize_refused_rank(rank: int, world_size: int, dtype: str, hidden: int) -> str:
+    """MoECommConfig(quantize=) on a model it cannot cast: refused when the dispatcher is built."""
+    from moe_comm.integrations.megatron import MoECommConfig, MoECommTokenDispatcher
+
+    setup_worker(0)
+    dims = dataclasses.replace(LAYER_DIMS, hidden_size=hidden)
+    config = transformer_config(dims, "alltoall", EP_SIZE, getattr(torch, dtype))
+    num_local = dims.num_experts // EP_SIZE
+    with pytest.raises(ValueError) as info:
+        MoECommTokenDispatcher(num_local, list(range(rank * num_local, (rank + 1) * num_local)), config, _pg(),
+                               MoECommConfig(quantize="mxfp8"))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("dtype, hidden", [("float32", 128), ("bfloat16", 64)])
+def test_fp8_wire_refused_at_construction(mcore_pool, dtype, hidden):
+    expected = (f"MoECommConfig(quantize='mxfp8') casts bf16 rows of a hidden size that is a multiple of 128; this "
+                f"model has params_dtype=torch.{dtype}, hidden_size={hidden}")
+    assert mcore_pool.run(quantize_refused_rank, dtype, hidden) == [expected] * 2
 
 
 @pytest.mark.parametrize("quantize", ["fp8_block128", "mxfp8"])

@@ -29,13 +29,14 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
     """The cached `moe_comm.Buffer` for `group`, created or grown to fit this call.
 
     Every rank of `group` must call this at the same point (making a buffer is collective, and the first creation
-    runs one all-reduce); ranks agree on sizes because hidden, top-k and dtype are model constants. A later call
-    with more tokens than the buffer was made for raises, since only that rank would know (set
-    `num_max_tokens_per_rank`).
+    runs one all-reduce); ranks agree on sizes because hidden, top-k and dtype are model constants. A call with
+    more tokens than the buffer was made for is refused by the dispatch itself, on every rank (set
+    `num_max_tokens_per_rank` to the largest micro-batch's tokens per rank).
 
-    Growing (for a larger hidden size or top-k, or for FP8) destroys the old buffer and makes a larger one, so
-    a backward still to run on the old buffer would raise. The MoE layers on one group share the buffer: give
-    them the same sizes and options, and it never grows after their first forward.
+    Growing (for a larger hidden size or top-k, or for FP8) makes a larger buffer and drops the old one from the
+    cache: it is released once nothing refers to it, so a backward still to run on it (an earlier layer's, in the
+    first step) runs there. The MoE layers on one group share the buffer: give them the same sizes and options,
+    and it never grows after their first forward.
 
     Arguments:
         group: the expert-parallel process group.
@@ -61,23 +62,14 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
             differ = {name: (made[name], asked[name]) for name in made if made[name] != asked[name]}
             raise ValueError(f"the MoE layers on one expert-parallel group share a moe_comm buffer, made with "
                              f"{made}; this layer's MoECommConfig asks for other values (made, asked): {differ}")
-        if num_tokens > buf.num_max_tokens_per_rank:
-            raise ValueError(
-                f"num_tokens={num_tokens} exceeds the moe_comm buffer's num_max_tokens_per_rank="
-                f"{buf.num_max_tokens_per_rank} (sized at the first call); set "
-                f"MoECommConfig(num_max_tokens_per_rank=...) (route B: install_flex_dispatcher("
-                f"num_max_tokens_per_rank=...)) to the largest micro-batch's tokens per rank")
         if hidden_bf16 <= buf.hidden and num_topk <= buf.num_topk and (buf.use_fp8_dispatch or not use_fp8):
             return buf
         num_max_tokens = buf.num_max_tokens_per_rank
         hidden_bf16, num_topk = max(hidden_bf16, buf.hidden), max(num_topk, buf.num_topk)
         use_fp8 = use_fp8 or buf.use_fp8_dispatch
-        del _buffers[key]
-        buf.destroy()
+        del _buffers[key]  # not destroyed: a backward may still hold it
     else:
         num_max_tokens = options.num_max_tokens_per_rank or _max_over_ranks(group, max(num_tokens, 1))
-        if num_tokens > num_max_tokens:
-            raise ValueError(f"num_tokens={num_tokens} exceeds MoECommConfig.num_max_tokens_per_rank={num_max_tokens}")
     buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
                  use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
                  num_cpu_timeout_secs=options.num_cpu_timeout_secs, sl_idx=options.sl_idx)

@@ -249,7 +249,9 @@ class MoECommGroupedMLP(MegatronModule):
             permuted_local_hidden_states: `[P, I]`, params dtype, rows grouped by local expert (expert 0's
                 first); rows past the sum of `tokens_per_expert` are ignored.
             tokens_per_expert: `[L]` rows per local expert, integer: a tensor on the rows' device (read only
-                on the device on the grouped path: no host sync), or a CPU tensor / list (host counts, checked).
+                on the device on the grouped path: no host sync, unchecked; CPU rows with CPU counts take this
+                path too, as the sync-free layer does on a GPU), or a list / CPU tensor for GPU rows (host counts,
+                checked).
             permuted_probs: `[P]`, float, the router probability of each row (Megatron's `per_token_scale`).
 
         Returns:

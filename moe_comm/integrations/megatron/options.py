@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ... import quant, traffic_class
-from ...buffer import BACKENDS, MAX_TIMEOUT_SECS
+from ...args import check_bool, check_int
+from ...buffer import BACKENDS, MAX_EXPERT_ALIGNMENT, MAX_TIMEOUT_SECS
 
 
 @dataclass(frozen=True)
@@ -64,22 +65,20 @@ class MoECommConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
-        for name in ("do_expand", "do_cpu_sync", "async_comm", "deterministic"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_bool(do_expand=self.do_expand, do_cpu_sync=self.do_cpu_sync, async_comm=self.async_comm,
+                   deterministic=self.deterministic)
         if not self.do_cpu_sync and not self.do_expand:
             raise ValueError("do_cpu_sync=False needs do_expand=True: without a CPU sync only the expand layout "
                              "gives the experts their rows grouped by expert with the counts on the device")
-        if self.expert_alignment is not None and (not isinstance(self.expert_alignment, int)
-                                                  or self.expert_alignment < 1):
-            raise ValueError(f"expert_alignment={self.expert_alignment!r} must be None or an int >= 1")
+        if self.expert_alignment is not None:
+            check_int(1, expert_alignment=self.expert_alignment)
+            if self.expert_alignment > MAX_EXPERT_ALIGNMENT:
+                raise ValueError(f"expert_alignment={self.expert_alignment} exceeds {MAX_EXPERT_ALIGNMENT}")
         if self.quantize is not None and self.quantize not in quant.FP8_FORMATS:
             raise ValueError(f"quantize={self.quantize!r} is not one of {(None, *quant.FP8_FORMATS)}")
-        if not isinstance(self.num_sms, int) or self.num_sms < 0:
-            raise ValueError(f"num_sms={self.num_sms!r} must be an int >= 0 (0 = analytical model)")
-        if self.num_max_tokens_per_rank is not None and (not isinstance(self.num_max_tokens_per_rank, int)
-                                                         or self.num_max_tokens_per_rank < 1):
-            raise ValueError(f"num_max_tokens_per_rank={self.num_max_tokens_per_rank!r} must be None or an int >= 1")
+        check_int(0, num_sms=self.num_sms)  # 0: the analytical model
+        if self.num_max_tokens_per_rank is not None:
+            check_int(1, num_max_tokens_per_rank=self.num_max_tokens_per_rank)
         if isinstance(self.num_cpu_timeout_secs, bool) or not isinstance(self.num_cpu_timeout_secs, (int, float)) \
                 or not 0 < self.num_cpu_timeout_secs <= MAX_TIMEOUT_SECS:
             raise ValueError(f"num_cpu_timeout_secs={self.num_cpu_timeout_secs!r} must be a number of seconds in "

@@ -118,6 +118,10 @@ class MoECommTokenDispatcher(MoETokenDispatcher):
             raise ValueError(f"local_expert_indices={list(local_expert_indices)} must be {expected} "
                              f"(experts laid out contiguously by EP rank)")
         self.local_expert_indices = list(local_expert_indices)
+        if options.quantize is not None and (config.params_dtype != torch.bfloat16 or config.hidden_size % 128):
+            raise ValueError(f"MoECommConfig(quantize={options.quantize!r}) casts bf16 rows of a hidden size that is a "
+                             f"multiple of 128; this model has params_dtype={config.params_dtype}, hidden_size="
+                             f"{config.hidden_size}")
         self.options = options
         self.expert_alignment = expert_alignment_for(config, options)
         # Megatron's partial CUDA graphs (`cuda_graph_scope` with moe_router / moe_preprocess) replay
