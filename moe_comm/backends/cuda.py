@@ -411,6 +411,7 @@ class CudaBackend(Backend):
 
     def _dispatch_params(self, c, num_tokens: int, num_topk: int, weight_bytes: int, signature=()) -> lay.EpParams:
         """EpParams of a dispatch with these sizes (cached by the caller)."""
+        self._check_num_sms(c.num_sms)
         data_bytes = c.hidden * (c.x.element_size() if c.wire_format is None else 1)
         scale_bytes = 0 if c.wire_format is None else (c.hidden // lay.FP8_CHANNELS_PER_SCALE) * 4
         row = lay.dispatch_row(data_bytes, scale_bytes, num_topk, weight_bytes)
@@ -451,8 +452,8 @@ class CudaBackend(Backend):
         """The launch plan of `what` ("dispatch", "combine") at the call's shape, made at its first call and kept,
         after the checks that need no device values (ValueError): the SM count, a handle made before a
         disagreement, the receive region and the kernels' limits, a hook on a combine in rounds. `Buffer` asks for
-        it while validating, so that what this backend refuses is refused as any argument is (`refuse`)."""
-        self._check_num_sms(c.num_sms)
+        it while validating, so that what this backend refuses is refused as any argument is (`refuse`). The SM
+        count is checked when a plan is made (every plan's key holds it)."""
         if what == "combine":
             return self._combine_call_plan(c)
         if c.handle is None:
@@ -651,6 +652,7 @@ class CudaBackend(Backend):
                 f"be split at a hook (each round's reducers free the region for the next round's senders)")
 
     def _combine_plan(self, c) -> _Plan:
+        self._check_num_sms(c.num_sms)
         handle: EPHandle = c.handle
         layout: CudaLayout = handle.layout
         R, K, cap = self.num_ranks, handle.num_topk, handle.num_max_tokens_per_rank

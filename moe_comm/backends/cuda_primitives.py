@@ -6,11 +6,11 @@ requested rows one-sided with one small kernel (peer loads; the owners take no p
 raises the same error on every rank (one exchange).
 
 All-gather / reduce-scatter: one region per rank, made at the first such call (the ranks agree on the operation and
-the tensor first; a later call needing more makes a larger region, agreeing again), flags arrived[R] and released[R] (call numbers), and
-2 parities x R slots. Call s (the same number on every rank) uses parity s % 2: wait until every peer released its
-slots of call s - 2, copy into every rank's slot `me` (own included: the reduce-scatter sums its own block from
-there), release `arrived[me] = s` on every peer, wait for every peer's arrival, read the slots (all-gather: copy
-out; reduce-scatter: sum in rank order), release `released[me] = s` on every peer.
+the tensor first; a later call needing more makes a larger region, agreeing again), flags arrived[R] and released[R]
+(call numbers), and 2 parities x R slots. Call s (the same number on every rank) uses parity s % 2: wait until every
+peer released its slots of call s - 2, copy into every rank's slot `me` (own included: the reduce-scatter sums its own
+block from there), release `arrived[me] = s` on every peer, wait for every peer's arrival, read the slots
+(all-gather: copy out; reduce-scatter: sum in rank order), release `released[me] = s` on every peer.
 
 Memory: `pp_set_config` (collective) allocates each rank's pipeline region with CUDA IPC (`cuda_ipc`: the same code
 maps peers on one GPU or several) and maps every peer's:
