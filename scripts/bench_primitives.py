@@ -2,13 +2,15 @@
 receives from the previous), all_gather and reduce_scatter, from 1 MB to 512 MB per rank in one run.
 
 Per primitive and size, slowest rank, median of `--iters`: the time of moe_comm's call and of torch.distributed's
-equivalent on the same group (batch_isend_irecv, all_gather_into_tensor, reduce_scatter_tensor), their GB/s (bytes
-this rank sends or receives, whichever is more, over the time), and the SM claim: a bf16 GEMM on the compute stream
-while each runs beside it (moe_comm's call with `async_with_compute_stream=True`, NCCL's on a side stream), against
-the GEMM alone (`bench_overlap.gemm_us`, each run queued behind a gate). moe_comm's all_gather and pipeline results
-are checked bitwise against NCCL's first, at every size. The primitives run on the reference path for now (NCCL's
-kernels underneath, plus the pipeline's copy into a slot): until the copy-engine path lands the two columns should
-agree, which this run shows.
+equivalent on the same group (batch_isend_irecv, all_gather_into_tensor, reduce_scatter_tensor), their GB/s (the
+whole tensor's bytes over the time, nccl-tests' algbw: all_gather's gathered output and reduce_scatter's input, own
+block included, so R / (R - 1) times the bytes that cross to peers; the pipeline's tensor sent), and the SM claim: a
+bf16 GEMM on the compute stream while each runs beside it (moe_comm's call with `async_with_compute_stream=True`,
+NCCL's on a side stream), against the GEMM alone (`bench_overlap.gemm_us`, each run queued behind a gate). moe_comm's
+all_gather and pipeline results are checked bitwise against NCCL's first, at every size. The buffer takes
+`backend="auto"`: on one host with peer access that is the CUDA backend, whose primitives move data by copy engines
+(`moe_comm/backends/cuda_primitives.py`); elsewhere the reference path (NCCL underneath, plus the pipeline's copy into
+a slot).
 
     python scripts/bench_primitives.py [--num-ranks 2] [--sizes-mb 1 4 16 64 256 512] [--iters 10] [--json F] [--md F]
 """
@@ -53,7 +55,7 @@ def primitives_rank(rank: int, world_size: int, args: dict) -> dict:
             buf.pp_send(t, nxt)
             return buf.pp_recv(out, prev, **kw)
 
-        ops = {  # name: (moe_comm call taking async kwargs, NCCL call, bytes moved per rank)
+        ops = {  # name: (moe_comm call taking async kwargs, NCCL call, the whole tensor's bytes)
             "all_gather": (lambda **kw: buf.all_gather(t[:numel // R], **kw)[1],
                            lambda: all_gather_single(gathered, t[:numel // R]), numel * 2),
             "reduce_scatter": (lambda **kw: buf.reduce_scatter(t, **kw)[1],
@@ -82,15 +84,16 @@ def primitives_rank(rank: int, world_size: int, args: dict) -> dict:
                          "gemm_rows": big.shape[0], "gemm_alone_us": alone, "gemm_moe_us": beside_moe,
                          "gemm_nccl_us": beside_nccl})
     buf.destroy()
-    return {"rows": rows, "device": torch.cuda.get_device_name(device)}
+    return {"rows": rows, "device": torch.cuda.get_device_name(device), "backend": buf.backend}
 
 
 def report(config: dict, per_rank: list[dict], meta: dict) -> tuple[str, dict]:
     first = per_rank[0]
     lines = meta_lines(meta) + [
-        f"{config['num_ranks']} ranks on {first['device']}; median of {config['iters']}, slowest rank; GB/s = bytes "
-        f"per rank / time; GEMM: a bf16 [M, 7168] x [7168, 7168] on the compute stream, alone and beside each call "
-        f"(ratio to alone). moe_comm runs its primitives on the reference path for now (NCCL underneath).", "",
+        f"{config['num_ranks']} ranks on {first['device']}, moe_comm's {first.get('backend', '?')} backend; median of "
+        f"{config['iters']}, slowest rank; GB/s = the whole tensor's bytes / time (all_gather's output, "
+        f"reduce_scatter's input, the pipeline's tensor: nccl-tests' algbw); GEMM: a bf16 [M, 7168] x [7168, 7168] "
+        f"on the compute stream, alone and beside each call (ratio to alone).", "",
         "| op | MB | moe_comm us | NCCL us | moe_comm GB/s | NCCL GB/s | GEMM rows | GEMM us alone | beside moe_comm | "
         "beside NCCL |", "|---|---|---|---|---|---|---|---|---|---|"]
     table = []

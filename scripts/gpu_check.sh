@@ -62,6 +62,11 @@ num_gpus() { python3 -c "import torch; print(min(torch.cuda.device_count(), 8))"
 # One step; its status is the last failure among its commands (a step that runs several keeps going after one fails).
 step() {
 local st=0
+# Every step is GPU work: without a GPU the tests would all skip and the step report success.
+if [ "$(num_gpus)" -lt 1 ]; then
+    echo "gpu_check.sh $1: needs a GPU; python3's torch sees none (a CPU-only torch, or CUDA_VISIBLE_DEVICES)" >&2
+    return 2
+fi
 case "$1" in
     tests)
         # The nvcc compile checks (sm_90a build variants, microbenchmarks) are CPU work that CPU CI runs on every

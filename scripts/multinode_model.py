@@ -348,9 +348,14 @@ def main(argv: list[str] | None = None) -> None:
                         "benchmarks/multinode-model_analytical_<today>)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    if args.tokens < 1:
+        parser.error(f"--tokens={args.tokens} must be >= 1")
     config = {"tokens": args.tokens, "hidden": args.hidden, "num_experts": args.num_experts,
               "num_topk": args.num_topk}
-    tables = build_tables(config)
+    try:
+        tables = build_tables(config)
+    except ValueError as exc:  # the model's own checks (num_experts a multiple of 32 ranks, top-k, hidden)
+        parser.error(str(exc))
     # Imports torch, for the versions it records; the model itself needs none.
     from moe_comm.testing.bench import run_metadata
 

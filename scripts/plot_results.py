@@ -103,9 +103,11 @@ def _title(record: dict) -> str:
              f"{config['num_experts']} experts")
     if meta is None:
         return f"{shape}\n{record.get('date', '')}, a record without run metadata (its markdown names the commit)"
-    commit = "no checkout" if meta["commit"] is None else meta["commit"][:10] + (" (dirty)" if meta["dirty"] else "")
-    return (f"{shape}\ncommit {commit}, torch {meta['torch']}, CUDA {meta['cuda'] or '-'}, NCCL "
-            f"{meta['nccl'] or '-'}, {meta['date_utc'][:10]}")
+    # .get: records whose `meta` was stated afterwards (dispatch-combine_h200x2_2026-11-30*.json) lack `dirty`, `cuda`
+    commit = ("no checkout" if meta.get("commit") is None else
+              meta["commit"][:10] + (" (dirty)" if meta.get("dirty") else ""))
+    return (f"{shape}\ncommit {commit}, torch {meta.get('torch', '?')}, CUDA {meta.get('cuda') or '-'}, NCCL "
+            f"{meta.get('nccl') or '-'}, {meta.get('date_utc', '')[:10]}")
 
 
 def plot_bench(record: dict, path: str | pathlib.Path) -> None:
@@ -359,6 +361,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     records = [json.loads(pathlib.Path(path).read_text()) for path in args.results]
     out = args.out or str(pathlib.Path(args.results[0]).with_suffix(".png"))
+    if any("table" in record and "config" not in record for record in records):
+        # scripts/host_path_report.py's records (host-path_*, layout-*) also hold a `table`, of other columns
+        parser.error("a `table` without a `config`: not a bench record (host-path and layout records are drawn by "
+                     "scripts/host_path_report.py from their profile_ops runs)")
     if all("table" in record for record in records):
         if len(records) != 1:
             parser.error(f"one bench JSON at a time, got {len(records)}")

@@ -333,6 +333,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.host_loops < 1 or args.iters < args.host_loops:
         parser.error(f"--host-loops={args.host_loops} must be >= 1 and at most --iters={args.iters}")
+    if args.variants and args.json:
+        parser.error("--json records the op rows, which a --variants run does not make (its report: --out)")
+    if not 1 <= args.num_ranks <= torch.cuda.device_count():
+        parser.error(f"--num-ranks={args.num_ranks} needs as many GPUs (the CUDA backend over NCCL; this machine has "
+                     f"{torch.cuda.device_count()})")
     options = {"tokens": args.tokens, "iters": args.iters, "host_loops": args.host_loops, "variants": args.variants,
                "ops_only": args.ops_only}
     if args.variants:

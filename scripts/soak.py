@@ -54,6 +54,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.num_ranks < 1:
         parser.error(f"--num-ranks={args.num_ranks} must be >= 1")
+    if args.iters < 1:
+        parser.error(f"--iters={args.iters} must be >= 1 (a soak of no iteration checks nothing)")
     if args.share_gpu:
         if args.backend == "torch":
             parser.error("--share-gpu runs the CUDA backend: leave out --backend torch")

@@ -345,6 +345,51 @@ def test_bench_layer_refuses_missing_gpus(monkeypatch, capsys):
         assert message in refusals(monkeypatch, capsys, "bench_layer", argv), argv
 
 
+def test_bench_refuses_what_it_cannot_run(monkeypatch, capsys):
+    """Checked before any rank starts (a rank raised them after the spawn, as a RankFailure ~30 s later)."""
+    for argv, message in ((["--iters", "0"], "--iters=0"), (["--tokens", "0", "16"], "--tokens=[0, 16]"),
+                          (["--num-experts", "7"], "--num-experts=7 must be a positive multiple of --num-ranks=2"),
+                          (["--num-topk", "0"], "--num-topk=0 in [1, num_experts]"),
+                          (["--hidden", "100"], "--hidden=100"), (["--sms", "1", "8"], "--sms=[1, 8]"),
+                          (["--backend", "cuda"], "--backend cuda needs 2 GPUs")):
+        assert message in refusals(monkeypatch, capsys, "bench", argv), argv
+
+
+def test_profile_ops_refuses_what_it_cannot_run(monkeypatch, capsys):
+    """Checked before any rank starts: --json with --variants (which makes no op rows), GPUs that are not there."""
+    for argv, message in (([], "--num-ranks=2 needs as many GPUs"), (["--num-ranks", "0"], "--num-ranks=0 needs"),
+                          (["--variants", "unroll=4", "--json", "x.json"], "--json records the op rows")):
+        assert message in refusals(monkeypatch, capsys, "profile_ops", argv), argv
+
+
+def test_multinode_model_refuses_bad_shapes(capsys, tmp_path):
+    """A usage error naming the value (a ZeroDivisionError or the model's traceback before), nothing written."""
+    main = script_module("multinode_model").main
+    for argv, message in ((["--tokens", "0"], "--tokens=0 must be >= 1"),
+                          (["--num-experts", "100"], "num_experts=100 is not a multiple"),
+                          (["--num-topk", "0"], "num_topk=0 must be positive")):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--out", str(tmp_path / "m"), "--no-plot"])
+        assert info.value.code == 2 and message in capsys.readouterr().err, argv
+    assert not list(tmp_path.iterdir())
+
+
+def test_plot_results_on_committed_records(tmp_path):
+    """The 2x H200 records' `meta` was stated afterwards (no `dirty`, `cuda`): they plot; a host-path record (a
+    `table` of other columns) is refused with a usage error, not a KeyError."""
+    def plot(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_results.py"),
+                               str(ROOT / "benchmarks" / name), "-o", str(tmp_path / "p.png")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    refused = plot("host-path_h200x1_2026-12-01.json")
+    assert refused.returncode == 2 and "not a bench record" in refused.stderr, refused.stderr[-2000:]
+    pytest.importorskip("matplotlib")
+    done = plot("dispatch-combine_h200x2_2026-11-30.json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_gpu_check_runs_every_step_and_bundles(tmp_path):
     """scripts/gpu_check.sh: an unknown step is refused before anything runs; known steps all run, the script exits
     with the failure's status, and BUNDLE (inside OUT here) packs OUT after each step without packing itself."""
@@ -356,11 +401,11 @@ def test_gpu_check_runs_every_step_and_bundles(tmp_path):
                              timeout=60)
     assert refused.returncode == 2 and "usage: scripts/gpu_check.sh STEP" in refused.stderr
     assert not (tmp_path / "o" / "all.tgz").exists()
-    # No GPU: the deepep step falls back to two ranks sharing one GPU, which bench_deepep refuses (status 2).
-    done = subprocess.run(["bash", script, "deepep", "deepep"], capture_output=True, text=True, env=env, timeout=300)
+    # No GPU: every step stops at once with status 2 (the GPU tier would otherwise skip everything and pass).
+    done = subprocess.run(["bash", script, "deepep", "tests"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stdout.count("== gpu_check.sh deepep") == 2
-    assert done.stdout.count("--share-gpu needs 1 GPU(s)") == 2
+    assert done.stdout.count("== gpu_check.sh") == 2
+    assert "gpu_check.sh deepep: needs a GPU" in done.stderr and "gpu_check.sh tests: needs a GPU" in done.stderr
     with tarfile.open(tmp_path / "o" / "all.tgz") as bundle:
         assert not any("all.tgz" in name for name in bundle.getnames())
     assert not (tmp_path / "o" / "all.tgz.part").exists()

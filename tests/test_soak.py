@@ -106,7 +106,9 @@ def test_summary_fails_on_wrong_results_and_growth():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("args, message", [(["--share-gpu"], "--share-gpu needs a GPU, found none"),
                                            (["--share-gpu", "--backend", "torch"], "leave out --backend torch"),
-                                           (["--backend", "cuda"], "--share-gpu puts every rank on one")])
+                                           (["--backend", "cuda"], "--share-gpu puts every rank on one"),
+                                           (["--iters", "0"], "--iters=0 must be >= 1"),
+                                           (["--max-experts", "1"], "max_experts=1 must be >= num_ranks=2")])
 def test_soak_script_refuses_what_this_machine_cannot_run(args, message):
     """scripts/soak.py stops with a usage error naming the option before it spawns a rank."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"

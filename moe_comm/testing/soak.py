@@ -98,6 +98,8 @@ def draw_soak_cases(seed: int, count: int, num_ranks: int, max_tokens: int = 64,
         raise ValueError(f"num_ranks={num_ranks} must be in [1, {MAX_RANKS}] (rows encode the source rank)")
     if not 0 < max_tokens <= MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens} must be in [1, {MAX_TOKENS}] (rows encode the token index)")
+    if max_experts < num_ranks:
+        raise ValueError(f"max_experts={max_experts} must be >= num_ranks={num_ranks} (at least an expert per rank)")
     if not 1 <= max_topk <= MAX_TOPK:
         raise ValueError(f"max_topk={max_topk} must be in [1, {MAX_TOPK}] (combined rows must stay exact)")
     hiddens = [h for h in HIDDEN_CHOICES if h <= max_hidden]
