@@ -87,8 +87,8 @@ case "$1" in
     overlap)
         gpus=$(num_gpus)
         for e in "" "--expand"; do
-            python3 scripts/bench_overlap.py --num-ranks "$gpus" $e --json "$out/overlap$e.json" \
-                --md "$out/overlap$e.md" 2>&1 | tail -16 || st=$?
+            python3 scripts/bench_overlap.py --num-ranks "$gpus" $e --json "$out/overlap${e:+-expand}.json" \
+                --md "$out/overlap${e:+-expand}.md" 2>&1 | tail -16 || st=$?
         done
         python3 scripts/bench_primitives.py --num-ranks "$gpus" --json "$out/primitives.json" \
             --md "$out/primitives.md" 2>&1 | tail -24 || st=$? ;;

@@ -64,8 +64,8 @@ def main() -> None:
              args.note, "", f"Before: commit {meta['before']['commit']}; after: commit {meta['after']['commit']}. "
              f"torch {meta['after']['torch']}, CUDA {meta['after']['cuda']}, NCCL {meta['after']['nccl']}, Python "
              f"{meta['after']['python']}; {len(runs['before'])} + {len(runs['after'])} runs alternated in one "
-             "sitting; host us: median over the runs / least run, the rest medians.", "", "Commands (each run):", "",
-             *(f"    {runs[side][0]['metadata']['command']}" for side in ("before", "after")), "",
+             "sitting; host us: median over the runs / least run, the rest medians.", "", "Commands (in the order given):", "",
+             *(f"    {run['metadata']['command']}" for side in ("before", "after") for run in runs[side]), "",
              "| op | tokens | host us before | host us after | target | stream us before | stream us after | "
              "layout kernel us before | after |", "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
