@@ -205,7 +205,7 @@ class Buffer(PrimitivesMixin):
                                                      use_fp8_dispatch, use_recv_hook=use_recv_hook)
         self.sl_idx = sl_idx
         self.device = self.group_device(group)
-        if sl_idx is not None and self.device.type == "cuda":  # one more collective, only when asked for
+        if self.device.type == "cuda":  # collective on every rank, whatever its sl_idx (ranks may differ in it)
             self._check_traffic_class()
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
         self._memory_bytes = _memory_bytes(self.device)
@@ -275,8 +275,15 @@ class Buffer(PrimitivesMixin):
     # Set-up helpers
     # ------------------------------------------------------------------------------------------------
     def _check_traffic_class(self) -> None:
-        """The same ValueError on every rank unless NCCL carries every rank's traffic on `sl_idx` (the launch
-        environment can differ between hosts)."""
+        """Collective: the same ValueError on every rank unless every rank asked for the same `sl_idx` and NCCL
+        carries every rank's traffic on it (the launch environment can differ between hosts)."""
+        values = [None] * self.num_ranks
+        dist.all_gather_object(values, self.sl_idx, group=self.group)
+        if len(set(values)) > 1:
+            raise ValueError(f"moe_comm.Buffer: sl_idx differs between ranks (per rank, None = not set): {values}; "
+                             f"give every rank the same")
+        if self.sl_idx is None:
+            return
         failure = None
         try:
             traffic_class.check_applied(self.group, self.device, self.sl_idx)

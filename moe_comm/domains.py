@@ -11,8 +11,9 @@ every rank gets the same domains or the same `ValueError`.
 Ranks of one host whose GPUs reach each other both ways (or share a GPU) are one domain; the closure of that
 relation, so a host whose GPUs form two NVLink islands is two domains. A GPU that a rank cannot see (one visible GPU
 per rank) counts as reached. CPU ranks of one host share its memory: one
-domain per host. `MOE_COMM_RANKS_PER_NODE=n` replaces the detection: ranks `r // n` form a domain (tests of the
-hybrid path on one machine).
+domain per host. `MOE_COMM_RANKS_PER_NODE=n` replaces the detection: the ranks `r // n` of the job (r the rank in
+torch.distributed's world, as torchrun numbers them) form a host, so a subgroup's ranks are split by the host they
+sit on, as the detection splits them (tests of the hybrid path on one machine).
 
 The hybrid path needs uniform domains: equal sizes and consecutive ranks (rank r in domain `r // U`), which is how
 `torchrun --nnodes S --nproc-per-node U` numbers its ranks.
@@ -39,6 +40,8 @@ class Report:
     host: host name. gpu: the GPU's UUID, None on CPU. peers: UUIDs of the GPUs it reaches by peer access.
     visible: UUIDs of every GPU it sees (`CUDA_VISIBLE_DEVICES`), its own included.
     override: its `MOE_COMM_RANKS_PER_NODE` (None: unset), or `override_error`: why the value does not parse.
+    rank / world: its rank in torch.distributed's world and the world's size (None: the group is the world), which
+    the override splits into hosts.
     """
 
     host: str
@@ -47,6 +50,8 @@ class Report:
     visible: tuple[str, ...] = ()
     override: Optional[int] = None
     override_error: Optional[str] = None
+    rank: Optional[int] = None
+    world: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -100,10 +105,11 @@ def local_report(device: torch.device) -> Report:
         gpu = str(torch.cuda.get_device_properties(me).uuid)
         visible = tuple(str(torch.cuda.get_device_properties(d).uuid) for d in range(torch.cuda.device_count()))
         peers = tuple(uuid for d, uuid in enumerate(visible) if d != me and torch.cuda.can_device_access_peer(me, d))
+    where = dict(rank=dist.get_rank(), world=dist.get_world_size()) if dist.is_initialized() else {}
     try:
-        return Report(socket.gethostname(), gpu, peers, visible, override=env.get_int(OVERRIDE))
+        return Report(socket.gethostname(), gpu, peers, visible, override=env.get_int(OVERRIDE), **where)
     except ValueError as exc:
-        return Report(socket.gethostname(), gpu, peers, visible, override_error=str(exc))
+        return Report(socket.gethostname(), gpu, peers, visible, override_error=str(exc), **where)
 
 
 def domains_from_reports(reports: list[Report]) -> ScaleUpDomains:
@@ -120,9 +126,18 @@ def domains_from_reports(reports: list[Report]) -> ScaleUpDomains:
     if n is not None:
         if n <= 0:
             raise ValueError(f"{OVERRIDE}={n} must be a positive number of ranks per host")
-        if num_ranks % n:
-            raise ValueError(f"{OVERRIDE}={n} does not divide the group's {num_ranks} ranks into hosts")
-        return ScaleUpDomains(tuple(r // n for r in range(num_ranks)), f"{OVERRIDE}={n}")
+        # Hosts are blocks of n ranks of the job (torchrun's numbering), not of the group: a subgroup (an
+        # expert-parallel group beside data parallelism) is split by the host each of its ranks sits on.
+        if any(rep.rank is None for rep in reports):
+            job_ranks, world = list(range(num_ranks)), num_ranks
+        else:
+            job_ranks, world = [rep.rank for rep in reports], reports[0].world
+        if world % n:
+            what = f"the group's {num_ranks} ranks" if world == num_ranks else f"the job's {world} ranks"
+            raise ValueError(f"{OVERRIDE}={n} does not divide {what} into hosts")
+        hosts: dict[int, int] = {}
+        return ScaleUpDomains(tuple(hosts.setdefault(r // n, len(hosts)) for r in job_ranks),
+                              f"{OVERRIDE}={n}")
 
     # Union-find over pairs of ranks that share a host and reach each other's memory.
     parent = list(range(num_ranks))

@@ -42,8 +42,9 @@ VARIABLES = {
                  "Print one line to stderr per JIT build (with its seconds) or cache hit."),
         Variable("MOE_COMM_RANKS_PER_NODE", "int", None,
                  "Ranks per host, in place of the detection at `Buffer` construction (host names and peer access): "
-                 "ranks `r // n` form one host, so one machine can run the hybrid (multi-host) path in tests. Must "
-                 "be positive, divide the group size and be the same on every rank; unset: detected."),
+                 "the job's ranks `r // n` (torch.distributed's world ranks, as torchrun numbers them) form one host, "
+                 "and a group's ranks are split by that, so one machine can run the hybrid (multi-host) path in "
+                 "tests. Must be positive, divide the world size and be the same on every rank; unset: detected."),
         Variable("MOE_COMM_COMMIT", "str", "",
                  "The commit benchmark results record when the run's copy of the tree has no or a stale git history "
                  "(a device machine's copy); empty: read it from git."),

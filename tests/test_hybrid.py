@@ -72,6 +72,37 @@ def test_override_replaces_detection():
     assert found.domain_of_rank == (0,) * 4 + (1,) * 4 and found.describe() == f"2 x 4 ranks ({OVERRIDE}=4)"
 
 
+def test_override_splits_a_subgroup_by_the_hosts_of_its_job_ranks():
+    # 2 hosts x 4 ranks (override 4); an expert-parallel subgroup of job ranks [0, 1, 4, 5] is 2 hosts x 2, and
+    # [0, 4] 2 hosts x 1, as the detection by host name finds them.
+    ep = domains_from_reports([Report("a", override=4, rank=r, world=8) for r in (0, 1, 4, 5)])
+    assert ep.domain_of_rank == (0, 0, 1, 1) and ep.is_uniform
+    assert domains_from_reports([Report("a", override=4, rank=r, world=8) for r in (0, 4)]).domain_of_rank == (0, 1)
+    assert domains_from_reports([Report("a", override=4, rank=r, world=8) for r in (4, 5)]).num_domains == 1
+    with pytest.raises(ValueError, match=rf"{OVERRIDE}=3 does not divide the job's 8 ranks into hosts"):
+        domains_from_reports([Report("a", override=3, rank=r, world=8) for r in (0, 1, 4, 5)])
+
+
+def subgroup_domains_rank(rank: int, world_size: int) -> list:
+    import torch.distributed as dist
+    out = []
+    for ranks in ([[0, 2], [1, 3]], [[0, 1], [2, 3]]):
+        groups = [dist.new_group(r) for r in ranks]
+        group = next(g for g, r in zip(groups, ranks) if rank in r)
+        with ranks_per_node("2"):
+            buf = moe_comm.Buffer(group, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                                  num_cpu_timeout_secs=30)
+        out.append((buf.get_physical_domain_size(), buf.get_logical_domain_size()))
+        buf.destroy()
+    return out
+
+
+def test_override_on_a_subgroup_spanning_hosts(pools):
+    # 4 ranks as 2 hosts x 2: the subgroups [0, 2] / [1, 3] span both hosts (one rank each), [0, 1] / [2, 3] one.
+    results = pools(4).run(subgroup_domains_rank)
+    assert all(r == [((2, 1), (2, 1)), ((1, 2), (1, 2))] for r in results), results
+
+
 @pytest.mark.parametrize("value,fragment", [
     ("0", f"{OVERRIDE}=0 must be a positive number of ranks per host"),
     ("-2", f"{OVERRIDE}=-2 must be a positive number of ranks per host"),

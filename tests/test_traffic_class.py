@@ -90,6 +90,26 @@ def test_disagreement_raises_on_every_rank(pools):
     assert "NCCL_IB_SL=6" in messages[0], messages[0]
 
 
+def sl_idx_on_one_rank_rank(rank: int, world_size: int) -> str:
+    """Rank 0 asks for a traffic class, rank 1 does not: both must meet in the check (it is collective on every rank
+    of a CUDA group whatever its sl_idx) and raise the same error."""
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                          sl_idx=3 if rank == 0 else None)
+    try:
+        buf._check_traffic_class()
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        buf.destroy()
+    return "no error"
+
+
+def test_sl_idx_on_one_rank_raises_on_every_rank(pools):
+    messages = pools(2).run(sl_idx_on_one_rank_rank)
+    assert messages[0] == messages[1], messages
+    assert "sl_idx differs between ranks (per rank, None = not set): [3, None]" in messages[0], messages[0]
+
+
 def test_subgroup_options_only_for_nccl_groups_with_a_class(monkeypatch):
     # A CPU (gloo) group has no NCCL options to carry over: its subgroups are made with the defaults.
     assert traffic_class.subgroup_options(None, torch.device("cpu")) is None
