@@ -63,17 +63,18 @@ def test_check_applied(monkeypatch):
         traffic_class.check_applied(fake_nccl_group(3), CUDA, 3)
 
 
-def one_rank_disagrees_rank(rank: int, world_size: int) -> str:
-    """Rank 1's NCCL would use another level: every rank must get the same error (no rank left waiting)."""
-    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch", sl_idx=3)
-    assert buf.sl_idx == 3
+def traffic_class_error(sl_idx, nccl_ib_sl: str) -> str:
+    """This rank's Buffer(sl_idx=...) over gloo, its traffic-class check run as on an NCCL group with NCCL_IB_SL set:
+    the error it raises ("no error" if none)."""
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch", sl_idx=sl_idx)
+    assert buf.sl_idx == sl_idx
     real = traffic_class.check_applied
 
     def check(group, device, sl_idx):
         real(group, CUDA, sl_idx)
 
-    env = {"NCCL_IB_SL": "3" if rank == 0 else "6"}
-    with mock.patch.object(traffic_class, "check_applied", check), mock.patch.dict("os.environ", env):
+    with mock.patch.object(traffic_class, "check_applied", check), \
+            mock.patch.dict("os.environ", {"NCCL_IB_SL": nccl_ib_sl}):
         try:
             buf._check_traffic_class()
         except ValueError as exc:
@@ -81,6 +82,11 @@ def one_rank_disagrees_rank(rank: int, world_size: int) -> str:
         finally:
             buf.destroy()
     return "no error"
+
+
+def one_rank_disagrees_rank(rank: int, world_size: int) -> str:
+    """Rank 1's NCCL would use another level: every rank must get the same error (no rank left waiting)."""
+    return traffic_class_error(3, "3" if rank == 0 else "6")
 
 
 def test_disagreement_raises_on_every_rank(pools):
@@ -93,15 +99,7 @@ def test_disagreement_raises_on_every_rank(pools):
 def sl_idx_on_one_rank_rank(rank: int, world_size: int) -> str:
     """Rank 0 asks for a traffic class, rank 1 does not: both must meet in the check (it is collective on every rank
     of a CUDA group whatever its sl_idx) and raise the same error."""
-    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
-                          sl_idx=3 if rank == 0 else None)
-    try:
-        buf._check_traffic_class()
-    except ValueError as exc:
-        return str(exc)
-    finally:
-        buf.destroy()
-    return "no error"
+    return traffic_class_error(3 if rank == 0 else None, "3")
 
 
 def test_sl_idx_on_one_rank_raises_on_every_rank(pools):
