@@ -6,7 +6,10 @@
 # directories (offline runs unless WANDB_MODE says otherwise; `wandb sync DIR` uploads one later).
 # First it prints the 2-rank dispatch/combine benchmark table (scripts/bench.py, with the NCCL/gloo baseline;
 # small sizes on CPU, DESIGN section 7's sizes on GPUs).
-# Extra arguments go to train.py, e.g. `scripts/run.sh --steps 10 --do-expand`; OUT sets the output folder.
+# Extra arguments go to both runs of train.py, e.g. `scripts/run.sh --steps 10 --do-expand` (--do-expand is route A's
+# layout: the alltoall run ignores it); route A's options that alltoall has no meaning for (--quantize,
+# --no-cpu-sync) are refused by its run: train it with recipes/megatron_moe/train.py directly (README). OUT sets the
+# output folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh

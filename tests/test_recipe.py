@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -48,7 +49,12 @@ def test_tiny_preset_trains_and_logs_offline(tmp_path):
     run_dir = re.search(r"^wandb run directory: (.+)$", stdout, re.M).group(1)
     assert os.path.isdir(run_dir) and os.path.basename(run_dir).startswith("offline-run-"), run_dir
     assert os.path.commonpath([run_dir, str(tmp_path)]) == str(tmp_path), run_dir
-    assert any(name.endswith(".wandb") for name in os.listdir(run_dir)), os.listdir(run_dir)
+    records = [name for name in os.listdir(run_dir) if name.endswith(".wandb")]
+    assert records, os.listdir(run_dir)
+    # The run config carries the metadata of the metrics file (commit, versions), megatron-core's version with it.
+    assert data["metadata"]["megatron_core"], data["metadata"]
+    record = (pathlib.Path(run_dir) / records[0]).read_bytes()
+    assert b"megatron_core" in record and data["metadata"]["megatron_core"].encode() in record
     assert data["summary"]["wandb_run_dir"] == run_dir
 
 
@@ -123,3 +129,100 @@ def test_deterministic_expand_run_reproduces_alltoall_losses(tmp_path):
     assert ours["summary"]["deterministic"] and theirs["summary"]["deterministic"], (ours["summary"], theirs["summary"])
     assert ours["summary"]["do_expand"] and ours["summary"]["dtype"] == "float32", ours["summary"]
     assert [h["loss"] for h in ours["history"]] == [h["loss"] for h in theirs["history"]]
+
+
+def test_timeout_is_checked_and_reaches_megatron_and_moe_comm(monkeypatch, capsys):
+    """`--timeout-s` is refused up front when it is not a positive number of seconds (nan, 0, negative: they failed
+    at init_process_group with an unrelated message), and it becomes the timeout of Megatron's process groups (the
+    data-parallel all-reduce of the gradients waited Megatron's default 30 minutes for a stuck rank)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from recipes.megatron_moe import model
+    from recipes.megatron_moe.train import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for bad in ("nan", "0", "-1", "inf"):
+        assert f"--timeout-s={float(bad)} must be a number of seconds" in refused(
+            parse_args, ["--timeout-s", bad], capsys)
+    from megatron.core import parallel_state, tensor_parallel
+
+    calls = []
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed", lambda seed: None)
+    model.initialize_megatron(2, 0, timeout_s=30.0)
+    assert calls == [dict(expert_model_parallel_size=2, distributed_timeout_minutes=0.5)], calls
+
+
+def test_metrics_json_folder_is_checked_before_the_run(monkeypatch, capsys, tmp_path):
+    """The metrics file is written after the last step: a path whose folder cannot exist was found only then,
+    losing the run; its folder is now made (as --out's) or refused at the command line."""
+    monkeypatch.syspath_prepend(ROOT)
+    from recipes.megatron_moe.train import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "--metrics-json /proc/nope/m.json: cannot create its folder" in refused(
+        parse_args, ["--metrics-json", "/proc/nope/m.json"], capsys)
+    path = tmp_path / "new" / "m.json"
+    assert parse_args(["--metrics-json", str(path)]).metrics_json == str(path)
+    assert path.parent.is_dir()
+
+
+def test_do_expand_with_the_flex_route_and_huge_seeds_are_refused(monkeypatch, capsys):
+    """Route B keeps Megatron's non-expand permutation: `--do-expand` was accepted, ignored and recorded as on. A
+    seed past the generators' range failed after the process group's start (an overflow naming no flag)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from recipes.megatron_moe.train import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "--do-expand is route A's layout" in refused(
+        parse_args, ["--dispatcher", "moe_comm_flex", "--do-expand"], capsys)
+    assert "--seed=99999999999999999999 must be in [0, 2**32)" in refused(
+        parse_args, ["--seed", "99999999999999999999"], capsys)
+
+
+def test_sync_free_bytes_count_received_rows_not_the_worst_case(monkeypatch):
+    """Without a CPU sync the dispatch's output is sized for the worst case; dispatch_gbps / combine_gbps count
+    the rows received (`psum_num_recv_tokens_per_expert[-1]`), as with a CPU sync."""
+    import types
+
+    import torch
+
+    monkeypatch.syspath_prepend(ROOT)
+    from moe_comm.integrations.megatron import MoECommConfig
+    from recipes.megatron_moe.train import CommTimer
+
+    rows = torch.zeros(512, 64)  # worst case; 100 rows received
+    handle = types.SimpleNamespace(psum_num_recv_tokens_per_expert=torch.tensor([30, 60, 80, 100]))
+    sync_free = types.SimpleNamespace(options=MoECommConfig(do_expand=True, do_cpu_sync=False), handle=handle)
+    assert int(CommTimer.received_bytes(sync_free, rows)) == 100 * 64 * 4
+    synced = types.SimpleNamespace(options=MoECommConfig(do_expand=True), handle=handle)
+    assert CommTimer.received_bytes(synced, rows) == 512 * 64 * 4
+    assert CommTimer.received_bytes(types.SimpleNamespace(), rows) == 512 * 64 * 4  # Megatron's dispatchers
+
+
+def compare_metrics(tmp_path, loss_a, loss_b, **summary_b) -> int:
+    """compare.py's exit status for two made-up metrics files."""
+    from recipes.megatron_moe import compare
+
+    base = dict(preset="tiny", seed=1, steps=len(loss_a), world_size=2, dtype="float32", dispatcher="moe_comm",
+                mean_tokens_per_s=1.0, wandb_run_dir="-")
+    paths = []
+    for name, losses, extra in (("a", loss_a, {}), ("b", loss_b, summary_b)):
+        summary = {**base, **extra, "final_loss": losses[-1]}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(dict(summary=summary, history=[dict(step=i + 1, loss=x)
+                                                                  for i, x in enumerate(losses)])))
+        paths.append(str(path))
+    return compare.main([*paths, "--max-loss-diff", "0"])
+
+
+def test_compare_is_honest(monkeypatch, tmp_path, capsys):
+    """A run whose loss became NaN is not "equal at every step" to a finite one, and runs of other dtypes or rank
+    counts (other arithmetic, other batches) are refused like other presets or seeds."""
+    monkeypatch.syspath_prepend(ROOT)
+    assert compare_metrics(tmp_path, [5.0, 4.0, 3.0], [5.0, 4.0, 3.0]) == 0
+    assert compare_metrics(tmp_path, [5.0, 4.0, 3.0], [5.0, math.nan, math.nan]) == 1
+    assert "max |loss diff| inf (step 2)" in capsys.readouterr().out
+    assert compare_metrics(tmp_path, [5.0], [5.0], dtype="bfloat16") == 2
+    assert compare_metrics(tmp_path, [5.0], [5.0], world_size=4) == 2
+    assert "the runs differ in world_size: 2 vs 4" in capsys.readouterr().err

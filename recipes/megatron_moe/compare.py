@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
 def load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def loss_diff(x: float, y: float) -> float:
+    """|x - y|; infinite when one loss is not finite and the other differs (a diverged run is not "equal")."""
+    if x == y:
+        return 0.0
+    diff = abs(x - y)
+    return diff if math.isfinite(diff) else math.inf
 
 
 def main(argv=None) -> int:
@@ -22,11 +31,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     a, b = (load(path) for path in args.metrics)
     sa, sb = a["summary"], b["summary"]
-    for key in ("preset", "seed", "steps"):
-        if sa[key] != sb[key]:
-            print(f"error: the runs differ in {key}: {sa[key]!r} vs {sb[key]!r}", file=sys.stderr)
+    # Same model, data and arithmetic: the preset, the seed, the step count, the ranks (each rank draws its own
+    # batches) and the dtype (--dtype overrides the preset's).
+    for key in ("preset", "seed", "steps", "world_size", "dtype"):
+        if sa.get(key) != sb.get(key):
+            print(f"error: the runs differ in {key}: {sa.get(key)!r} vs {sb.get(key)!r}", file=sys.stderr)
             return 2
-    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a["history"], b["history"])]
+    diffs = [loss_diff(x["loss"], y["loss"]) for x, y in zip(a["history"], b["history"])]
     max_diff = max(diffs)
     where = f" (step {diffs.index(max_diff) + 1})" if max_diff else " (equal at every step)"
     print(f"COMPARE preset={sa['preset']} steps={sa['steps']} seed={sa['seed']} | max |loss diff| {max_diff:.3g}"

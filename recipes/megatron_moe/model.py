@@ -114,9 +114,10 @@ def mock_batch(dims: ModelDims, micro_batch_size: int, generator: torch.Generato
                 position_ids=position_ids, attention_mask=mask.view(1, 1, dims.seq_length, dims.seq_length))
 
 
-def initialize_megatron(ep_size: int, seed: int) -> None:
+def initialize_megatron(ep_size: int, seed: int, timeout_s: float | None = None) -> None:
     """Megatron's model-parallel state (expert parallelism `ep_size`, everything else 1) and RNG tracker, and
-    the names megatron-core 0.16.1's router needs without Transformer Engine (also for the alltoall baseline)."""
+    the names megatron-core 0.16.1's router needs without Transformer Engine (also for the alltoall baseline).
+    `timeout_s`: the collective timeout of Megatron's process groups (None: Megatron's default, 30 minutes)."""
     from megatron.core import parallel_state, tensor_parallel
 
     from moe_comm.integrations.megatron.compat import define_missing_te_names
@@ -124,6 +125,7 @@ def initialize_megatron(ep_size: int, seed: int) -> None:
     define_missing_te_names()
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
+        kwargs = {} if timeout_s is None else dict(distributed_timeout_minutes=timeout_s / 60)
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size, **kwargs)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

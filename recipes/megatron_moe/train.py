@@ -88,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wandb-project", default="moe_comm-megatron")
     p.add_argument("--wandb-run-name", default=None)
     p.add_argument("--no-wandb", action="store_true")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
+    p.add_argument("--timeout-s", type=float, default=120.0,
+                   help="collective timeout (seconds): the default group, Megatron's groups and moe_comm's buffers")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms (and cuBLAS's workspace setting it needs), for loss-curve "
                         "comparisons on GPUs: Megatron's unpermute then adds with index_add_ instead of scatter_add_'s "
@@ -97,12 +98,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every rank on GPU 0, gloo between them, moe_comm's buffers over CUDA IPC: results of expert "
                         "parallelism > 1 (loss curves) on a one-GPU machine; its times mean nothing")
     args = p.parse_args(argv)
+    if not 0 <= args.seed < 2**32:  # Megatron's and torch's generators take it (the batches' seed * 1000 + rank)
+        p.error(f"--seed={args.seed} must be in [0, 2**32)")
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps={args.steps} must be >= 1")
+    if args.metrics_json is not None:
+        # Checked now, not after the whole run: the file is written at the end.
+        folder = os.path.dirname(os.path.abspath(args.metrics_json))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            p.error(f"--metrics-json {args.metrics_json}: cannot create its folder: {exc}")
+        if not os.access(folder, os.W_OK) or os.path.isdir(args.metrics_json):
+            p.error(f"--metrics-json {args.metrics_json}: not a writable file path")
+    if not 0 < args.timeout_s <= 7 * 24 * 3600:  # nan too; timedelta and moe_comm refuse more than a week
+        p.error(f"--timeout-s={args.timeout_s} must be a number of seconds in (0, 604800]")
     if args.log_interval < 1:
         p.error(f"--log-interval={args.log_interval} must be >= 1")
     if args.no_cpu_sync and args.dispatcher != "moe_comm":
         p.error(f"--no-cpu-sync is route A's (--dispatcher moe_comm), got --dispatcher {args.dispatcher}")
+    if args.do_expand and args.dispatcher == "moe_comm_flex":
+        p.error("--do-expand is route A's layout (--dispatcher moe_comm); route B (moe_comm_flex) keeps Megatron's "
+                "non-expand permutation")
     dtype = getattr(torch, args.dtype) if args.dtype is not None else PRESETS[args.preset].dtype
     if args.quantize is not None and args.dispatcher == "alltoall":
         p.error(f"--quantize {args.quantize} is moe_comm's FP8 on the wire (--dispatcher moe_comm or moe_comm_flex), "
@@ -168,10 +185,26 @@ class CommTimer:
         for phase, spans in self._spans.items():
             secs = sum(a.elapsed_time(b) / 1e3 if self.use_cuda else b - a for a, b in spans)
             out[f"{phase}_ms"] = secs * 1e3
-            out[f"{phase}_gbps"] = self.bytes[phase] / secs / 1e9 if secs > 0 else 0.0
+            out[f"{phase}_gbps"] = float(self.bytes[phase]) / secs / 1e9 if secs > 0 else 0.0
             spans.clear()
             self.bytes[phase] = 0
         return out
+
+    @staticmethod
+    def received_bytes(dispatcher, rows: torch.Tensor):
+        """Bytes of the valid rows of a dispatch's output (or a combine's input, the same rows). Without a CPU sync
+        (route A's sync-free layer) the rows are sized for the worst case and only the first
+        `psum_num_recv_tokens_per_*[-1]` are received: that count stays a device tensor (no host sync here) and is
+        read at the step's end."""
+        from moe_comm.integrations.megatron import MoECommConfig
+
+        nbytes = rows.numel() * rows.element_size()
+        options = getattr(dispatcher, "options", None)
+        if not isinstance(options, MoECommConfig) or options.do_cpu_sync or rows.shape[0] == 0:
+            return nbytes
+        handle = dispatcher.handle
+        psum = handle.psum_num_recv_tokens_per_expert if options.do_expand else handle.psum_num_recv_tokens_per_rank
+        return psum[-1] * (nbytes // rows.shape[0])
 
     def instrument(self, dispatcher) -> None:
         """Wrap one layer's token dispatcher (instance attributes; the class is untouched)."""
@@ -181,14 +214,14 @@ class CommTimer:
         def timed_dispatch(hidden, probs):
             self.start("dispatch")
             out = token_dispatch(hidden, probs)
-            self.bytes["dispatch"] += out[0].numel() * out[0].element_size()
+            self.bytes["dispatch"] += self.received_bytes(dispatcher, out[0])
             if not is_async:
                 self.stop("dispatch")
             return out
 
         def timed_combine(hidden):
             self.start("combine")
-            self.bytes["combine"] += hidden.numel() * hidden.element_size()
+            self.bytes["combine"] += self.received_bytes(dispatcher, hidden)
             out = token_combine(hidden)
             if not is_async:
                 self.stop("combine")
@@ -269,8 +302,16 @@ def domains_in_use(dispatcher: str) -> str:
     return ",".join(f"{s}x{u}" for s, u in buffer_domain_sizes())
 
 
-def init_wandb(args, preset: Preset, world_size: int, out_dir: str):
-    """wandb on rank 0, offline unless WANDB_MODE is set; None with --no-wandb."""
+def recipe_metadata() -> dict:
+    """The run's metadata (`run_metadata`: commit, versions, command, ...) with megatron-core's version."""
+    from importlib.metadata import version
+
+    return {**run_metadata(sys.argv), "megatron_core": version("megatron-core")}
+
+
+def init_wandb(args, preset: Preset, world_size: int, out_dir: str, metadata: dict):
+    """wandb on rank 0, offline unless WANDB_MODE is set; None with --no-wandb. The run config holds the options,
+    the model's shapes and `metadata` (the commit and versions, as in the metrics JSON)."""
     if args.no_wandb:
         return None
     import wandb
@@ -278,7 +319,8 @@ def init_wandb(args, preset: Preset, world_size: int, out_dir: str):
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     config = {**vars(args), **dataclasses.asdict(preset.dims), "dtype": str(preset.dtype).replace("torch.", ""),
-              "micro_batch_size": preset.micro_batch_size, "world_size": world_size, "lr": preset.lr}
+              "micro_batch_size": preset.micro_batch_size, "world_size": world_size, "lr": preset.lr,
+              "metadata": metadata}
     name = args.wandb_run_name or f"{args.preset}-{args.dispatcher}-seed{args.seed}"
     return wandb.init(project=args.wandb_project, name=name, dir=out_dir, config=config,
                       settings=wandb.Settings(console="off"))
@@ -323,17 +365,19 @@ def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool, stack
     What must be undone after the run (route B's installed dispatcher) goes on `stack`."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    initialize_megatron(world_size, args.seed)
+    initialize_megatron(world_size, args.seed, timeout_s=args.timeout_s)
 
     moe_comm_config = None
     if args.dispatcher.startswith("moe_comm"):
         from moe_comm.integrations.megatron import MoECommConfig, install_flex_dispatcher
 
         if args.dispatcher == "moe_comm_flex":
-            stack.callback(install_flex_dispatcher(backend=args.backend, quantize=args.quantize))
+            stack.callback(install_flex_dispatcher(backend=args.backend, quantize=args.quantize,
+                                                   num_cpu_timeout_secs=args.timeout_s))
         else:
             moe_comm_config = MoECommConfig(backend=args.backend, do_expand=args.do_expand or args.no_cpu_sync,
-                                            do_cpu_sync=not args.no_cpu_sync, quantize=args.quantize)
+                                            do_cpu_sync=not args.no_cpu_sync, quantize=args.quantize,
+                                            num_cpu_timeout_secs=args.timeout_s)
     swiglu = dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu) if preset.swiglu else {}
     config = transformer_config(preset.dims, args.dispatcher, world_size, preset.dtype, **swiglu)
     model = build_gpt(config, preset.dims, args.dispatcher, moe_comm_config, grouped_experts=grouped).to(device)
@@ -343,10 +387,11 @@ def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool, stack
     optimizer = MasterAdam(model.parameters(), preset.lr)
 
     out_dir = os.path.abspath(args.out)
-    run = None
+    run = metadata = None
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        run = init_wandb(args, preset, world_size, out_dir)
+        metadata = recipe_metadata()
+        run = init_wandb(args, preset, world_size, out_dir, metadata)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     tokens_per_step = preset.micro_batch_size * preset.dims.seq_length * world_size
     bar = None
@@ -394,7 +439,8 @@ def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool, stack
         summary = dict(preset=args.preset, dispatcher=args.dispatcher, steps=steps, seed=args.seed,
                        world_size=world_size, first_loss=history[0]["loss"], final_loss=history[-1]["loss"],
                        domains=domains_in_use(args.dispatcher), dtype=str(preset.dtype).replace("torch.", ""),
-                       do_expand=args.do_expand or args.no_cpu_sync, deterministic=args.deterministic,
+                       do_expand=args.dispatcher == "moe_comm" and (args.do_expand or args.no_cpu_sync),
+                       deterministic=args.deterministic,
                        share_gpu=args.share_gpu, wandb_run_dir=run_dir,
                        **{f"mean_{k}": v for k, v in mean.items()})
         if run is not None:
@@ -402,7 +448,7 @@ def train(args, preset: Preset, grouped: bool, steps: int, use_cuda: bool, stack
             run.finish()
         if args.metrics_json:
             with open(args.metrics_json, "w") as f:
-                json.dump(dict(metadata=run_metadata(sys.argv), summary=summary, history=history), f, indent=1)
+                json.dump(dict(metadata=metadata, summary=summary, history=history), f, indent=1)
         print(f"SUMMARY preset={args.preset} dispatcher={args.dispatcher} steps={steps} "
               f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
               f"{mean['tokens_per_s']:.0f} tokens/s | dispatch {mean['dispatch_ms']:.2f} ms, "
