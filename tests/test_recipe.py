@@ -199,6 +199,34 @@ def test_sync_free_bytes_count_received_rows_not_the_worst_case(monkeypatch):
     assert CommTimer.received_bytes(synced, rows) == 512 * 64 * 4
     assert CommTimer.received_bytes(types.SimpleNamespace(), rows) == 512 * 64 * 4  # Megatron's dispatchers
 
+    # Route A is asynchronous: the counts are written when the dispatch is waited for (on GPUs the comm stream's
+    # layout kernel writes them; read before the wait, the recipe counted stale memory). A stand-in whose counts
+    # exist only after wait_dispatch, through the timer's wrappers.
+    class RouteA:
+        options = MoECommConfig(do_expand=True, do_cpu_sync=False)
+        handle = types.SimpleNamespace(psum_num_recv_tokens_per_expert=torch.tensor([-1]))
+
+        def token_dispatch(self, hidden, probs):
+            return rows, probs
+
+        def wait_dispatch(self):
+            self.handle.psum_num_recv_tokens_per_expert = torch.tensor([30, 60, 80, 100])
+
+        def token_combine(self, hidden):
+            return hidden
+
+        def wait_combine(self):
+            pass
+
+    route_a, timer = RouteA(), CommTimer(use_cuda=False)
+    timer.instrument(route_a)
+    route_a.token_dispatch(None, None)
+    route_a.wait_dispatch()
+    route_a.wait_dispatch()  # a second wait is a no-op
+    route_a.token_combine(rows)
+    route_a.wait_combine()
+    assert int(timer.bytes["dispatch"]) == int(timer.bytes["combine"]) == 100 * 64 * 4, timer.bytes
+
 
 def compare_metrics(tmp_path, loss_a, loss_b, **summary_b) -> int:
     """compare.py's exit status for two made-up metrics files."""

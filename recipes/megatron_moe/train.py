@@ -211,11 +211,15 @@ class CommTimer:
         token_dispatch, token_combine = dispatcher.token_dispatch, dispatcher.token_combine
         is_async = hasattr(dispatcher, "wait_dispatch")
 
+        received = []  # route A's dispatched rows until wait_dispatch: their count is on the device till then
+
         def timed_dispatch(hidden, probs):
             self.start("dispatch")
             out = token_dispatch(hidden, probs)
-            self.bytes["dispatch"] += self.received_bytes(dispatcher, out[0])
-            if not is_async:
+            if is_async:
+                received.append(out[0])
+            else:
+                self.bytes["dispatch"] += self.received_bytes(dispatcher, out[0])
                 self.stop("dispatch")
             return out
 
@@ -233,6 +237,10 @@ class CommTimer:
 
             def timed_wait_dispatch():
                 wait_dispatch()
+                # After the wait: the handle's counts are written (read before it, the current stream raced the
+                # comm stream's layout kernel and counted stale memory).
+                if received:  # a second wait of one dispatch is a no-op
+                    self.bytes["dispatch"] += self.received_bytes(dispatcher, received.pop())
                 self.stop("dispatch")
 
             def timed_wait_combine():
