@@ -1,10 +1,10 @@
 """Rank-side checks of one routing case against the oracle in `routing.py`.
 
-`check_case(buffer, case, rank)` runs dispatch, combine and a cached dispatch for `case` on `buffer` and
-compares everything bitwise: received rows, ids, weights, handle counts, source indices, combined rows and
-weights (with `recv_hook=True` every call sends with `return_recv_hook=True` and receives in its hook). Without a
-CPU sync only the rows up to the true count are compared (the reference backend zeroes the rest; other backends
-leave them unspecified). Used by the CPU tier (reference over gloo) and the GPU tier.
+`check_case(buffer, case, rank)` runs dispatch, combine and a cached dispatch for `case` on `buffer` and compares
+everything bitwise: received rows, ids, weights, handle counts, source indices, combined rows and weights (with
+`recv_hook=True` every call sends with `return_recv_hook=True` and receives in its hook). Without a CPU sync the
+rows up to the true count are compared, and on the reference backend the documented rest (zero rows and weights, -1
+ids and sources; other backends leave it unspecified). Used by the CPU tier (reference over gloo) and the GPU tier.
 
 `skip_one_call(buffer, case, rank, missing_rank, phase)` has one rank sleep through a call the others make, for
 the timeout tests. `compile_recording(fn)` compiles a function around moe_comm calls and counts what Dynamo traced.
@@ -93,6 +93,11 @@ def check_case(buffer, case: Case, rank: int, check_cached: bool = True, recv_ho
     assert_same("recv_topk_weights", None if recv_w is None else recv_w[:num_rows], exp.topk_weights)
     src = torch.tensor([t for _, t in exp.src], dtype=torch.int64)
     assert_same("handle.recv_src_idx", handle.recv_src_idx[:num_tokens], src)
+    if buffer.backend == "torch" and not case.do_cpu_sync:  # the reference backend's documented tail
+        assert not recv_x[num_rows:].any(), "recv_x past the valid rows is not zero"
+        assert recv_idx is None or bool((recv_idx[num_rows:] == -1).all()), "recv_topk_idx past the valid rows != -1"
+        assert recv_w is None or not recv_w[num_rows:].any(), "recv_topk_weights past the valid rows is not zero"
+        assert bool((handle.recv_src_idx[num_tokens:] == -1).all()), "handle.recv_src_idx past the true count != -1"
 
     # Combine: each receiver applies a made-up expert, the source sums in the documented order.
     if case.do_expand:
