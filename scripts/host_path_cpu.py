@@ -86,12 +86,17 @@ def cpu_cuda_buffer(folder: str) -> moe_comm.Buffer:
     return buf
 
 
+OPS = ("fresh no-sync", "fresh sync", "cached", "combine")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128, help=f"tokens per call (at most {CAP})")
     parser.add_argument("--iters", type=int, default=3000)
-    parser.add_argument("--profile", default=None, help="an op to show a cProfile of (its name as printed)")
+    parser.add_argument("--profile", default=None, choices=OPS, help="an op to show a cProfile of")
     args = parser.parse_args()
+    if not 1 <= args.tokens <= CAP or args.iters < 1:
+        parser.error(f"--tokens={args.tokens} must be in [1, {CAP}] and --iters={args.iters} >= 1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29573")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -105,10 +110,10 @@ def main() -> None:
         # over the experts; the no-op layout never changes it.
         summary = [args.tokens, 0, 0, args.tokens] + [args.tokens * TOPK // EXPERTS] * EXPERTS
         (ctypes.c_int64 * len(summary)).from_address(buf._impl._mapped_host + lay.SUMMARY_OFFSET)[:] = summary
-        ops = {"fresh no-sync": lambda: buf.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=False),
-               "fresh sync": lambda: buf.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=True),
-               "cached": lambda: buf.dispatch(x, handle=handle),
-               "combine": lambda: buf.combine(recv_x, handle, topk_weights=recv_w)}
+        ops = dict(zip(OPS, (lambda: buf.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=False),
+                             lambda: buf.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=True),
+                             lambda: buf.dispatch(x, handle=handle),
+                             lambda: buf.combine(recv_x, handle, topk_weights=recv_w))))
         print(f"host us per call on this CPU, {args.tokens} tokens, no-op launchers (least of five loops):")
         for name, fn in ops.items():
             for _ in range(50):
