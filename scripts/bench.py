@@ -17,7 +17,9 @@ goes back, FP32 where the rank holds several slots), "combine slot order" on a s
 baseline stays as it is.
 
 Bandwidths (from the back-to-back time on CUDA): logical GB/s = bytes of all received rows (own rank included) /
-time (DeepEP's metric); wire GB/s = bytes received from other ranks / time. Host us (CUDA) = isolated-call time
+time (DeepEP's metric); wire GB/s = bytes received from other ranks / time. Rows that travel as FP8 count one byte
+per element, the "bf16 via fp8" row too (it moves FP8 rows; its bf16 output is cast on the receiver); scales are
+not counted. Host us (CUDA) = isolated-call time
 minus back-to-back time: the host's issue time that the device does not hide.
 
 The markdown starts with the run's commit, versions and command; the JSON carries them as `meta`
@@ -198,7 +200,7 @@ def report(config: dict, per_rank: list[dict], jit: dict | None, meta: dict) -> 
                          ("combine", "baseline combine"), ("combine slot order", "baseline combine")):
             if op not in slowest:
                 continue
-            scale = 0.5 if "fp8" in op else 1.0  # e4m3 rows are half the bytes (scales not counted)
+            scale = 0.5 if "fp8" in op else 1.0  # e4m3 rows on the wire are half the bytes (scales not counted)
             us, b2b = slowest[op], slowest.get(f"{op} b2b")
             device_us = us if b2b is None else b2b
             entry = {"tokens": row["tokens"], "op": op, "us": us, "back_to_back_us": b2b,
