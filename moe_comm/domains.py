@@ -117,8 +117,9 @@ def domains_from_reports(reports: list[Report]) -> ScaleUpDomains:
     num_ranks = len(reports)
     bad = [r for r, rep in enumerate(reports) if rep.override_error is not None]
     if bad:
+        world = reports[0].world or num_ranks
         raise ValueError(f"{reports[bad[0]].override_error} (on rank(s) {bad}); set it to a positive number of "
-                         f"ranks per host that divides the group's {num_ranks} ranks, or unset it to detect hosts")
+                         f"ranks per host that divides the job's {world} ranks, or unset it to detect hosts")
     overrides = [rep.override for rep in reports]
     if len(set(overrides)) > 1:
         raise ValueError(f"{OVERRIDE} differs between ranks (per rank, None = unset): {overrides}")

@@ -250,17 +250,22 @@ def main() -> None:
     if args.num_ranks < 1:
         parser.error(f"--num-ranks={args.num_ranks} must be >= 1")
     # Checked here, before any rank starts (a rank would raise them only after the spawn, as a RankFailure).
-    if args.iters < 1 or min(args.tokens) < 1:
-        parser.error(f"--iters={args.iters} and --tokens={args.tokens} must be >= 1")
+    if args.iters < 1 or min(args.tokens) < 0:
+        parser.error(f"--iters={args.iters} must be >= 1 and --tokens={args.tokens} >= 0")
     if args.num_experts < 1 or args.num_experts % args.num_ranks or not 1 <= args.num_topk <= args.num_experts:
         parser.error(f"--num-experts={args.num_experts} must be a positive multiple of --num-ranks={args.num_ranks}, "
                      f"and --num-topk={args.num_topk} in [1, num_experts]")
     if args.hidden < 1 or args.hidden * 2 % 16:
         parser.error(f"--hidden={args.hidden}: bf16 rows must be a positive multiple of 16 bytes (hidden % 8 == 0)")
-    if any(n < 2 for n in args.sms):
-        parser.error(f"--sms={args.sms}: each at least 2 (a sender and a receiver block)")
     if args.backend == "cuda" and torch.cuda.device_count() < args.num_ranks:
         parser.error(f"--backend cuda needs {args.num_ranks} GPUs (one per rank), found {torch.cuda.device_count()}")
+    if any(n < 0 for n in args.sms):
+        parser.error(f"--sms={args.sms}: each >= 0 (0: the analytical count)")
+    if args.backend != "torch" and torch.cuda.device_count() >= args.num_ranks:  # the CUDA backend can be chosen
+        num_device_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        if any(n == 1 or n > num_device_sms for n in args.sms):
+            parser.error(f"--sms={args.sms}: the CUDA backend takes 0 (the analytical count) or 2 (a sender and a "
+                         f"receiver block) to {num_device_sms} (the SMs of GPU 0)")
     if args.ranks_per_host is not None:
         os.environ["MOE_COMM_RANKS_PER_NODE"] = str(args.ranks_per_host)  # the spawned ranks inherit it
     pg_backend = "nccl" if torch.cuda.device_count() >= args.num_ranks else "gloo"

@@ -63,7 +63,9 @@ num_gpus() { python3 -c "import torch; print(min(torch.cuda.device_count(), 8))"
 step() {
 local st=0
 # Every step is GPU work: without a GPU the tests would all skip and the step report success.
-if [ "$(num_gpus)" -lt 1 ]; then
+local n
+n=$(num_gpus 2>/dev/null)  # empty where python3 has no torch
+if [ "${n:-0}" -lt 1 ]; then
     echo "gpu_check.sh $1: needs a GPU; python3's torch sees none (a CPU-only torch, or CUDA_VISIBLE_DEVICES)" >&2
     return 2
 fi

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+from collections import Counter
 from pathlib import Path
 
 LAYOUT_KERNEL = "moe_comm::layout_notify_impl"
@@ -64,8 +66,11 @@ def main() -> None:
              args.note, "", f"Before: commit {meta['before']['commit']}; after: commit {meta['after']['commit']}. "
              f"torch {meta['after']['torch']}, CUDA {meta['after']['cuda']}, NCCL {meta['after']['nccl']}, Python "
              f"{meta['after']['python']}; {len(runs['before'])} + {len(runs['after'])} runs alternated in one "
-             "sitting; host us: median over the runs / least run, the rest medians.", "", "Commands (in the order given):", "",
-             *(f"    {run['metadata']['command']}" for side in ("before", "after") for run in runs[side]), "",
+             "sitting; host us: median over the runs / least run, the rest medians.", "",
+             "Commands (each run wrote its own JSON file; the number of runs of each):", "",
+             *(f"    {command}  # x{count}" for command, count in Counter(
+                 re.sub(r"--json \S+", "--json RUN.json", run["metadata"]["command"])
+                 for side in ("before", "after") for run in runs[side]).items()), "",
              "| op | tokens | host us before | host us after | target | stream us before | stream us after | "
              "layout kernel us before | after |", "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731

@@ -316,13 +316,17 @@ def test_bench_deepep_report_and_plot(tmp_path):
     plots_from_json(record, tmp_path)
 
 
-def refusals(monkeypatch, capsys, script: str, argv: list[str]) -> str:
-    """scripts/<script>.py's main with `argv` on a machine without GPUs (in this process): what it printed on
-    stderr as it exited with status 2 (argparse's usage error)."""
+def refusals(monkeypatch, capsys, script: str, argv: list[str], num_gpus: int = 0) -> str:
+    """scripts/<script>.py's main with `argv` on a machine with `num_gpus` GPUs of 132 SMs (none by default; in this
+    process): what it printed on stderr as it exited with status 2 (argparse's usage error)."""
+    import types
+
     import torch
 
     main = script_module(script).main
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
     with pytest.raises(SystemExit) as info:
         main()
@@ -347,12 +351,16 @@ def test_bench_layer_refuses_missing_gpus(monkeypatch, capsys):
 
 def test_bench_refuses_what_it_cannot_run(monkeypatch, capsys):
     """Checked before any rank starts (a rank raised them after the spawn, as a RankFailure ~30 s later)."""
-    for argv, message in ((["--iters", "0"], "--iters=0"), (["--tokens", "0", "16"], "--tokens=[0, 16]"),
+    for argv, message in ((["--iters", "0"], "--iters=0"), (["--tokens", "-1", "16"], "--tokens=[-1, 16] >= 0"),
                           (["--num-experts", "7"], "--num-experts=7 must be a positive multiple of --num-ranks=2"),
                           (["--num-topk", "0"], "--num-topk=0 in [1, num_experts]"),
-                          (["--hidden", "100"], "--hidden=100"), (["--sms", "1", "8"], "--sms=[1, 8]"),
+                          (["--hidden", "100"], "--hidden=100"), (["--sms", "-1", "8"], "--sms=[-1, 8]: each >= 0"),
                           (["--backend", "cuda"], "--backend cuda needs 2 GPUs")):
         assert message in refusals(monkeypatch, capsys, "bench", argv), argv
+    # Where the CUDA backend can run: 0 (analytical) or 2 to the device's SMs.
+    for sms in ("1", "133"):
+        assert "the CUDA backend takes 0 (the analytical count) or 2" in refusals(
+            monkeypatch, capsys, "bench", ["--sms", "0", sms], num_gpus=2), sms
 
 
 def test_profile_ops_refuses_what_it_cannot_run(monkeypatch, capsys):
@@ -409,3 +417,26 @@ def test_gpu_check_runs_every_step_and_bundles(tmp_path):
     with tarfile.open(tmp_path / "o" / "all.tgz") as bundle:
         assert not any("all.tgz" in name for name in bundle.getnames())
     assert not (tmp_path / "o" / "all.tgz.part").exists()
+
+
+def test_host_path_report_renders_a_committed_record_again(tmp_path):
+    """scripts/host_path_report.py on the profile_ops runs a committed record holds gives the same table, one line
+    per distinct command with its count, and the PNG (matplotlib is a dev dependency)."""
+    committed = json.loads((ROOT / "benchmarks" / "host-path-rerun_h200x1_2026-12-03.json").read_text())
+    files = {}
+    for side, runs in committed["runs"].items():
+        files[side] = []
+        for i, run in enumerate(runs):
+            path = tmp_path / f"{side}_{i}.json"
+            path.write_text(json.dumps(run))
+            files[side].append(str(path))
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_path_report.py"), "--before", *files["before"],
+                           "--after", *files["after"], "--out", str(out), "--note", "a note"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.with_suffix(".json").read_text())["table"] == committed["table"]
+    text = out.with_suffix(".md").read_text()
+    assert "--tokens 128 --iters 1000 --host-loops 50 --ops-only --json RUN.json  # x6" in text, text
+    assert "--tokens 4096 --iters 1000 --host-loops 50 --ops-only --json RUN.json  # x4" in text, text
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)

@@ -245,12 +245,13 @@ def compare_metrics(tmp_path, loss_a, loss_b, **summary_b) -> int:
 
 
 def test_compare_is_honest(monkeypatch, tmp_path, capsys):
-    """A run whose loss became NaN is not "equal at every step" to a finite one, and runs of other dtypes or rank
-    counts (other arithmetic, other batches) are refused like other presets or seeds."""
+    """A run whose loss became NaN or inf is not "equal at every step" to another run, and runs of other dtypes or
+    rank counts (other arithmetic, other batches) are refused like other presets or seeds."""
     monkeypatch.syspath_prepend(ROOT)
     assert compare_metrics(tmp_path, [5.0, 4.0, 3.0], [5.0, 4.0, 3.0]) == 0
     assert compare_metrics(tmp_path, [5.0, 4.0, 3.0], [5.0, math.nan, math.nan]) == 1
     assert "max |loss diff| inf (step 2)" in capsys.readouterr().out
+    assert compare_metrics(tmp_path, [5.0, math.inf], [5.0, math.inf]) == 1  # both diverged: not "equal"
     assert compare_metrics(tmp_path, [5.0], [5.0], dtype="bfloat16") == 2
     assert compare_metrics(tmp_path, [5.0], [5.0], world_size=4) == 2
     assert "the runs differ in world_size: 2 vs 4" in capsys.readouterr().err

@@ -106,11 +106,20 @@ def test_summary_fails_on_wrong_results_and_growth():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("args, message", [(["--share-gpu"], "--share-gpu needs a GPU, found none"),
                                            (["--share-gpu", "--backend", "torch"], "leave out --backend torch"),
-                                           (["--backend", "cuda"], "--share-gpu puts every rank on one"),
-                                           (["--iters", "0"], "--iters=0 must be >= 1"),
-                                           (["--max-experts", "1"], "max_experts=1 must be >= num_ranks=2")])
+                                           (["--backend", "cuda"], "--share-gpu puts every rank on one")])
 def test_soak_script_refuses_what_this_machine_cannot_run(args, message):
     """scripts/soak.py stops with a usage error naming the option before it spawns a rank."""
+    assert_soak_refuses(args, message)
+
+
+@pytest.mark.parametrize("args, message", [(["--iters", "0"], "--iters=0 must be >= 1"),
+                                           (["--max-experts", "1"], "max_experts=1 must be >= num_ranks=2")])
+def test_soak_script_refuses_what_no_machine_can_run(args, message):
+    """A soak of no iteration checks nothing; fewer experts than ranks leaves a rank none (it was raised silently)."""
+    assert_soak_refuses(args, message)
+
+
+def assert_soak_refuses(args: list[str], message: str) -> None:
     script = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and message in run.stderr, run.stderr

@@ -97,9 +97,16 @@ def test_disagreement_raises_on_every_rank(pools):
 
 
 def sl_idx_on_one_rank_rank(rank: int, world_size: int) -> str:
-    """Rank 0 asks for a traffic class, rank 1 does not: both must meet in the check (it is collective on every rank
-    of a CUDA group whatever its sl_idx) and raise the same error."""
-    return traffic_class_error(3 if rank == 0 else None, "3")
+    """Rank 0 asks for a traffic class, rank 1 does not, on a group taken for an NCCL one: `Buffer(...)` must run the
+    check on both (it is collective on every rank of a CUDA group whatever its sl_idx) and raise the same error on
+    both, first thing (a rank that skipped it would go on to the device's memory, and fail on a CPU machine)."""
+    with mock.patch.object(moe_comm.Buffer, "group_device", staticmethod(lambda group: CUDA)):
+        try:
+            moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                            sl_idx=3 if rank == 0 else None)
+        except ValueError as exc:
+            return str(exc)
+    return "no error"
 
 
 def test_sl_idx_on_one_rank_raises_on_every_rank(pools):

@@ -17,11 +17,9 @@ def load(path: str) -> dict:
 
 
 def loss_diff(x: float, y: float) -> float:
-    """|x - y|; infinite when one loss is not finite and the other differs (a diverged run is not "equal")."""
-    if x == y:
-        return 0.0
-    diff = abs(x - y)
-    return diff if math.isfinite(diff) else math.inf
+    """|x - y| of two finite losses; infinite when either is not finite (a diverged run is equal to nothing, another
+    diverged run included)."""
+    return abs(x - y) if math.isfinite(x) and math.isfinite(y) else math.inf
 
 
 def main(argv=None) -> int:
@@ -29,6 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("metrics", nargs=2, help="two --metrics-json files of runs with the same preset and seed")
     p.add_argument("--max-loss-diff", type=float, default=None, help="exit 1 if the curves differ by more")
     args = p.parse_args(argv)
+    if args.max_loss_diff is not None and not 0 <= args.max_loss_diff < math.inf:
+        p.error(f"--max-loss-diff={args.max_loss_diff} must be a finite number >= 0")
     a, b = (load(path) for path in args.metrics)
     sa, sb = a["summary"], b["summary"]
     # Same model, data and arithmetic: the preset, the seed, the step count, the ranks (each rank draws its own

@@ -89,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wandb-run-name", default=None)
     p.add_argument("--no-wandb", action="store_true")
     p.add_argument("--timeout-s", type=float, default=120.0,
-                   help="collective timeout (seconds): the default group, Megatron's groups and moe_comm's buffers")
+                   help="collective timeout (seconds): the default group, Megatron's groups and moe_comm's host waits; "
+                        "it also bounds rank 0's start of wandb")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms (and cuBLAS's workspace setting it needs), for loss-curve "
                         "comparisons on GPUs: Megatron's unpermute then adds with index_add_ instead of scatter_add_'s "
@@ -219,13 +220,13 @@ class CommTimer:
             if is_async:
                 received.append(out[0])
             else:
-                self.bytes["dispatch"] += self.received_bytes(dispatcher, out[0])
                 self.stop("dispatch")
+                self.bytes["dispatch"] += self.received_bytes(dispatcher, out[0])
             return out
 
         def timed_combine(hidden):
+            self.bytes["combine"] += self.received_bytes(dispatcher, hidden)  # outside the span: the count's kernels
             self.start("combine")
-            self.bytes["combine"] += self.received_bytes(dispatcher, hidden)
             out = token_combine(hidden)
             if not is_async:
                 self.stop("combine")
@@ -237,11 +238,11 @@ class CommTimer:
 
             def timed_wait_dispatch():
                 wait_dispatch()
+                self.stop("dispatch")
                 # After the wait: the handle's counts are written (read before it, the current stream raced the
                 # comm stream's layout kernel and counted stale memory).
                 if received:  # a second wait of one dispatch is a no-op
-                    self.bytes["dispatch"] += self.received_bytes(dispatcher, received.pop())
-                self.stop("dispatch")
+                    self.bytes["dispatch"] += self.received_bytes(dispatcher, received.pop(0))
 
             def timed_wait_combine():
                 wait_combine()
@@ -311,10 +312,11 @@ def domains_in_use(dispatcher: str) -> str:
 
 
 def recipe_metadata() -> dict:
-    """The run's metadata (`run_metadata`: commit, versions, command, ...) with megatron-core's version."""
-    from importlib.metadata import version
+    """The run's metadata (`run_metadata`: commit, versions, command, ...) with megatron-core's version (from its
+    package record; "unknown" for a source checkout on PYTHONPATH)."""
+    from moe_comm.integrations.megatron.compat import megatron_core_version
 
-    return {**run_metadata(sys.argv), "megatron_core": version("megatron-core")}
+    return {**run_metadata(sys.argv), "megatron_core": str(megatron_core_version() or "unknown")}
 
 
 def init_wandb(args, preset: Preset, world_size: int, out_dir: str, metadata: dict):
