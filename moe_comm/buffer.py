@@ -540,7 +540,8 @@ class Buffer(PrimitivesMixin):
             do_expand: one row per (token, local expert), grouped by expert.
             quantize: None, "fp8_block128" or "mxfp8": cast bf16 `x` to FP8 before it travels.
             dequantize: with FP8 on the wire, return bf16 rows (cast back on the receiver).
-            previous_event: an `EventOverlap` the communication must wait for.
+            previous_event: an `EventOverlap` the communication must wait for (with `async_with_compute_stream`
+                the comm stream waits for it on the device and the current stream does not, as DeepEP's).
             async_with_compute_stream: return at once; wait on the returned event before using the outputs.
             allocate_on_comm_stream: allocate outputs on the comm stream (CUDA). Accepted for DeepEP
                 compatibility: a synchronous call runs and allocates on the current stream, an async one on the
@@ -659,6 +660,7 @@ class Buffer(PrimitivesMixin):
                                num_max_tokens_per_rank)
             num_experts, num_topk = handle.num_experts, handle.num_topk
             num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+            expert_alignment = handle.expert_alignment  # a non-expand call may leave it at its default
             do_cpu_sync = handle.do_cpu_sync
         else:
             if topk_idx is None:

@@ -98,7 +98,8 @@ class EPHandle:
 
     def check_reuse(self, group: dist.ProcessGroup, backend: str, num_experts: Optional[int], num_tokens: int,
                     do_expand: bool, expert_alignment: int, num_max_tokens_per_rank: Optional[int]) -> None:
-        """Raise ValueError if a call's buffer or configuration differs from the one this handle was made with."""
+        """Raise ValueError if a call's buffer or configuration differs from the one this handle was made with
+        (`expert_alignment` only for an expand handle: it does not change a non-expand cached dispatch)."""
         self.check_owner(group, backend)
         mismatches = []
         if num_experts is not None and num_experts != self.num_experts:
@@ -107,7 +108,9 @@ class EPHandle:
             mismatches.append(f"num_tokens={num_tokens} (handle: {self.num_tokens})")
         if do_expand != self.do_expand:
             mismatches.append(f"do_expand={do_expand} (handle: {self.do_expand})")
-        if expert_alignment != self.expert_alignment:
+        # Without expand the alignment only rounds the handle's `num_recv_tokens_per_expert_list`, which a cached
+        # dispatch does not recompute: DeepEP's `dispatch(x, handle=handle)` need not repeat it.
+        if self.do_expand and expert_alignment != self.expert_alignment:
             mismatches.append(f"expert_alignment={expert_alignment} (handle: {self.expert_alignment})")
         if num_max_tokens_per_rank is not None and num_max_tokens_per_rank != self.num_max_tokens_per_rank:
             mismatches.append(f"num_max_tokens_per_rank={num_max_tokens_per_rank} "

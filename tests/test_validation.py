@@ -380,3 +380,23 @@ def test_cuda_tuning_round_slots_bounded(value):
 
     with pytest.raises(ValueError, match=f"max_round_slots={value!r} must be None or an int in \\[1, 32\\]"):
         CudaTuning(max_round_slots=value)
+
+
+def cached_non_expand_alignment_rank(rank: int, world_size: int) -> bool:
+    """DeepEP's `dispatch(x, handle=handle)` along a non-expand handle made with `expert_alignment > 1`: the
+    alignment only rounded the handle's counts, so the cached call need not repeat it (an expand one must)."""
+    buf = new_buffer()
+    x, idx, w = rank_inputs(GOOD, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4, expert_alignment=4)
+    assert all(n % 4 == 0 for n in handle.num_recv_tokens_per_expert_list)
+    again, _, _, same, _ = buf.dispatch(x, handle=handle)
+    assert torch.equal(again, recv_x) and same is handle
+    assert torch.equal(buf.dispatch(x, handle=handle, expert_alignment=4)[0], recv_x)
+    _, _, _, handle_expand, _ = buf.dispatch(x, idx, w, num_experts=4, do_expand=True, expert_alignment=4)
+    with pytest.raises(ValueError, match=r"expert_alignment=1 \(handle: 4\)"):
+        buf.dispatch(x, handle=handle_expand, do_expand=True)
+    return True
+
+
+def test_cached_non_expand_dispatch_need_not_repeat_alignment(pools):
+    assert pools(2).run(cached_non_expand_alignment_rank) == [True, True]
