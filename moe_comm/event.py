@@ -48,6 +48,11 @@ class EventOverlap:
             return False
         return not self._works and not self._finalizers
 
+    @property
+    def on_device_only(self) -> bool:
+        """True when waiting for it needs no host work (a CUDA event; no CPU works or finalizers left)."""
+        return self.event is not None and not self._works and not self._finalizers
+
     @torch.compiler.disable
     def current_stream_wait(self) -> None:
         """Make the current stream (CUDA) or the caller (CPU) wait for the communication to finish."""

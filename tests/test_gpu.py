@@ -200,6 +200,20 @@ def overlap_rank(rank: int, world_size: int, backend: str) -> dict:
         assert_same("async combined", combined, ref_combined.cpu())
         assert_same("async cached dispatch", cached, ref_cached.cpu())
 
+        # previous_event holds back the call's comm stream, not the current stream (as DeepEP): with the event of a
+        # sleeping side stream, work queued on the current stream after the call completes while the gate sleeps.
+        gate_stream, gate, mark = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+        with torch.cuda.stream(gate_stream):
+            torch.cuda._sleep(GATE_CYCLES)
+            gate.record()
+        gated = buf.dispatch(x, handle=handle, async_with_compute_stream=True,
+                             previous_event=EventOverlap(event=gate))
+        mark.record()
+        mark.synchronize()
+        assert not gate.query(), "the current stream waited for previous_event (the gate ended first)"
+        gated[4].current_stream_wait()
+        assert_same("cached dispatch after previous_event", gated[0], ref_cached.cpu())
+
         a, b = (torch.randn(4096, 4096, dtype=torch.bfloat16, device=buf.device) for _ in range(2))
         ops = {"cached dispatch": lambda: buf.dispatch(x, handle=handle, num_sms=NUM_COMM_SMS,
                                                        async_with_compute_stream=True)[4],

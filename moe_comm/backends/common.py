@@ -196,7 +196,11 @@ class Backend:
                 return self.run(body, previous_event, async_with_compute_stream, inputs, return_recv_hook,
                                 side_stream)
         side = self.comm_stream if side_stream is None else side_stream
-        if previous_event is not None:
+        # An async call's stream waits for `previous_event` on the device, the current stream goes on (as DeepEP's
+        # comm stream does); elsewhere (a call on the current stream, or the CPU path's works) the caller waits.
+        event_on_side = async_with_compute_stream and self.comm_stream is not None and previous_event is not None \
+            and previous_event.on_device_only
+        if previous_event is not None and not event_on_side:
             previous_event.current_stream_wait()
         if side in self._busy_streams and not async_with_compute_stream:
             # An async call may still be using this stream's resources.
@@ -233,6 +237,8 @@ class Backend:
             return outputs, DONE, None
         compute_stream = torch.cuda.current_stream(self.device)
         side.wait_stream(compute_stream)
+        if event_on_side:
+            side.wait_event(previous_event.event)
         with torch.cuda.stream(side):
             outputs, works, finalizers = body()
             self._wait(works)
