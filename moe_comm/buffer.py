@@ -533,15 +533,18 @@ class Buffer(PrimitivesMixin):
             num_experts: global expert count, a multiple of the group size (from the handle when cached).
             num_max_tokens_per_rank: worst-case tokens per rank (default: the buffer's).
             expert_alignment: expand mode pads each expert block to a multiple of this many rows (1 to 1024);
-                without expand only the handle's `num_recv_tokens_per_expert_list` is rounded up to it (as DeepEP).
+                without expand only the handle's `num_recv_tokens_per_expert_list` is rounded up to it (as DeepEP),
+                so a cached dispatch along a non-expand handle takes the handle's (the value given is not used).
             num_sms: SMs to run on; 0 = `get_theoretical_num_sms(num_experts, K, do_expand)`.
             handle: an `EPHandle` to reuse (cached dispatch: no layout work, no CPU sync).
             do_cpu_sync: None = True unless `handle`. False: worst-case sized outputs, true counts on the device.
             do_expand: one row per (token, local expert), grouped by expert.
             quantize: None, "fp8_block128" or "mxfp8": cast bf16 `x` to FP8 before it travels.
             dequantize: with FP8 on the wire, return bf16 rows (cast back on the receiver).
-            previous_event: an `EventOverlap` the communication must wait for (with `async_with_compute_stream`
-                the comm stream waits for it on the device and the current stream does not, as DeepEP's).
+            previous_event: an `EventOverlap` the communication must wait for. With `async_with_compute_stream` on
+                CUDA the comm stream waits for it, and the current stream does not (as DeepEP's; unlike DeepEP the
+                comm stream also waits for the work already queued on the current stream); elsewhere the current
+                stream (CUDA) or the host (CPU) waits.
             async_with_compute_stream: return at once; wait on the returned event before using the outputs.
             allocate_on_comm_stream: allocate outputs on the comm stream (CUDA). Accepted for DeepEP
                 compatibility: a synchronous call runs and allocates on the current stream, an async one on the
@@ -572,6 +575,8 @@ class Buffer(PrimitivesMixin):
             do_cpu_sync, do_expand, quantize, dequantize, previous_event, async_with_compute_stream,
             allocate_on_comm_stream, return_recv_hook), previous_event)
         if call.handle is None and self._check_inputs:
+            if previous_event is not None:  # topk_idx may be what it waits for; this debug mode syncs anyway
+                previous_event.current_stream_wait()
             self._impl.check_inputs_up_front(call.topk_idx, call.num_experts)
         return self._impl.dispatch(call, agreed=self._agrees_on_host)
 
@@ -611,6 +616,9 @@ class Buffer(PrimitivesMixin):
                     allocate_on_comm_stream=allocate_on_comm_stream, return_recv_hook=return_recv_hook)
         self._check_recv_hook(return_recv_hook, async_with_compute_stream)
         check_int(1, expert_alignment=expert_alignment)
+        if expert_alignment > MAX_EXPERT_ALIGNMENT:
+            raise ValueError(f"expert_alignment={expert_alignment} exceeds {MAX_EXPERT_ALIGNMENT} (every expert "
+                             f"block is padded up to it; grouped GEMMs ask for 16 to 256)")
         check_int(0, num_sms=num_sms)
         self._check_event(previous_event)
         if do_cpu_sync is not None:
@@ -704,9 +712,6 @@ class Buffer(PrimitivesMixin):
             raise ValueError(f"num_tokens={num_tokens} (x rows) exceeds {num_max_tokens_per_rank=} (make the Buffer "
                              f"for the largest call; the Megatron integration: MoECommConfig(num_max_tokens_per_rank"
                              f"=...), route B: install_flex_dispatcher(num_max_tokens_per_rank=...))")
-        if expert_alignment > MAX_EXPERT_ALIGNMENT:
-            raise ValueError(f"expert_alignment={expert_alignment} exceeds {MAX_EXPERT_ALIGNMENT} (every expert "
-                             f"block is padded up to it; grouped GEMMs ask for 16 to 256)")
         self._check_fits(num_max_tokens_per_rank, hidden, num_topk, elem_size, wire_format is not None)
         if num_sms == 0:
             num_sms = handle.num_sms if handle is not None else self._num_sms(num_experts, num_topk, do_expand)

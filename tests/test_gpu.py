@@ -200,17 +200,22 @@ def overlap_rank(rank: int, world_size: int, backend: str) -> dict:
         assert_same("async combined", combined, ref_combined.cpu())
         assert_same("async cached dispatch", cached, ref_cached.cpu())
 
-        # previous_event holds back the call's comm stream, not the current stream (as DeepEP): with the event of a
-        # sleeping side stream, work queued on the current stream after the call completes while the gate sleeps.
+        # previous_event holds back the call's comm stream, not the current stream (as DeepEP): a side stream sleeps,
+        # then writes the rows the call sends; work queued on the current stream after the call completes while the
+        # gate sleeps, the call's result waits for it, and its rows are the gate's.
         gate_stream, gate, mark = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+        gated_x = torch.zeros_like(x)
+        gate_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(gate_stream):
-            torch.cuda._sleep(GATE_CYCLES)
+            torch.cuda._sleep(5 * GATE_CYCLES)  # ~0.5 s: the host queues the call and the mark well within it
+            gated_x.copy_(x)
             gate.record()
-        gated = buf.dispatch(x, handle=handle, async_with_compute_stream=True,
+        gated = buf.dispatch(gated_x, handle=handle, async_with_compute_stream=True,
                              previous_event=EventOverlap(event=gate))
         mark.record()
         mark.synchronize()
         assert not gate.query(), "the current stream waited for previous_event (the gate ended first)"
+        assert not gated[4].done, "the call did not wait for previous_event"
         gated[4].current_stream_wait()
         assert_same("cached dispatch after previous_event", gated[0], ref_cached.cpu())
 

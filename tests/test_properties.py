@@ -424,8 +424,9 @@ FAULTS: dict[str, Fault] = {
         ctx.rank, ctx.num_tokens, ctx.ex.num_topk).float()) or True, ("topk_weights",)),
     "cached do_cpu_sync": Fault("cached", _value("do_cpu_sync"), ("do_cpu_sync",), (True,)),
     "cached do_expand": Fault("cached", _set("do_expand", lambda v, ctx, p: not v), ("do_expand",)),
+    # A non-expand handle's alignment only rounded its counts list: its cached dispatch takes the handle's.
     "cached expert_alignment": Fault("cached", _set("expert_alignment", lambda v, ctx, p: v + 1),
-                                     ("expert_alignment",)),
+                                     ("expert_alignment",), when=lambda ex: ex.do_expand),
     "cached num_tokens": Fault("cached", _set("x", lambda x, ctx, p: torch.cat([x, x[:1] if x.shape[0] else torch.zeros(
         1, *x.shape[1:], dtype=x.dtype)])), ("x", "num_tokens"), when=_plain_x),
     "cached num_experts": Fault("cached", lambda kw, ctx, p: kw.update(num_experts=ctx.ex.num_experts + 2) or True,
@@ -748,13 +749,14 @@ def pool(pools):
 # Every fault of the catalogue, each parameter once, on a fixed valid call
 # ------------------------------------------------------------------------------------------------
 # Two tokens per rank, each rank receiving four rows (so the faults that need two rows show), weights, a cached
-# dispatch and a combine with weights and two biases; as BF16 rows, as an FP8 tuple, and as float32 rows that do not
-# fit the FP8 formats. A fault goes on the first of these its `when` accepts.
+# dispatch and a combine with weights and two biases; as BF16 rows, as an FP8 tuple, as float32 rows that do not
+# fit the FP8 formats, and in the expand layout. A fault goes on the first of these its `when` accepts.
 _SWEEP_BASE = Example(seed=1, num_tokens=(2, 2), hidden=128, dtype="bfloat16", num_experts=4, num_topk=2,
                       topk_idx=(((0, 2), (1, 3)), ((0, 3), (2, 1))), weights_dtype="float32", cached_faults=(),
                       combine_dtype="bfloat16", combine_weights_dtype="float32", bias_form="two")
 SWEEP_TEMPLATES = (_SWEEP_BASE, dataclasses.replace(_SWEEP_BASE, x_form="tuple"),
-                   dataclasses.replace(_SWEEP_BASE, dtype="float32", hidden=8, combine_dtype="float32"))
+                   dataclasses.replace(_SWEEP_BASE, dtype="float32", hidden=8, combine_dtype="float32"),
+                   dataclasses.replace(_SWEEP_BASE, do_expand=True))
 
 
 def sweep_examples() -> list:
