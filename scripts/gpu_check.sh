@@ -75,6 +75,7 @@ case "$1" in
         # change: left out here (~2 of the ~7 minutes on one H200); the host extension's tests stay (this torch).
         python3 -m pytest -q -p no:cacheprovider --timeout 300 --durations=10 tests/test_gpu.py \
             tests/test_hybrid_gpu.py tests/test_shared_gpu.py tests/test_kernels_compile.py tests/test_quant.py \
+            tests/test_hybrid.py::test_nccl_no_host_sync tests/test_hybrid.py::test_nccl_random_cases \
             -k "not compiles_for_sm90a and not does_not_compile" 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
     bench)
         gpus=$(num_gpus)
