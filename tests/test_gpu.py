@@ -21,6 +21,7 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm import autograd as moe_autograd
 from moe_comm import env, traffic_class
+from moe_comm.backends.common import _flatten_tensors
 from moe_comm.backends.cuda import CudaTuning
 from moe_comm.event import EventOverlap
 from moe_comm.testing import WorkerPool
@@ -218,6 +219,25 @@ def overlap_rank(rank: int, world_size: int, backend: str) -> dict:
         assert not gated[4].done, "the call did not wait for previous_event"
         gated[4].current_stream_wait()
         assert_same("cached dispatch after previous_event", gated[0], ref_cached.cpu())
+
+        # An async call's event keeps the handle it reads alive: the handle's tensors were made on the current stream
+        # and the kernels read them through raw pointers, so a handle dropped while its combine waits behind the gate
+        # must not give its blocks to the current stream's next allocations (same sizes, filled at once).
+        fresh_x, _, _, fresh_handle, _ = buf.dispatch(x, idx, w, num_experts=16)
+        late_gate = torch.cuda.Event()
+        gate_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(gate_stream):
+            torch.cuda._sleep(5 * GATE_CYCLES)
+            late_gate.record()
+        late, _, late_event = buf.combine(fresh_x, fresh_handle, async_with_compute_stream=True,
+                                          previous_event=EventOverlap(event=late_gate))
+        sizes = [(t.shape, t.dtype) for t in _flatten_tensors([fresh_handle])]
+        del fresh_handle
+        junk = [torch.full(shape, 7, dtype=dtype, device=buf.device) for shape, dtype in sizes]
+        assert not late_gate.query(), "the gate ended before the handle was dropped: the check proves nothing"
+        late_event.current_stream_wait()
+        assert_same("async combine with its handle dropped", late, ref_combined.cpu())
+        del junk
 
         a, b = (torch.randn(4096, 4096, dtype=torch.bfloat16, device=buf.device) for _ in range(2))
         ops = {"cached dispatch": lambda: buf.dispatch(x, handle=handle, num_sms=NUM_COMM_SMS,
