@@ -26,13 +26,14 @@ class EventOverlap:
         works: `(work, description)` pairs of async `torch.distributed.Work` handles (CPU path), waited in
             order; the description names rank, phase and peer for the timeout error.
         finalizers: callables run once, in order, after the works complete (CPU path).
-        extra_tensors: tensors kept alive until the event has been waited on.
+        extra_tensors: tensors (and handles) kept alive until the event has been waited on: what an async call's
+            kernels read. Wait for an async call's event before dropping it.
         timeout_secs: how long a CPU wait may block before raising (`num_cpu_timeout_secs` of the buffer).
         on_fault: called with the error's text when a wait fails (the backend then refuses later calls).
     """
 
     def __init__(self, event: "torch.cuda.Event | None" = None, works: Sequence = (),
-                 finalizers: Sequence[Callable[[], None]] = (), extra_tensors: Sequence[torch.Tensor] = (),
+                 finalizers: Sequence[Callable[[], None]] = (), extra_tensors: Sequence[object] = (),
                  timeout_secs: float = 300.0, on_fault: Optional[Callable[[str], None]] = None) -> None:
         self.event = event
         self._works = list(works)
@@ -56,8 +57,8 @@ class EventOverlap:
     @torch.compiler.disable
     def current_stream_wait(self) -> None:
         """Make the current stream (CUDA) or the caller (CPU) wait for the communication to finish."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        if self.event is not None:  # the current stream of the event's GPU, which may not be the current device
+            torch.cuda.current_stream(self.event.device).wait_event(self.event)
         timeout = datetime.timedelta(seconds=self._timeout_secs)
         while self._works:
             work, description = self._works.pop(0)

@@ -118,7 +118,7 @@ class Backend:
         inputs = [t for t in (c.x, c.fp8_q, c.fp8_scales, c.topk_idx, c.topk_weights) if t is not None] \
             if c.async_with_compute_stream else ()
         outputs, event, hook = self.run(lambda: self.dispatch_steps(c, agreed), c.previous_event,
-                                        c.async_with_compute_stream, inputs, c.return_recv_hook)
+                                        c.async_with_compute_stream, inputs, c.return_recv_hook, handle=c.handle)
         recv_x, recv_topk_idx, recv_topk_weights, handle = outputs
         return (recv_x, recv_topk_idx, recv_topk_weights, handle, event) + (() if hook is None else (hook,))
 
@@ -137,7 +137,7 @@ class Backend:
         self.after_host_sync()
         inputs = [t for t in (c.x, c.topk_weights, *c.bias) if t is not None] if c.async_with_compute_stream else ()
         outputs, event, hook = self.run(lambda: self.combine_steps(c), c.previous_event, c.async_with_compute_stream,
-                                        inputs, c.return_recv_hook)
+                                        inputs, c.return_recv_hook, handle=c.handle)
         combined_x, combined_w = outputs
         return (combined_x, combined_w, event) + (() if hook is None else (hook,))
 
@@ -176,7 +176,7 @@ class Backend:
 
     def run(self, body: Callable[[], tuple], previous_event: Optional[EventOverlap],
             async_with_compute_stream: bool, inputs: Sequence[torch.Tensor], return_recv_hook: bool = False,
-            side_stream: Optional[torch.cuda.Stream] = None):
+            side_stream: Optional[torch.cuda.Stream] = None, handle: Optional[EPHandle] = None):
         """Stream control around one operation.
 
         `body` returns `(outputs, works, finalizers)`: outputs are allocated, works are the data exchange in
@@ -190,6 +190,9 @@ class Backend:
         and flags no other operation uses (the pipeline's transfers per neighbour and direction, which would
         otherwise queue behind each other: a receive posted first would hold back the send it waits for; their
         waits share only the error record and end only on a timeout).
+        `handle`: the handle a combine or cached dispatch reads. An async call's event keeps it alive until waited:
+        its tensors were made on another stream and the kernels read them through raw pointers (recording each of
+        them for the comm stream would cost host time on every call).
         """
         if self.steps_use_torch_ops and torch.is_grad_enabled():  # no autograd history (`moe_comm.autograd` has it)
             with torch.no_grad():
@@ -251,7 +254,8 @@ class Backend:
             t.record_stream(compute_stream)
         cuda_event = torch.cuda.Event()
         cuda_event.record(side)
-        return outputs, EventOverlap(event=cuda_event, extra_tensors=tuple(inputs)), None
+        keep_alive = tuple(inputs) if handle is None else (*inputs, handle)
+        return outputs, EventOverlap(event=cuda_event, extra_tensors=keep_alive), None
 
     # ------------------------------------------------------------------------------------------------
     # Value checks
