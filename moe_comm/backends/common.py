@@ -197,7 +197,7 @@ class Backend:
         if self.steps_use_torch_ops and torch.is_grad_enabled():  # no autograd history (`moe_comm.autograd` has it)
             with torch.no_grad():
                 return self.run(body, previous_event, async_with_compute_stream, inputs, return_recv_hook,
-                                side_stream)
+                                side_stream, handle)
         side = self.comm_stream if side_stream is None else side_stream
         # An async call's stream waits for `previous_event` on the device, the current stream goes on (as DeepEP's
         # comm stream does); elsewhere (a call on the current stream, or the CPU path's works) the caller waits.
