@@ -27,7 +27,8 @@ class EventOverlap:
             order; the description names rank, phase and peer for the timeout error.
         finalizers: callables run once, in order, after the works complete (CPU path).
         extra_tensors: tensors (and handles) kept alive until the event has been waited on: what an async call's
-            kernels read. Wait for an async call's event before dropping it.
+            kernels read. Wait for an async call's event (on the stream that was current at the call, or one
+            ordered after it) before dropping it.
         timeout_secs: how long a CPU wait may block before raising (`num_cpu_timeout_secs` of the buffer).
         on_fault: called with the error's text when a wait fails (the backend then refuses later calls).
     """

@@ -434,6 +434,15 @@ def recv_hook_cuda_rank(rank: int, world_size: int) -> list[str]:
         torch.cuda.synchronize()
         assert bool((pattern == 7.0).all()) and bool((filler == 3.0).all()), "a hook wrote into memory made after it"
         assert_same("combined, inputs dropped before the hook", combined, ref_combined.cpu())
+        # ... and so does the handle whose layout the reducers read (tensors of its sizes made before the hook).
+        fresh_x, _, fresh_w, fresh_handle, _ = buf.dispatch(x, idx, w, **kwargs)
+        combined, _, _, hook = buf.combine(fresh_x, fresh_handle, topk_weights=fresh_w, return_recv_hook=True)
+        sizes = [(t.shape, t.dtype) for t in _flatten_tensors([fresh_handle])]
+        del fresh_handle
+        junk = [torch.full(shape, 7, dtype=dtype, device=buf.device) for shape, dtype in sizes]
+        hook()
+        assert_same("combined, handle dropped before the hook", combined, ref_combined.cpu())
+        del junk
 
         # Rounds come with the slot order only (partial sums, the default, take one round); the slot order of one
         # round is their reference.

@@ -240,21 +240,26 @@ class Backend:
             return outputs, DONE, None
         compute_stream = torch.cuda.current_stream(self.device)
         side.wait_stream(compute_stream)
+        keep_alive = tuple(inputs) if handle is None else (*inputs, handle)
         if event_on_side:
             side.wait_event(previous_event.event)
+            # A caller that hands an event on as previous_event may drop it unwaited: what it kept alive (a handle
+            # the earlier call's kernels read) must outlive this call's work, which the new event orders after it.
+            keep_alive += previous_event._extra_tensors
+        # Before the body: a body that raises after its kernels were queued (an allocation failure) still leaves the
+        # inputs held for the comm stream and the stream marked busy for the next synchronous call.
+        self._busy_streams.add(side)
+        for t in inputs:
+            t.record_stream(side)
         with torch.cuda.stream(side):
             outputs, works, finalizers = body()
             self._wait(works)
             for finalize in finalizers:
                 finalize()
-        self._busy_streams.add(side)
-        for t in inputs:
-            t.record_stream(side)
         for t in _flatten_tensors(outputs):
             t.record_stream(compute_stream)
         cuda_event = torch.cuda.Event()
         cuda_event.record(side)
-        keep_alive = tuple(inputs) if handle is None else (*inputs, handle)
         return outputs, EventOverlap(event=cuda_event, extra_tensors=keep_alive), None
 
     # ------------------------------------------------------------------------------------------------

@@ -577,8 +577,8 @@ class CudaBackend(Backend):
     def _receivers(self, c, plan: _Plan, tensors: tuple) -> list:
         """With a hook: `[launch of the receivers]`, the finalizer the hook runs (on the call's stream, along the
         structs the call set: no operation can run on the buffer in between), else `[]`. `tensors` (the outputs the
-        receivers write, a combine's inputs its reducers read) stay allocated until then, whatever the caller
-        drops: freed, their memory could be handed to a tensor made before the hook."""
+        receivers write, a combine's inputs and handle its reducers read) stay allocated until then, whatever the
+        caller drops: freed, their memory could be handed to a tensor made before the hook."""
         if not c.return_recv_hook:
             return []
         if plan.combine_dtype:
@@ -637,7 +637,8 @@ class CudaBackend(Backend):
             *plan.addresses, c.x, weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None,
             handle.num_tokens, DTYPE_CODES[c.x.dtype], plan.num_slots, plan.num_rounds, c.unreduced, c.num_sms,
             _part(c), self._raw_stream())
-        return (combined, combined_w), [], self._receivers(c, plan, (combined, combined_w, c.x, weights, *bias))
+        return (combined, combined_w), [], self._receivers(c, plan,
+                                                           (combined, combined_w, c.x, weights, *bias, handle))
 
     def _rounds_error(self, c, plan: _Plan) -> str:
         K, cap = c.handle.num_topk, self.tuning.max_round_slots

@@ -100,8 +100,10 @@ class TorchPrimitives(PrimitivesBase):
         while sends and sends[0][0].is_completed():
             sends.popleft()
         while len(sends) >= self.pp_config[1]:  # every slot taken: the oldest must have been received
-            work, description, _ = sends.popleft()
+            work, description, staged = sends.popleft()
             b._wait([(work, description)])
+            if staged.is_cuda:  # made on another stream perhaps: reusable once this stream, which waited, gets here
+                staged.record_stream(torch.cuda.current_stream(b.device))
         staged = t.clone()
         work = dist.isend(staged, dist.get_global_rank(b.group, dst), group=self._pp_group(b.rank, dst))
         sends.append((work, f"rank {b.rank} pp_send: send to peer {dst}", staged))
