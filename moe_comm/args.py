@@ -3,6 +3,8 @@ range, each naming the argument and its value."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 
 def check_bool(**values) -> None:
     for name, value in values.items():
@@ -16,3 +18,9 @@ def check_int(minimum: int, **values) -> None:
             raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
         if value < minimum:
             raise ValueError(f"{name}={value} must be >= {minimum}")
+
+
+def check_group(group) -> None:
+    """`group` of a static size hint: a process group, or None for the default one."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import domains, env, layout, quant, sizing, traffic_class
-from .args import check_bool, check_int
+from .args import check_bool, check_group, check_int
 from .backends import cuda as cuda_backend
 from .backends.cuda_primitives import CudaPrimitives
 from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
@@ -397,7 +397,13 @@ class Buffer(PrimitivesMixin):
     def get_buffer_size_hint(group: Optional[dist.ProcessGroup], num_max_tokens_per_rank: int, hidden: int,
                              num_topk: int = 0, use_fp8_dispatch: bool = False, *,
                              use_recv_hook: bool = False) -> int:
-        """Bytes of the per-rank buffer for these maxima (`moe_comm.sizing.get_buffer_size_hint`)."""
+        """Bytes of the per-rank buffer for these maxima (`moe_comm.sizing.get_buffer_size_hint`) on the direct
+        path; `num_topk=0` sizes no dispatch: pass the calls' top-k. A CUDA buffer on the hybrid path allocates its
+        host's buffer instead: `get_buffer_size_hint(host_group, S * num_max_tokens_per_rank, hidden', num_topk)`
+        with S hosts and hidden' twice `hidden` when combines may add partial sums (`allow_multiple_reduction`
+        without `deterministic`; FP32 rows), about twice this hint."""
+        check_group(group)
+        check_bool(use_fp8_dispatch=use_fp8_dispatch, use_recv_hook=use_recv_hook)
         num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)
         return sizing.get_buffer_size_hint(num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                            use_recv_hook=use_recv_hook)

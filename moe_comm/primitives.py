@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .args import check_bool, check_int
+from .args import check_bool, check_group, check_int
 from .backends import cuda_primitives
 from .backends.common import MAX_TENSOR_DIMS, tensor_words
 from .event import EventOverlap
@@ -45,8 +45,7 @@ class PrimitivesMixin:
         slots per rank of the group (calls alternate between them), each rounded up to 256 bytes, and flags. The
         reference backend allocates none beyond the call's output."""
         check_int(1, num_max_bytes=num_max_bytes)
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+        check_group(group)
         num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)
         return cuda_primitives.agrs_region_bytes(num_ranks, num_max_bytes)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from . import layout
+from .args import check_int
 
 # Hardware defaults, per direction. NVLink 4 (H100/H200) runs 18 links at 26.5625 GB/s, NVLink 5 (B200)
 # 18 links at 50 GB/s; `nvidia-smi nvlink -s` reports the same per-link numbers.
@@ -80,15 +81,11 @@ FP8_SCALE_BLOCK = 128
 
 
 def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if value <= 0:
-            raise ValueError(f"{name}={value} must be positive")
+    check_int(1, **values)
 
 
 def _check_non_negative(**values: int) -> None:
-    for name, value in values.items():
-        if value < 0:
-            raise ValueError(f"{name}={value} must be non-negative")
+    check_int(0, **values)
 
 
 def _align(value: int, alignment: int) -> int:
@@ -251,11 +248,11 @@ class Topology:
             num_scaleout_groups=self.num_scaleout_groups,
             num_device_sms=self.num_device_sms,
         )
-        # `not x > 0` also rejects NaN.
-        if not self.nvlink_gbs > 0:
-            raise ValueError(f"nvlink_gbs={self.nvlink_gbs} must be positive")
-        if not self.rdma_gbs > 0:
-            raise ValueError(f"rdma_gbs={self.rdma_gbs} must be positive")
+        # `not 0 < x < inf` also rejects NaN.
+        if not 0 < self.nvlink_gbs < math.inf:
+            raise ValueError(f"nvlink_gbs={self.nvlink_gbs} must be positive and finite")
+        if not 0 < self.rdma_gbs < math.inf:
+            raise ValueError(f"rdma_gbs={self.rdma_gbs} must be positive and finite")
         if self.num_ranks % self.num_scaleout_groups != 0:
             raise ValueError(
                 f"num_ranks={self.num_ranks} is not a multiple of num_scaleout_groups={self.num_scaleout_groups}"

@@ -375,7 +375,7 @@ def test_multinode_model_refuses_bad_shapes(capsys, tmp_path):
     main = script_module("multinode_model").main
     for argv, message in ((["--tokens", "0"], "--tokens=0 must be >= 1"),
                           (["--num-experts", "100"], "num_experts=100 is not a multiple"),
-                          (["--num-topk", "0"], "num_topk=0 must be positive")):
+                          (["--num-topk", "0"], "num_topk=0 must be >= 1")):
         with pytest.raises(SystemExit) as info:
             main([*argv, "--out", str(tmp_path / "m"), "--no-plot"])
         assert info.value.code == 2 and message in capsys.readouterr().err, argv

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_comm import sizing
+from moe_comm import Buffer, sizing
 from moe_comm.sizing import (
     B200_NUM_SMS,
     B200_NVLINK_LINK_GBS,
@@ -307,11 +307,29 @@ def test_num_sms_needs_divisible_experts():
         (dict(num_ranks=8, num_nvl_ranks=8, nvlink_gbs=0.0), "nvlink_gbs=0.0"),
         (dict(num_ranks=8, num_nvl_ranks=8, rdma_gbs=float("nan")), "rdma_gbs=nan"),
         (dict(num_ranks=8, num_nvl_ranks=8, num_device_sms=0), "num_device_sms=0"),
+        (dict(num_ranks=8, num_nvl_ranks=8, nvlink_gbs=math.inf), "nvlink_gbs=inf must be positive and finite"),
+        (dict(num_ranks=8, num_nvl_ranks=8, rdma_gbs=math.inf), "rdma_gbs=inf"),
     ],
 )
 def test_topology_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Topology(**kwargs)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: Topology(2.0, 2), r"num_ranks must be an int, got 2.0 \(float\)"),
+    (lambda: Topology(True, True), r"num_ranks must be an int, got True \(bool\)"),
+    (lambda: Topology(2, 2, num_device_sms=2.5), "num_device_sms must be an int"),
+    (lambda: get_buffer_size_hint(2, 4096, 7168, 2.5), "num_topk must be an int"),
+    (lambda: get_buffer_size_hint(2, 64.5, 256, 4), "num_max_tokens_per_rank must be an int"),
+    (lambda: sizing.expected_num_groups(256.0, 8, 2), "num_experts must be an int"),
+    (lambda: Buffer.get_buffer_size_hint("world", 64, 256, 4), "group must be a torch.distributed.ProcessGroup"),
+    (lambda: Buffer.get_buffer_size_hint(None, 64, 256, 4, use_fp8_dispatch=1), "use_fp8_dispatch must be a bool"),
+])
+def test_sizes_must_be_ints(call, match):
+    """A float or bool count is refused naming the argument (a fractional byte count or SM count is no answer)."""
+    with pytest.raises(TypeError, match=match):
+        call()
 
 
 def test_topology_is_frozen():
