@@ -37,7 +37,9 @@ VARIABLES = {
                  "Collective timeout in seconds for the test launcher's process groups."),
         Variable("MOE_COMM_JIT_CACHE_DIR", "str", "~/.cache/moe_comm",
                  "Root of the on-disk cache of JIT-built kernel libraries and the host extension (one "
-                 "`<name>-<hash16>/` folder per build, plus its `.lock` file); `~` is expanded."),
+                 "`<name>-<hash16>/` folder per build, plus its `.lock` file); `~` is expanded, a relative path is "
+                 "taken from each process's working directory. Ranks that share it need `flock` on it (a local "
+                 "disk, or a shared one mounted with locks)."),
         Variable("MOE_COMM_JIT_VERBOSE", "bool", False,
                  "Print one line to stderr per JIT build (with its seconds) or cache hit."),
         Variable("MOE_COMM_RANKS_PER_NODE", "int", None,

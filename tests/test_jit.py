@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from moe_comm import jit
+from moe_comm.jit import compiler
 from moe_comm.testing import process_context
 
 try:
@@ -287,3 +288,32 @@ def test_invalid_arguments(project, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "")
     with pytest.raises(RuntimeError, match=r"searched \$CUDA_HOME/bin/nvcc .* and nvcc on PATH"):
         jit.find_nvcc()
+
+
+def test_key_follows_the_nvcc_environment(project, monkeypatch):
+    """nvcc reads flags and its host compiler from the environment: a library built under them is another build."""
+    def key() -> str:
+        return compiler.cache_key("env", project.sources, include_dirs=project.include_dirs)
+
+    base = key()
+    for var in compiler.NVCC_ENV_VARS:
+        monkeypatch.setenv(var, "-DEXTRA=41")
+        assert key() != base, var
+        monkeypatch.delenv(var)
+    assert key() == base
+
+
+def test_bad_verbose_is_refused_before_building(project, nvcc_runs, monkeypatch, cache):
+    monkeypatch.setenv("MOE_COMM_JIT_VERBOSE", "2")
+    with pytest.raises(ValueError, match="MOE_COMM_JIT_VERBOSE='2'"):
+        jit.build("verbose", project.sources, include_dirs=project.include_dirs)
+    assert nvcc_runs() == 0 and not cache.exists()
+
+
+def test_published_build_is_as_readable_as_the_cache(project, nvcc_runs, cache):
+    """A cache made readable for others (an image's, a team's) stays usable: a build is published with the root's
+    permissions, not mkdtemp's private 0700."""
+    cache.mkdir(parents=True)
+    cache.chmod(0o755)
+    path = jit.build("mode", project.sources, include_dirs=project.include_dirs)
+    assert path.parent.stat().st_mode & 0o777 == 0o755

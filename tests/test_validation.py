@@ -332,8 +332,10 @@ def backend_choice_rank(rank: int, world_size: int, broken: dict) -> object:
             raise ImportError("moe_comm_host.so: undefined symbol: _ZN3c10")
 
     peer = lambda a, b: broken.get("peer") != rank  # noqa: E731
+    capability = lambda d: (8, 0) if broken.get("ampere") == rank else (9, 0)  # noqa: E731
     with mock.patch("torch.cuda.is_available", lambda: True), mock.patch("torch.cuda.current_device", lambda: 0), \
             mock.patch("torch.cuda.device_count", lambda: 2), mock.patch("torch.cuda.can_device_access_peer", peer), \
+            mock.patch("torch.cuda.get_device_capability", capability), \
             mock.patch.object(cuda_backend, "load_kernels", load_kernels):
         return cuda_backend.why_not_usable(dist.group.WORLD)
 
@@ -347,6 +349,9 @@ def test_backend_choice_is_the_same_on_every_rank(pools):
     assert verdicts == ["rank 0: the kernels cannot be built or loaded (moe_comm_host.so: undefined symbol: _ZN3c10)"] * 2
     verdicts = pools(2).run(backend_choice_rank, {"peer": 0, "kernels": 0})
     assert verdicts[0] == verdicts[1] == "rank 0: GPU 0 has no peer access to GPU(s) [1]", verdicts
+    verdicts = pools(2).run(backend_choice_rank, {"ampere": 1})  # sm_90a code only: `auto` takes the reference
+    assert verdicts == ["rank 1: GPU 0 is of compute capability 8.0; the kernels are built for sm_90a (Hopper: H100, "
+                        "H200) only"] * 2, verdicts
 
 
 def disagreement_probes_rank(rank: int, world_size: int) -> list[str]:

@@ -178,10 +178,14 @@ def _part(c) -> int:
     return lay.PART_SEND if c.return_recv_hook else lay.PART_WHOLE
 
 
+# The compute capability the kernel library is built for (sm_90a code, no PTX: no other GPU can run it).
+KERNEL_CAPABILITY = (9, 0)
+
+
 def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None) -> Optional[str]:
     """None when the CUDA backend can run on `group`, else why not, the same answer on every rank.
 
-    Usable: every rank is a GPU of one host that reaches every other by peer access (NVLink/P2P), the group has
+    Usable: every rank is a Hopper GPU of one host that reaches every other by peer access (NVLink/P2P), the group has
     at most MAX_RANKS ranks, and every rank can build or load the kernel library. Collective over `group` (every
     rank must call it): ranks exchange their host name and local verdicts.
     """
@@ -190,6 +194,10 @@ def why_not_usable(group: dist.ProcessGroup, tuning: Optional[CudaTuning] = None
         reasons.append(f"{dist.get_world_size(group)} ranks (the kernels take at most {lay.MAX_RANKS})")
     if torch.cuda.is_available():
         me = torch.cuda.current_device()
+        capability = torch.cuda.get_device_capability(me)
+        if capability != KERNEL_CAPABILITY:
+            reasons.append(f"GPU {me} is of compute capability {capability[0]}.{capability[1]}; the kernels are built "
+                           f"for sm_90a (Hopper: H100, H200) only")
         blind = [d for d in range(torch.cuda.device_count())
                  if d != me and not torch.cuda.can_device_access_peer(me, d)]
         if blind:

@@ -60,6 +60,8 @@ NVCC_VERSION_TIMEOUT_S = 60.0
 # Names become folder names; the character set also keeps them safe inside a glob pattern.
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _ARCH_RE = re.compile(r"sm_\d+[af]?")
+# Environment variables nvcc reads its own flags and host compiler from (part of the cache key).
+NVCC_ENV_VARS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
 _INCLUDE_RE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\n]+)[>"]', re.MULTILINE)
 
 # Libraries loaded by this process, by full cache key.
@@ -242,7 +244,10 @@ def _plan(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], flag
     final_flags = (*DEFAULT_FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}", *flags)
     nvcc = find_nvcc()
 
-    key = build_key([name, _nvcc_version_of(nvcc), arch, "\0".join(final_flags)], source_paths, dir_paths, gen_files)
+    # nvcc also reads flags and the host compiler from these: a build made under them is another build.
+    nvcc_env = "\0".join(f"{var}={os.environ.get(var, '')}" for var in NVCC_ENV_VARS)
+    key = build_key([name, _nvcc_version_of(nvcc), nvcc_env, arch, "\0".join(final_flags)], source_paths, dir_paths,
+                    gen_files)
     return _Plan(name, key, nvcc, final_flags, dir_paths, source_paths, gen_files)
 
 
@@ -296,17 +301,18 @@ def build_once(root: Path, folder_name: str, product: str, compile_into, timeout
     """`root/folder_name/product`, built by `compile_into(temp folder)` unless it exists: under the key's lock, in
     a private temp folder renamed into place, so the key folder only ever appears complete. Returns the path and
     what `compile_into` returned (None on a cache hit)."""
+    verbose = env.get_bool("MOE_COMM_JIT_VERBOSE")  # read first: a bad value raises before a build, not after it
     final = root / folder_name
     path = final / product
     if path.is_file():
-        _say(f"cache hit {path}")
+        _say(verbose, f"cache hit {path}")
         return path, None
 
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f"{folder_name}.lock", timeout_s):
         # Another rank may have finished while this one waited
         if path.is_file():
-            _say(f"cache hit {path} (built by another process)")
+            _say(verbose, f"cache hit {path} (built by another process)")
             return path, None
         # Holding the lock, nothing else builds this key: leftovers are from killed builds
         if final.exists():
@@ -320,11 +326,19 @@ def build_once(root: Path, folder_name: str, product: str, compile_into, timeout
             result = compile_into(tmp)
             if not (tmp / product).is_file():
                 raise RuntimeError(f"the build of {folder_name} finished without {product} in {tmp}")
+            # On disk before it is published (a crash after the rename must not leave a truncated library, which
+            # loads as a bus error), and as readable as the cache root (mkdtemp makes the folder private).
+            fd = os.open(tmp / product, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(tmp, root.stat().st_mode & 0o777)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    _say(f"built {folder_name} in {time.monotonic() - start:.1f} s -> {path}")
+    _say(verbose, f"built {folder_name} in {time.monotonic() - start:.1f} s -> {path}")
     return path, result
 
 
@@ -414,6 +428,6 @@ def _locked(path: Path, timeout_s: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _say(message: str) -> None:
-    if env.get_bool("MOE_COMM_JIT_VERBOSE"):
+def _say(verbose: bool, message: str) -> None:
+    if verbose:
         print(f"moe_comm.jit: {message}", file=sys.stderr, flush=True)

@@ -79,7 +79,9 @@ def _key(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], gener
             raise FileNotFoundError(f"source {path} of extension {name!r} does not exist")
     dir_paths = tuple(Path(d).absolute() for d in include_dirs)
     gen = tuple(sorted((generated or {}).items()))
-    key = build_key([name, torch.__version__, sys.version], source_paths, dir_paths, gen)
+    # The host compiler (cpp_extension takes `CXX`) is part of the build, as nvcc's version is of the kernels'.
+    key = build_key([name, torch.__version__, sys.version, f"CXX={os.environ.get('CXX', '')}"], source_paths,
+                    dir_paths, gen)
     return key, source_paths, dir_paths, gen
 
 
