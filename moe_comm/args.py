@@ -3,8 +3,6 @@ range, each naming the argument and its value."""
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 
 def check_bool(**values) -> None:
     for name, value in values.items():
@@ -22,5 +20,7 @@ def check_int(minimum: int, **values) -> None:
 
 def check_group(group) -> None:
     """`group` of a static size hint: a process group, or None for the default one."""
+    import torch.distributed as dist  # here: `moe_comm.sizing` imports this module and no torch
+
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")

@@ -400,8 +400,8 @@ class Buffer(PrimitivesMixin):
         """Bytes of the per-rank buffer for these maxima (`moe_comm.sizing.get_buffer_size_hint`) on the direct
         path; `num_topk=0` sizes no dispatch: pass the calls' top-k. A CUDA buffer on the hybrid path allocates its
         host's buffer instead: `get_buffer_size_hint(host_group, S * num_max_tokens_per_rank, hidden', num_topk)`
-        with S hosts and hidden' twice `hidden` when combines may add partial sums (`allow_multiple_reduction`
-        without `deterministic`; FP32 rows), about twice this hint."""
+        with S hosts, `use_fp8_dispatch` as given and hidden' twice `hidden` when combines may add partial sums
+        (`allow_multiple_reduction` without `deterministic`; FP32 rows: about twice this hint), else `hidden`."""
         check_group(group)
         check_bool(use_fp8_dispatch=use_fp8_dispatch, use_recv_hook=use_recv_hook)
         num_ranks = dist.get_world_size(dist.group.WORLD if group is None else group)

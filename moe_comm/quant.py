@@ -11,9 +11,9 @@ Formats
 -------
 Input `x`: `[num_tokens, hidden]`, `torch.bfloat16` (or `torch.float32`), `hidden % 128 == 0`, finite values
 (the result for inf/NaN input is not part of the contract; in mxfp8 the eight largest finite bf16 magnitudes,
->= 248 * 2**120 ~ 3.30e38, cast back to inf: their scale 2**128 overflows float32). Output `q`:
-`[num_tokens, hidden]`, `torch.float8_e4m3fn` (OCP E4M3, max 448, no infinities). Output `scales`:
-`[num_tokens, hidden // 128]` in both formats, row-major, contiguous; its dtype names the format:
+>= 248 * 2**120 ~ 3.30e38, cast back to inf: q rounds up to 256 at scale 2**120, and 2**128 overflows
+float32). Output `q`: `[num_tokens, hidden]`, `torch.float8_e4m3fn` (OCP E4M3, max 448, no infinities). Output
+`scales`: `[num_tokens, hidden // 128]` in both formats, row-major, contiguous; its dtype names the format:
 
 - `"fp8_block128"`: one float32 scale per token and 128-channel group (DeepEP V1's format), `torch.float32`.
 - `"mxfp8"`: one UE8M0 exponent byte per token and 32-channel group, four bytes packed per `torch.int32`

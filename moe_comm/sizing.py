@@ -3,8 +3,8 @@ expectations. (Over 400 lines: one model whose every intermediate number is expo
 explanation.)
 
 Pure functions: no GPU, no torch, no imports from the rest of `moe_comm` but `moe_comm.layout` (the buffer's
-layout, itself pure), so the model can be used from a launcher script, a config validator or a notebook before
-any process group exists.
+layout, itself pure) and `moe_comm.args` (argument checks), so the model can be used from a launcher script, a
+config validator or a notebook before any process group exists.
 
 The model assumes a balanced gate: every token picks `num_topk` distinct experts uniformly at random, and
 experts are laid out contiguously, `num_experts / num_ranks` per rank. Traffic is counted per token as a

@@ -1,4 +1,4 @@
-"""Tests of the analytical model (`moe_comm/sizing.py`, DESIGN 2.4). CPU only, no torch. (Over 400 lines: hand-
+"""Tests of the analytical model (`moe_comm/sizing.py`, DESIGN 2.4). CPU only (torch only for `Buffer`'s hint). (Over 400 lines: hand-
 computed values for every branch of the model, and the golden values DESIGN fixes.)"""
 
 import importlib.util

@@ -244,8 +244,10 @@ class Backend:
         if event_on_side:
             side.wait_event(previous_event.event)
             # A caller that hands an event on as previous_event may drop it unwaited: what it kept alive (a handle
-            # the earlier call's kernels read) must outlive this call's work, which the new event orders after it.
-            keep_alive += previous_event._extra_tensors
+            # the earlier call's kernels read) must outlive this call's work, which the new event orders after it
+            # (unless done already: a chain of calls then holds only what is still in flight).
+            if not previous_event.event.query():
+                keep_alive += previous_event._extra_tensors
         # Before the body: a body that raises after its kernels were queued (an allocation failure) still leaves the
         # inputs held for the comm stream and the stream marked busy for the next synchronous call.
         self._busy_streams.add(side)

@@ -68,8 +68,8 @@ def extension_check() -> float:
 
 def build_inputs() -> dict:
     """What the two default builds read, for comparing two copies of the package: `keys` (the kernel library's and
-    the host extension's cache keys, which hash every byte the compilers read from the package, the flags and
-    nvcc's and torch's versions) and `files` (each file a build reads, relative to csrc/, and its sha256). Two
+    the host extension's cache keys, which hash every byte the compilers read from the package, the flags, the
+    compilers' environment variables and nvcc's and torch's versions) and `files` (each file a build reads, relative to csrc/, and its sha256). Two
     copies with equal keys build the same library and extension."""
     sources = [*kernel_sources(), *extension_sources()]
     return {"keys": {LIBRARY: cache_key(LIBRARY, kernel_sources(), [INCLUDE_DIR], generated_headers()),

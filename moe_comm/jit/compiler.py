@@ -10,9 +10,10 @@ Cache layout under `default_cache_dir()`:
     <name>-<hash16>.lock         flock'd by whoever builds that key; holds the builder's pid and host
     .tmp-<name>-<hash16>-*/      a build in progress (or one killed mid-way: the next builder removes it)
 
-The key (`<hash16>` is its first 16 hex digits) is a sha256 over the name, the full `nvcc --version` text,
-the arch, the flag list, the generated headers (path and text), and the bytes of every source and of every header
-reachable from them through `#include` (`_reachable_files`). Include-dir paths are not hashed: the headers found
+The key (`<hash16>` is its first 16 hex digits) is a sha256 over the name, the full `nvcc --version` text, the
+environment variables nvcc reads flags and its host compiler from (`NVCC_ENV_VARS`), the arch, the flag list, the
+generated headers (path and text), and the bytes of every source and of every header reachable from them through
+`#include` (`_reachable_files`). Include-dir paths are not hashed: the headers found
 there are. Generated headers (`generated=`, e.g. `moe_comm/abi.h` from `moe_comm.layout`) are written into
 `<key folder>/gen/`, which is on the include path of the build.
 
@@ -327,13 +328,13 @@ def build_once(root: Path, folder_name: str, product: str, compile_into, timeout
             if not (tmp / product).is_file():
                 raise RuntimeError(f"the build of {folder_name} finished without {product} in {tmp}")
             # On disk before it is published (a crash after the rename must not leave a truncated library, which
-            # loads as a bus error), and as readable as the cache root (mkdtemp makes the folder private).
+            # loads as a bus error), and readable where the cache root is (mkdtemp makes the folder private).
             fd = os.open(tmp / product, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.chmod(tmp, root.stat().st_mode & 0o777)
+            os.chmod(tmp, root.stat().st_mode & 0o755)  # readable, never writable, by others
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

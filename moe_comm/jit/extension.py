@@ -6,7 +6,7 @@ Cache layout under `default_cache_dir()`:
     <name>-<hash16>/<name>.so    the extension module (and cpp_extension's build files)
     <name>-<hash16>.lock         flock'd by whoever builds that key
 
-The key is a sha256 over the name, the torch and Python versions, the generated headers, and the bytes of every
+The key is a sha256 over the name, the torch and Python versions, `CXX`, the generated headers, and the bytes of every
 source and of every header reachable from them through `#include` in `include_dirs` (torch's own headers are
 covered by the torch version). As for the kernel libraries, a key folder only ever appears complete: the build
 runs in a private temp folder that is renamed into place, under the key's lock.
