@@ -205,6 +205,7 @@ class Buffer(PrimitivesMixin):
                                                      use_fp8_dispatch, use_recv_hook=use_recv_hook)
         self.sl_idx = sl_idx
         self.device = self.group_device(group)
+        self._arrive()
         if self.device.type == "cuda":  # collective on every rank, whatever its sl_idx (ranks may differ in it)
             self._check_traffic_class()
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
@@ -292,6 +293,21 @@ class Buffer(PrimitivesMixin):
         error = _error_on_every_rank(self.group, failure, f"moe_comm.Buffer(sl_idx={self.sl_idx})")
         if error is not None:
             raise error from failure
+
+    def _arrive(self) -> None:
+        """gloo: every rank of the group reaches `Buffer(...)` within `num_cpu_timeout_secs`, else a TimeoutError
+        naming the ranks that did not (the construction's exchanges have no timeout of their own: they would wait
+        for the process group's, 30 minutes by default on gloo). An NCCL group waits in its first exchange within
+        the group's own timeout (NCCL has no monitored barrier)."""
+        if "gloo" not in str(dist.get_backend(self.group)).lower():
+            return
+        try:
+            dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs),
+                                   wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise TimeoutError(f"moe_comm: rank {self.rank} Buffer(...): not every rank of the group reached the "
+                               f"construction within num_cpu_timeout_secs={self.num_cpu_timeout_secs:g} "
+                               f"({str(exc).splitlines()[0]})") from exc
 
     @staticmethod
     def group_device(group: dist.ProcessGroup) -> torch.device:

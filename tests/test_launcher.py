@@ -126,3 +126,23 @@ def test_dead_peer_is_named_and_breaks_the_group():
         "peer 1 closed the connection" in message, message
     assert elapsed < 10, elapsed  # not num_cpu_timeout_secs=30
     assert all(message.removeprefix("moe_comm: ") in text for text in later), later
+
+
+def missing_peer_at_construction_rank(rank: int, world_size: int):
+    """Rank 1 never makes its Buffer: rank 0's construction ends within num_cpu_timeout_secs, naming the rank that
+    did not come (its exchanges would otherwise wait for the process group's timeout)."""
+    if rank == 1:
+        time.sleep(6)
+        return "skipped"
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                        num_cpu_timeout_secs=2)
+    return str(info.value), time.monotonic() - start
+
+
+def test_missing_peer_at_construction_times_out():
+    (message, elapsed), skipped = parallel_launch(2, missing_peer_at_construction_rank, timeout_s=120)
+    assert skipped == "skipped" and elapsed < 5, elapsed
+    assert message.startswith("moe_comm: rank 0 Buffer(...): not every rank of the group reached the construction "
+                              "within num_cpu_timeout_secs=2") and "Ranks 1 failed to pass" in message, message
