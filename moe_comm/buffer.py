@@ -21,7 +21,7 @@ from . import domains, env, layout, quant, sizing, traffic_class
 from .args import check_bool, check_group, check_int
 from .backends import cuda as cuda_backend
 from .backends.cuda_primitives import CudaPrimitives
-from .backends.common import DTYPE_CODES, OPERATIONS, padded_signature
+from .backends.common import DTYPE_CODES, OPERATIONS, begin_buffer, padded_signature
 from .backends.hybrid import HybridBackend, leg_groups
 from .backends.torch_hybrid import HybridRefBackend
 from .backends.torch_primitives import TorchPrimitives
@@ -206,6 +206,7 @@ class Buffer(PrimitivesMixin):
         self.sl_idx = sl_idx
         self.device = self.group_device(group)
         self._arrive()
+        begin_buffer(group)  # every rank got here: its handles' epochs start at a base of their own
         if self.device.type == "cuda":  # collective on every rank, whatever its sl_idx (ranks may differ in it)
             self._check_traffic_class()
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
@@ -868,6 +869,15 @@ class Buffer(PrimitivesMixin):
                 self._impl.close()
             self._impl = None
             self._destroyed = True
+
+    def __deepcopy__(self, memo) -> "Buffer":
+        # A communication resource is shared, as its process group is: a deep copy of a model that holds one (an
+        # EMA copy, a checkpointing helper) holds the same buffer.
+        return self
+
+    def __reduce__(self):
+        raise TypeError("a moe_comm.Buffer is bound to its live process group and device memory: it cannot be "
+                        "pickled or saved (save the model's state_dict; make a new Buffer after loading)")
 
     def __repr__(self) -> str:
         return (f"moe_comm.Buffer(backend={self.backend!r}, num_ranks={self.num_ranks}, device={self.device}, "

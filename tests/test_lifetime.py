@@ -3,6 +3,9 @@ others), and buffers destroyed or dropped give their memory back. The CUDA backe
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 import time
 import unittest.mock as mock
 
@@ -13,7 +16,7 @@ import moe_comm
 from moe_comm import buffer as buffer_module
 from moe_comm.testing.checks import check_case
 from moe_comm.testing.memory import churn_buffers
-from moe_comm.testing.routing import Case
+from moe_comm.testing.routing import Case, rank_inputs
 
 GOOD = Case(seed=51, num_ranks=2, num_experts=4, num_topk=2, hidden=128, num_tokens=(6, 4), num_max_tokens_per_rank=8)
 
@@ -85,3 +88,31 @@ def test_buffers_give_back_host_memory(pools):
         growth = r["after"]["host rss"] - r["before"]["host rss"]
         assert r["alive"] == 0 and not r["unraisable"], r
         assert growth <= 4 * 2**20, f"host RSS grew by {growth / 2**20:.2f} MiB over 200 buffers: {r}"
+
+
+def copy_rank(rank: int, world_size: int) -> list[str]:
+    """A deep copy of a model holding a buffer (an EMA copy) shares the buffer and its handles; pickling either (or
+    torch.save) is a TypeError saying what to save instead, not one about ProcessGroup."""
+    case = Case(seed=5, num_ranks=2, num_experts=4, num_topk=2, hidden=16, num_tokens=(4, 3),
+                num_max_tokens_per_rank=4)
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch")
+    x, idx, w = rank_inputs(case, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=4)
+    model = torch.nn.Linear(2, 2)
+    model.buffer, model.handle = buf, handle
+    twin = copy.deepcopy(model)
+    assert twin.buffer is buf and twin.handle is handle and twin.weight is not model.weight
+    messages = []
+    for obj in (buf, handle):
+        with pytest.raises(TypeError, match="cannot be pickled or saved") as info:
+            pickle.dumps(obj)
+        messages.append(str(info.value))
+        with pytest.raises(TypeError, match="cannot be pickled or saved"):
+            torch.save(obj, io.BytesIO())
+    buf.destroy()
+    return messages
+
+
+def test_copy_and_pickle(pools):
+    messages = pools(2).run(copy_rank)
+    assert messages[0] == messages[1] and "state_dict" in messages[0][0], messages

@@ -405,3 +405,26 @@ def cached_non_expand_alignment_rank(rank: int, world_size: int) -> bool:
 
 def test_cached_non_expand_dispatch_need_not_repeat_alignment(pools):
     assert pools(2).run(cached_non_expand_alignment_rank) == [True, True]
+
+
+def two_buffers_rank(rank: int, world_size: int) -> list[str]:
+    """Two buffers on one group: a rank combining with one buffer's handle while its peer holds the other's gets the
+    same ValueError on every rank (each buffer's handle epochs start at a base of their own; both used to be 1, and
+    gloo aborted one process while the other returned a wrong sum), and the buffers work afterwards; a handle used
+    alike on every rank works on either buffer (no buffer-private state in the reference's handles)."""
+    a, b = new_buffer(), new_buffer()
+    x, idx, w = rank_inputs(GOOD, rank)
+    recv_a, _, _, handle_a, _ = a.dispatch(x, idx, w, num_experts=GOOD.num_experts)
+    recv_b, _, _, handle_b, _ = b.dispatch(x, idx, w, num_experts=GOOD.num_experts)
+    assert handle_a.epoch != handle_b.epoch
+    with pytest.raises(ValueError, match="handle epoch") as info:
+        a.combine(recv_a if rank == 0 else recv_b, handle_a if rank == 0 else handle_b)
+    want = a.combine(recv_a, handle_a)[0]
+    assert torch.equal(b.combine(recv_b, handle_b)[0], want)
+    assert torch.equal(b.combine(recv_a, handle_a)[0], want)
+    return [str(info.value)]
+
+
+def test_handles_of_two_buffers_are_told_apart(pools):
+    messages = pools(2).run(two_buffers_rank)
+    assert messages[0] == messages[1]

@@ -97,8 +97,11 @@ class Backend:
         self._busy_streams: set[torch.cuda.Stream] = set()
         # Fresh dispatches counted alike on every rank (those the ranks agreed on; on the CUDA backend also those that
         # raised after their kernels ran everywhere): the epoch of the next handle is one more. Ranks that call alike
-        # hold handles of the same epoch, so a combine or cached dispatch checks the handle across ranks.
-        self.epoch = 0
+        # hold handles of the same epoch, so a combine or cached dispatch checks the handle across ranks. The count
+        # starts at this buffer's own base (`epoch_base`): a rank using one buffer's handle where its peer uses
+        # another buffer's (on the same group) differs in the epoch too.
+        self.epoch_base = epoch_base(group)
+        self.epoch = self.epoch_base
         # Why the group can no longer be used (a wait that failed: peers gone or out of step), else None.
         self.broken: Optional[str] = None
         # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
@@ -454,6 +457,28 @@ def subgroup_of(group: dist.ProcessGroup, device: torch.device, partition: Seque
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What sums of rows of `dtype` accumulate in (DESIGN 2.2): float64 for float64 rows, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# Buffers begun per process group (keyed by its name), and the bit their serial starts at in a handle's epoch: above
+# any count of one buffer (the CUDA backend's realigned counts stay below 2**48), 2**14 buffers per group.
+_BUFFERS_BEGUN: dict[str, int] = {}
+EPOCH_BASE_SHIFT = 49
+
+
+def _group_name(group: Optional[dist.ProcessGroup]) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def begin_buffer(group: Optional[dist.ProcessGroup]) -> None:
+    """Count a `Buffer` construction on `group`, at the point every rank of the group reached (its arrival), so that
+    the count is the same on every rank whatever fails later: the next backend's `epoch_base`."""
+    name = _group_name(group)
+    _BUFFERS_BEGUN[name] = _BUFFERS_BEGUN.get(name, 0) + 1
+
+
+def epoch_base(group: Optional[dist.ProcessGroup]) -> int:
+    """The first handle epoch of a backend made now on `group`: the serial of the Buffer being made, shifted."""
+    return _BUFFERS_BEGUN.get(_group_name(group), 0) << EPOCH_BASE_SHIFT
 
 
 def padded_signature(values: list[int]) -> list[int]:

@@ -364,7 +364,7 @@ class CudaBackend(Backend):
             self.rank)
         # Handles made up to here may come from calls that moved nothing (their counts were never written).
         self._stale_epoch = self.epoch
-        self.epoch = e.observed + REALIGN_JUMP
+        self.epoch = self.epoch_base + e.observed + REALIGN_JUMP
         torch.cuda.current_stream(self.device).synchronize()
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
