@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -21,7 +22,7 @@ from . import domains, env, layout, quant, sizing, traffic_class
 from .args import check_bool, check_group, check_int
 from .backends import cuda as cuda_backend
 from .backends.cuda_primitives import CudaPrimitives
-from .backends.common import DTYPE_CODES, OPERATIONS, begin_buffer, padded_signature
+from .backends.common import DTYPE_CODES, OPERATIONS, buffer_serial, padded_signature
 from .backends.hybrid import HybridBackend, leg_groups
 from .backends.torch_hybrid import HybridRefBackend
 from .backends.torch_primitives import TorchPrimitives
@@ -206,7 +207,6 @@ class Buffer(PrimitivesMixin):
         self.sl_idx = sl_idx
         self.device = self.group_device(group)
         self._arrive()
-        begin_buffer(group)  # every rank got here: its handles' epochs start at a base of their own
         if self.device.type == "cuda":  # collective on every rank, whatever its sl_idx (ranks may differ in it)
             self._check_traffic_class()
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
@@ -254,12 +254,16 @@ class Buffer(PrimitivesMixin):
             failure = exc
         error = _error_on_every_rank(self.group, failure, f"moe_comm.Buffer(backend={self.backend!r})")
         if error is None:
-            # MOE_COMM_CHECK_INPUTS adds exchanges to calls: ranks set differently would not meet in them.
+            # MOE_COMM_CHECK_INPUTS adds exchanges to calls: ranks set differently would not meet in them. The same
+            # exchange agrees on the buffer's serial on its group (each rank's count of the buffers made there).
             values = [None] * self.num_ranks
-            dist.all_gather_object(values, self._check_inputs, group=self.group)
-            if len(set(values)) > 1:
+            dist.all_gather_object(values, (self._check_inputs, buffer_serial(self.group)), group=self.group)
+            checks = [check for check, _ in values]
+            if len(set(checks)) > 1:
                 error = ValueError(f"moe_comm.Buffer: MOE_COMM_CHECK_INPUTS differs between ranks (per rank, as read): "
-                                   f"{values}; set it the same on every rank")
+                                   f"{checks}; set it the same on every rank")
+            else:
+                impl.start_epochs(max(serial for _, serial in values))
         if error is None and self.backend == "cuda":
             try:
                 impl.connect()
@@ -296,19 +300,33 @@ class Buffer(PrimitivesMixin):
             raise error from failure
 
     def _arrive(self) -> None:
-        """gloo: every rank of the group reaches `Buffer(...)` within `num_cpu_timeout_secs`, else a TimeoutError
-        naming the ranks that did not (the construction's exchanges have no timeout of their own: they would wait
-        for the process group's, 30 minutes by default on gloo). An NCCL group waits in its first exchange within
-        the group's own timeout (NCCL has no monitored barrier)."""
-        if "gloo" not in str(dist.get_backend(self.group)).lower():
+        """gloo: every rank of the group reaches `Buffer(...)` within `num_cpu_timeout_secs`, else a TimeoutError on
+        each rank that did, naming the peers it did not hear from (the construction's exchanges have no timeout of
+        their own: they would wait for the process group's, 30 minutes by default on gloo). Every rank sends a word
+        to every other and waits for theirs, all within one deadline. An NCCL group waits in its first exchange
+        within the group's own timeout."""
+        if dist.get_backend(self.group) != dist.Backend.GLOO or self.num_ranks == 1:
             return
-        try:
-            dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs),
-                                   wait_all_ranks=True)
-        except RuntimeError as exc:
-            raise TimeoutError(f"moe_comm: rank {self.rank} Buffer(...): not every rank of the group reached the "
-                               f"construction within num_cpu_timeout_secs={self.num_cpu_timeout_secs:g} "
-                               f"({str(exc).splitlines()[0]})") from exc
+        peers = [p for p in range(self.num_ranks) if p != self.rank]
+        token, inbox = torch.zeros(1), torch.zeros(len(peers))
+        ops = []
+        for i, p in enumerate(peers):
+            ops += [dist.P2POp(dist.irecv, inbox[i:i + 1], dist.get_global_rank(self.group, p), self.group),
+                    dist.P2POp(dist.isend, token, dist.get_global_rank(self.group, p), self.group)]
+        works = dist.batch_isend_irecv(ops)
+        deadline = time.monotonic() + self.num_cpu_timeout_secs
+        missing = []
+        for p, work in zip(peers, works[::2]):
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:
+                missing.append(p)
+        if missing:
+            raise TimeoutError(f"moe_comm: rank {self.rank} Buffer(...): peer(s) {missing} did not reach the "
+                               f"construction within num_cpu_timeout_secs={self.num_cpu_timeout_secs:g}; the group "
+                               f"cannot be used further: create a new process group")
+        for work in works[1::2]:  # every peer received, or will: it posted its receives with its sends
+            work.wait(timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
 
     @staticmethod
     def group_device(group: dist.ProcessGroup) -> torch.device:
@@ -869,6 +887,9 @@ class Buffer(PrimitivesMixin):
                 self._impl.close()
             self._impl = None
             self._destroyed = True
+
+    def __copy__(self) -> "Buffer":
+        return self
 
     def __deepcopy__(self, memo) -> "Buffer":
         # A communication resource is shared, as its process group is: a deep copy of a model that holds one (an

@@ -22,9 +22,10 @@ class EPHandle:
         group: the process group of the buffer that made it.
         backend: the backend that made it ("torch" or "cuda"); only that backend can read `layout`.
         epoch: serial of the fresh dispatch that made it on its backend (base + 1, 2, ...; the base is the buffer's
-            serial among those made on its group, times 2**49; after ranks disagreed on the CUDA backend it restarts
-            higher, the same on every rank): ranks that call in the same order hold handles of the same epoch, so
-            a combine or cached dispatch checks it across ranks, also against a peer holding another buffer's.
+            serial among those made on its group, agreed at construction, times 2**49; after ranks disagreed on the
+            CUDA backend it restarts higher, the same on every rank): ranks that call in the same order hold handles
+            of the same epoch, so a combine or cached dispatch checks it across ranks, also against a peer holding
+            another buffer's.
         num_experts: global expert count; `num_experts // num_ranks` live on each rank.
         num_topk: slots per token (K).
         num_tokens: this rank's token count N at dispatch time (a cached dispatch must send as many).
@@ -88,6 +89,9 @@ class EPHandle:
         handle = object.__new__(cls)
         handle.__dict__.update(values)
         return handle
+
+    def __copy__(self) -> "EPHandle":
+        return self
 
     def __deepcopy__(self, memo) -> "EPHandle":
         return self  # frozen: a copy would be the same layout, and its group cannot be copied

@@ -129,9 +129,9 @@ def test_dead_peer_is_named_and_breaks_the_group():
 
 
 def missing_peer_at_construction_rank(rank: int, world_size: int):
-    """Rank 1 never makes its Buffer: rank 0's construction ends within num_cpu_timeout_secs, naming the rank that
-    did not come (its exchanges would otherwise wait for the process group's timeout)."""
-    if rank == 1:
+    """The last rank never makes its Buffer: every other rank's construction ends within num_cpu_timeout_secs,
+    naming it (its exchanges would otherwise wait for the process group's timeout)."""
+    if rank == world_size - 1:
         time.sleep(6)
         return "skipped"
     start = time.monotonic()
@@ -142,7 +142,9 @@ def missing_peer_at_construction_rank(rank: int, world_size: int):
 
 
 def test_missing_peer_at_construction_times_out():
-    (message, elapsed), skipped = parallel_launch(2, missing_peer_at_construction_rank, timeout_s=120)
-    assert skipped == "skipped" and elapsed < 5, elapsed
-    assert message.startswith("moe_comm: rank 0 Buffer(...): not every rank of the group reached the construction "
-                              "within num_cpu_timeout_secs=2") and "Ranks 1 failed to pass" in message, message
+    *waiting, skipped = parallel_launch(3, missing_peer_at_construction_rank, timeout_s=120)
+    assert skipped == "skipped"
+    for rank, (message, elapsed) in enumerate(waiting):
+        assert elapsed < 5, (rank, elapsed)
+        assert message == f"moe_comm: rank {rank} Buffer(...): peer(s) [2] did not reach the construction within " \
+                          f"num_cpu_timeout_secs=2; the group cannot be used further: create a new process group"

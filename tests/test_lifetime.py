@@ -102,6 +102,7 @@ def copy_rank(rank: int, world_size: int) -> list[str]:
     model.buffer, model.handle = buf, handle
     twin = copy.deepcopy(model)
     assert twin.buffer is buf and twin.handle is handle and twin.weight is not model.weight
+    assert copy.copy(buf) is buf and copy.copy(handle) is handle
     messages = []
     for obj in (buf, handle):
         with pytest.raises(TypeError, match="cannot be pickled or saved") as info:

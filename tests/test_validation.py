@@ -411,7 +411,14 @@ def two_buffers_rank(rank: int, world_size: int) -> list[str]:
     """Two buffers on one group: a rank combining with one buffer's handle while its peer holds the other's gets the
     same ValueError on every rank (each buffer's handle epochs start at a base of their own; both used to be 1, and
     gloo aborted one process while the other returned a wrong sum), and the buffers work afterwards; a handle used
-    alike on every rank works on either buffer (no buffer-private state in the reference's handles)."""
+    alike on every rank works on either buffer (no buffer-private state in the reference's handles). The buffers'
+    serials are agreed at construction: a rank whose count ran ahead gives its handles the same epochs as its peer."""
+    import torch.distributed as dist
+
+    from moe_comm.backends import common
+
+    if rank == 1:  # a rank whose count of the group's buffers ran ahead (a reused group name, a restarted process)
+        common._BUFFERS_MADE[dist.group.WORLD.group_name] = common.buffer_serial(None) + 5
     a, b = new_buffer(), new_buffer()
     x, idx, w = rank_inputs(GOOD, rank)
     recv_a, _, _, handle_a, _ = a.dispatch(x, idx, w, num_experts=GOOD.num_experts)
@@ -422,7 +429,7 @@ def two_buffers_rank(rank: int, world_size: int) -> list[str]:
     want = a.combine(recv_a, handle_a)[0]
     assert torch.equal(b.combine(recv_b, handle_b)[0], want)
     assert torch.equal(b.combine(recv_a, handle_a)[0], want)
-    return [str(info.value)]
+    return [str(info.value), handle_a.epoch, handle_b.epoch]
 
 
 def test_handles_of_two_buffers_are_told_apart(pools):

@@ -98,10 +98,8 @@ class Backend:
         # Fresh dispatches counted alike on every rank (those the ranks agreed on; on the CUDA backend also those that
         # raised after their kernels ran everywhere): the epoch of the next handle is one more. Ranks that call alike
         # hold handles of the same epoch, so a combine or cached dispatch checks the handle across ranks. The count
-        # starts at this buffer's own base (`epoch_base`): a rank using one buffer's handle where its peer uses
-        # another buffer's (on the same group) differs in the epoch too.
-        self.epoch_base = epoch_base(group)
-        self.epoch = self.epoch_base
+        # starts at this buffer's own base (`start_epochs`).
+        self.epoch_base = self.epoch = 0
         # Why the group can no longer be used (a wait that failed: peers gone or out of step), else None.
         self.broken: Optional[str] = None
         # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
@@ -147,6 +145,12 @@ class Backend:
     # ------------------------------------------------------------------------------------------------
     # Streams, checks
     # ------------------------------------------------------------------------------------------------
+    def start_epochs(self, serial: int) -> None:
+        """Number handles from the base of this buffer's `serial` on its group (agreed by every rank at
+        construction): a rank using one buffer's handle where its peer uses another buffer's differs in the epoch."""
+        _BUFFERS_MADE[_group_name(self.group)] = serial + 1
+        self.epoch_base = self.epoch = (serial % NUM_BUFFER_SERIALS) << EPOCH_BASE_SHIFT
+
     def close(self) -> None:
         """Release what the backend holds."""
 
@@ -459,26 +463,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# Buffers begun per process group (keyed by its name), and the bit their serial starts at in a handle's epoch: above
-# any count of one buffer (the CUDA backend's realigned counts stay below 2**48), 2**14 buffers per group.
-_BUFFERS_BEGUN: dict[str, int] = {}
+# Buffers made per process group (keyed by its name), and where a buffer's serial sits in its handles' epochs:
+# above any count of one buffer (the CUDA backend's realigned counts stay below 2**48); serials wrap at 2**14.
+_BUFFERS_MADE: dict[str, int] = {}
 EPOCH_BASE_SHIFT = 49
+NUM_BUFFER_SERIALS = 1 << 14
 
 
 def _group_name(group: Optional[dist.ProcessGroup]) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def begin_buffer(group: Optional[dist.ProcessGroup]) -> None:
-    """Count a `Buffer` construction on `group`, at the point every rank of the group reached (its arrival), so that
-    the count is the same on every rank whatever fails later: the next backend's `epoch_base`."""
-    name = _group_name(group)
-    _BUFFERS_BEGUN[name] = _BUFFERS_BEGUN.get(name, 0) + 1
-
-
-def epoch_base(group: Optional[dist.ProcessGroup]) -> int:
-    """The first handle epoch of a backend made now on `group`: the serial of the Buffer being made, shifted."""
-    return _BUFFERS_BEGUN.get(_group_name(group), 0) << EPOCH_BASE_SHIFT
+def buffer_serial(group: Optional[dist.ProcessGroup]) -> int:
+    """This rank's serial for the next buffer on `group` (its count of those made there); `Buffer` agrees on the
+    largest of the ranks' (counts can differ after a group name is reused, or in a restarted process)."""
+    return _BUFFERS_MADE.get(_group_name(group), 0)
 
 
 def padded_signature(values: list[int]) -> list[int]:
