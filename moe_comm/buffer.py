@@ -34,6 +34,9 @@ from .primitives import PrimitivesMixin
 BACKENDS = ("auto", "torch", "cuda")
 DATA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 MAX_EXPERT_ALIGNMENT = 1024
+# The point-to-point tag of the construction's arrival words: apart from the calls' exchanges (tag 0), so that a
+# peer that calls an existing buffer instead of constructing cannot pair its rows with an arrival word.
+ARRIVAL_TAG = 0x6D6F65
 MAX_TIMEOUT_SECS = 7 * 24 * 3600  # a week: beyond it a timeout is a hang (and timedelta/uint64 ns overflow)
 
 FP8Tuple = tuple[torch.Tensor, torch.Tensor]
@@ -305,28 +308,29 @@ class Buffer(PrimitivesMixin):
         their own: they would wait for the process group's, 30 minutes by default on gloo). Every rank sends a word
         to every other and waits for theirs, all within one deadline. An NCCL group waits in its first exchange
         within the group's own timeout."""
-        if dist.get_backend(self.group) != dist.Backend.GLOO or self.num_ranks == 1:
+        backend = str(dist.get_backend(self.group))  # "gloo", "cpu:gloo"; "cpu:gloo,cuda:nccl" runs on NCCL
+        if "gloo" not in backend or "nccl" in backend or self.num_ranks == 1:
             return
         peers = [p for p in range(self.num_ranks) if p != self.rank]
         token, inbox = torch.zeros(1), torch.zeros(len(peers))
         ops = []
         for i, p in enumerate(peers):
-            ops += [dist.P2POp(dist.irecv, inbox[i:i + 1], dist.get_global_rank(self.group, p), self.group),
-                    dist.P2POp(dist.isend, token, dist.get_global_rank(self.group, p), self.group)]
+            peer = dist.get_global_rank(self.group, p)
+            ops += [dist.P2POp(dist.irecv, inbox[i:i + 1], peer, self.group, tag=ARRIVAL_TAG),
+                    dist.P2POp(dist.isend, token, peer, self.group, tag=ARRIVAL_TAG)]
         works = dist.batch_isend_irecv(ops)
         deadline = time.monotonic() + self.num_cpu_timeout_secs
         missing = []
-        for p, work in zip(peers, works[::2]):
+        for p, work in zip(peers * 2, works[::2] + works[1::2]):  # the receives, then the sends (done by then)
             try:
                 work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except RuntimeError:
                 missing.append(p)
         if missing:
-            raise TimeoutError(f"moe_comm: rank {self.rank} Buffer(...): peer(s) {missing} did not reach the "
-                               f"construction within num_cpu_timeout_secs={self.num_cpu_timeout_secs:g}; the group "
-                               f"cannot be used further: create a new process group")
-        for work in works[1::2]:  # every peer received, or will: it posted its receives with its sends
-            work.wait(timeout=datetime.timedelta(seconds=self.num_cpu_timeout_secs))
+            raise TimeoutError(f"moe_comm: rank {self.rank} Buffer(...): peer(s) {sorted(set(missing))} did not "
+                               f"answer at the construction within num_cpu_timeout_secs="
+                               f"{self.num_cpu_timeout_secs:g} (absent, or gave up); the group cannot be used "
+                               f"further: create a new process group")
 
     @staticmethod
     def group_device(group: dist.ProcessGroup) -> torch.device:

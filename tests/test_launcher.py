@@ -146,5 +146,26 @@ def test_missing_peer_at_construction_times_out():
     assert skipped == "skipped"
     for rank, (message, elapsed) in enumerate(waiting):
         assert elapsed < 5, (rank, elapsed)
-        assert message == f"moe_comm: rank {rank} Buffer(...): peer(s) [2] did not reach the construction within " \
-                          f"num_cpu_timeout_secs=2; the group cannot be used further: create a new process group"
+        assert message == f"moe_comm: rank {rank} Buffer(...): peer(s) [2] did not answer at the construction " \
+                          f"within num_cpu_timeout_secs=2 (absent, or gave up); the group cannot be used further: " \
+                          f"create a new process group"
+
+
+def construct_or_call_rank(rank: int, world_size: int):
+    """Rank 0 makes a second Buffer while rank 1 calls the first: the arrival words travel on a tag of their own,
+    so each side times out cleanly (on one tag, gloo paired rank 1's rows with an arrival word and aborted)."""
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=2)
+    with pytest.raises(TimeoutError) as info:
+        if rank == 0:
+            moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                            num_cpu_timeout_secs=2)
+        else:
+            buf.dispatch(*rank_inputs(CASE, rank), num_experts=4)
+    return str(info.value)
+
+
+def test_construction_and_a_call_do_not_pair():
+    made, called = parallel_launch(2, construct_or_call_rank, timeout_s=120)
+    assert "rank 0 Buffer(...): peer(s) [1] did not answer at the construction" in made, made
+    assert "rank 1 dispatch argument agreement: receive from peer 0" in called, called
