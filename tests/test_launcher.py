@@ -130,10 +130,13 @@ def test_dead_peer_is_named_and_breaks_the_group():
 
 def missing_peer_at_construction_rank(rank: int, world_size: int):
     """The last rank never makes its Buffer: every other rank's construction ends within num_cpu_timeout_secs,
-    naming it (its exchanges would otherwise wait for the process group's timeout)."""
+    naming it (its exchanges would otherwise wait for the process group's timeout). The others start together (a
+    rank that came 2 s after another's timeout would find that rank gone and name it too, as documented)."""
+    others = dist.new_group(list(range(world_size - 1)))  # every rank makes a group, members or not
     if rank == world_size - 1:
         time.sleep(6)
         return "skipped"
+    dist.barrier(group=others)
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
@@ -153,13 +156,15 @@ def test_missing_peer_at_construction_times_out():
 
 def construct_or_call_rank(rank: int, world_size: int):
     """Rank 0 makes a second Buffer while rank 1 calls the first: the arrival words travel on a tag of their own,
-    so each side times out cleanly (on one tag, gloo paired rank 1's rows with an arrival word and aborted)."""
+    so each side times out cleanly (on one tag, gloo paired rank 1's rows with an arrival word and aborted). Rank 1
+    gives up first (rank 0 waits 4 s): the first timeout closes gloo's connections, so the later side hears "gave
+    up" and is named so; with equal deadlines either side could be first."""
     buf = moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
                           num_cpu_timeout_secs=2)
     with pytest.raises(TimeoutError) as info:
         if rank == 0:
             moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
-                            num_cpu_timeout_secs=2)
+                            num_cpu_timeout_secs=4)
         else:
             buf.dispatch(*rank_inputs(CASE, rank), num_experts=4)
     return str(info.value)
