@@ -22,7 +22,7 @@ from . import domains, env, layout, quant, sizing, traffic_class
 from .args import check_bool, check_group, check_int
 from .backends import cuda as cuda_backend
 from .backends.cuda_primitives import CudaPrimitives
-from .backends.common import DTYPE_CODES, OPERATIONS, buffer_serial, padded_signature
+from .backends.common import ARRIVAL_TAG, DTYPE_CODES, OPERATIONS, buffer_serial, padded_signature
 from .backends.hybrid import HybridBackend, leg_groups
 from .backends.torch_hybrid import HybridRefBackend
 from .backends.torch_primitives import TorchPrimitives
@@ -34,9 +34,6 @@ from .primitives import PrimitivesMixin
 BACKENDS = ("auto", "torch", "cuda")
 DATA_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 MAX_EXPERT_ALIGNMENT = 1024
-# The point-to-point tag of the construction's arrival words: apart from the calls' exchanges (tag 0), so that a
-# peer that calls an existing buffer instead of constructing cannot pair its rows with an arrival word.
-ARRIVAL_TAG = 0x6D6F65
 MAX_TIMEOUT_SECS = 7 * 24 * 3600  # a week: beyond it a timeout is a hang (and timedelta/uint64 ns overflow)
 
 FP8Tuple = tuple[torch.Tensor, torch.Tensor]

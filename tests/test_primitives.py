@@ -6,6 +6,7 @@ TimeoutError naming rank, phase and peer."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 
@@ -502,3 +503,39 @@ def grad_free_rank(rank: int, world_size: int, backend: str = "torch") -> list[b
 
 def test_outputs_carry_no_autograd_history(pools):
     assert pools(2).run(grad_free_rank) == [[False] * 6] * 2
+
+
+def pipelines_of_many_buffers_rank(rank: int, world_size: int) -> list:
+    """Two buffers' pipelines on one group keep apart (rank 1 receives the second buffer's tensor first), and a
+    process making buffers with pipelines in a loop holds no more files after the first (each pipeline once made two
+    gloo groups of its own, their connections never closed)."""
+    a, b = make_buffer(), make_buffer()
+    for buf in (a, b):
+        buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
+    if rank == 0:
+        a.pp_send(tensor_of(rank, 0, (4,)), 1)
+        b.pp_send(tensor_of(rank, 1, (4,)), 1)
+    received = []
+    if rank == 1:
+        for buf, step in ((b, 1), (a, 0)):
+            out = torch.empty(4)
+            buf.pp_recv(out, 0)
+            received.append(torch.equal(out, tensor_of(0, step, (4,))))
+    a.destroy()
+    b.destroy()
+    files = []
+    for step in range(12):
+        buf = make_buffer()
+        buf.pp_set_config(num_max_tensor_bytes=64, num_max_inflight_tensors=2)
+        buf.pp_send(tensor_of(rank, step, (4,)), 1 - rank)
+        out = torch.empty(4)
+        buf.pp_recv(out, 1 - rank)
+        received.append(torch.equal(out, tensor_of(1 - rank, step, (4,))))
+        buf.destroy()
+        files.append(len(os.listdir("/proc/self/fd")))
+    return all(received), files[2:] == files[1:-1]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_pipelines_of_many_buffers(pools):
+    assert pools(2).run(pipelines_of_many_buffers_rank) == [(True, True)] * 2

@@ -99,7 +99,7 @@ class Backend:
         # raised after their kernels ran everywhere): the epoch of the next handle is one more. Ranks that call alike
         # hold handles of the same epoch, so a combine or cached dispatch checks the handle across ranks. The count
         # starts at this buffer's own base (`start_epochs`).
-        self.epoch_base = self.epoch = 0
+        self.epoch_base = self.epoch = self.serial = 0
         # Why the group can no longer be used (a wait that failed: peers gone or out of step), else None.
         self.broken: Optional[str] = None
         # Error flags seen by dispatches without a CPU sync, per source rank; raised by the next sync.
@@ -147,8 +147,10 @@ class Backend:
     # ------------------------------------------------------------------------------------------------
     def start_epochs(self, serial: int) -> None:
         """Number handles from the base of this buffer's `serial` on its group (agreed by every rank at
-        construction): a rank using one buffer's handle where its peer uses another buffer's differs in the epoch."""
+        construction): a rank using one buffer's handle where its peer uses another buffer's differs in the epoch.
+        The serial also keeps the buffer's gloo messages apart from other buffers' (`PP_TAG`)."""
         _BUFFERS_MADE[_group_name(self.group)] = serial + 1
+        self.serial = serial % NUM_BUFFER_SERIALS
         self.epoch_base = self.epoch = (serial % NUM_BUFFER_SERIALS) << EPOCH_BASE_SHIFT
 
     def close(self) -> None:
@@ -468,6 +470,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 _BUFFERS_MADE: dict[str, int] = {}
 EPOCH_BASE_SHIFT = 49
 NUM_BUFFER_SERIALS = 1 << 14
+# Tags of gloo point-to-point messages beside the exchanges' (tag 0; gloo's collectives have slots of their own): a
+# construction's arrival words (`Buffer._arrive`: a peer that calls an existing buffer instead of constructing cannot
+# pair its rows with one), and from PP_TAG on, a buffer's pipeline, two tags per serial.
+ARRIVAL_TAG = 0x6D6F65
+PP_TAG = 0x6D7000
 
 
 def _group_name(group: Optional[dist.ProcessGroup]) -> str:

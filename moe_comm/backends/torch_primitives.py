@@ -31,8 +31,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .common import accumulation_dtype, subgroup_of
+from .common import PP_TAG, accumulation_dtype, subgroup_of
 from .primitives_base import PrimitivesBase
+
+# Per process group (by name): NCCL pipeline groups of destroyed buffers, for the next buffer's pipeline.
+_FREE_PP_GROUPS: dict[str, list[tuple[dist.ProcessGroup, dist.ProcessGroup]]] = collections.defaultdict(list)
 
 
 class TorchPrimitives(PrimitivesBase):
@@ -44,22 +47,26 @@ class TorchPrimitives(PrimitivesBase):
 
     def __init__(self, backend) -> None:
         super().__init__(backend)
-        # The pipeline's own groups, the buffer's ranks twice: data toward a higher rank, toward a lower one. A send
-        # and a receive between two ranks then never share a communicator (NCCL: a send may wait for its receive,
-        # so two ranks sending to each other first would wait for ever) nor gloo's channel, which the buffer's
-        # other exchanges use.
-        self._pp_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+        # The pipeline's channels, one per direction (toward a higher rank, toward a lower one) as (group, tag): a
+        # send and a receive between two ranks never share one. On gloo, tags of this buffer's own on its group
+        # (apart from the other exchanges' and other buffers'); on NCCL, which has no tags and where a send may wait
+        # for its receive (two ranks sending to each other first would wait for ever), two groups of their own.
+        self._pp_channels: Optional[tuple[tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, int]]] = None
         # Per destination: sends posted and not yet known complete, as (work, description, staged copy).
         self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 
     def close(self) -> None:
         """Wait until every tensor sent was received (a send dropped here would be lost: its receiver would time
-        out; on the CPU a receiver that never comes is the TimeoutError naming it), then drop the table."""
+        out; on the CPU a receiver that never comes is the TimeoutError naming it), then drop the table; NCCL
+        pipeline groups go back to their parent's free list once every send arrived (`_nccl_pp_groups`)."""
         sends = [send for queue in self._sends.values() for send in queue]  # the staged copies live until the end
         self._sends.clear()
+        channels, self._pp_channels = self._pp_channels, None
         super().close()
         if sends and self.backend.broken is None:
             self.backend._wait([(work, description) for work, description, _ in sends])
+        if channels is not None and self.backend.device.type == "cuda" and self.backend.broken is None:
+            _FREE_PP_GROUPS[self.backend.group.group_name].append(tuple(group for group, _ in channels))
 
     # ------------------------------------------------------------------------------------------------
     # Pipeline send/recv
@@ -67,18 +74,34 @@ class TorchPrimitives(PrimitivesBase):
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int,
                       error: Optional[Exception] = None) -> None:
         self.agree_pp_config(num_max_tensor_bytes, num_max_inflight_tensors, error)
-        if self._pp_groups is None:
+        if self._pp_channels is None:
             b = self.backend
-            everyone = [list(range(b.num_ranks))]
-            self._pp_groups = tuple(subgroup_of(b.group, b.device, everyone, b.timeout_secs) for _ in range(2))
-            self._connect_neighbours()
+            if b.device.type == "cpu":
+                tag = PP_TAG + 2 * b.serial
+                self._pp_channels = ((b.group, tag), (b.group, tag + 1))
+            else:
+                self._pp_channels = tuple((group, 0) for group in self._nccl_pp_groups())
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
 
-    def _pp_group(self, src: int, dst: int) -> dist.ProcessGroup:
-        return self._pp_groups[0 if src < dst else 1]
+    def _nccl_pp_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """Two groups of the buffer's ranks: a destroyed buffer's, or new ones. torch cannot destroy and remake such a
+        group (the new one's hashed name is the old one's, whose rendezvous keys it finds in the store), so they are
+        kept and lent to one buffer at a time. Every rank takes the same: ranks make and destroy buffers in the same
+        order (a rank whose sends timed out keeps none back, but its group is broken then)."""
+        b = self.backend
+        free = _FREE_PP_GROUPS[b.group.group_name]
+        if free:
+            return free.pop()
+        groups = tuple(subgroup_of(b.group, b.device, [list(range(b.num_ranks))], b.timeout_secs) for _ in range(2))
+        self._connect_neighbours(groups)
+        return groups
 
-    def _connect_neighbours(self) -> None:
-        """One message each way between every pair of ring neighbours on the pipeline's groups, pairs in one global
+    def _pp_channel(self, src: int, dst: int) -> dict:
+        group, tag = self._pp_channels[0 if src < dst else 1]
+        return {"group": group, "tag": tag}
+
+    def _connect_neighbours(self, groups: tuple[dist.ProcessGroup, dist.ProcessGroup]) -> None:
+        """One message each way between every pair of ring neighbours on new pipeline groups, pairs in one global
         order (pair (r, r + 1) is number r, pair (0, R - 1) number R - 1): NCCL makes a pair's communicator at its
         first message, which blocks until both ranks are there, so ranks that first sent along the ring would wait
         on each other in a circle."""
@@ -90,7 +113,7 @@ class TorchPrimitives(PrimitivesBase):
             for src, dst in ((lo, hi), (hi, lo)):
                 token = torch.zeros(1, device=b.device)
                 post = dist.isend if me == src else dist.irecv
-                work = post(token, dist.get_global_rank(b.group, other), group=self._pp_group(src, dst))
+                work = post(token, dist.get_global_rank(b.group, other), group=groups[0 if src < dst else 1])
                 b._wait([(work, f"rank {me} pp_set_config: connecting with peer {other}")])
 
     def pp_send(self, t: torch.Tensor, dst: int):
@@ -105,7 +128,7 @@ class TorchPrimitives(PrimitivesBase):
             if staged.is_cuda:  # made on another stream perhaps: reusable once this stream, which waited, gets here
                 staged.record_stream(torch.cuda.current_stream(b.device))
         staged = t.clone()
-        work = dist.isend(staged, dist.get_global_rank(b.group, dst), group=self._pp_group(b.rank, dst))
+        work = dist.isend(staged, dist.get_global_rank(b.group, dst), **self._pp_channel(b.rank, dst))
         sends.append((work, f"rank {b.rank} pp_send: send to peer {dst}", staged))
         self.num_sent[dst] += 1
         return (), [], []
@@ -113,7 +136,7 @@ class TorchPrimitives(PrimitivesBase):
     def pp_recv(self, t: torch.Tensor, src: int):
         """`Backend.run` steps of a receive into `t`."""
         b = self.backend
-        work = dist.irecv(t, dist.get_global_rank(b.group, src), group=self._pp_group(src, b.rank))
+        work = dist.irecv(t, dist.get_global_rank(b.group, src), **self._pp_channel(src, b.rank))
         self.num_received[src] += 1
         return (), [(work, f"rank {b.rank} pp_recv: receive from peer {src}")], []
 
