@@ -478,6 +478,9 @@ class Buffer(PrimitivesMixin):
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this moe_comm.Buffer was destroyed")
+        if not dist.is_initialized():  # its group went with the default one (a raw torch error, or a barrier passed)
+            raise RuntimeError("moe_comm: this Buffer's process group was destroyed "
+                               "(torch.distributed.destroy_process_group): make a new Buffer on a new process group")
 
     def _check_ready(self, what: str) -> None:
         """Alive, and no receive hook pending: an operation before it would overwrite the rows it has to read (or,

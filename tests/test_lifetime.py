@@ -14,6 +14,7 @@ import torch
 
 import moe_comm
 from moe_comm import buffer as buffer_module
+from moe_comm.testing import parallel_launch
 from moe_comm.testing.checks import check_case
 from moe_comm.testing.memory import churn_buffers
 from moe_comm.testing.routing import Case, rank_inputs
@@ -117,3 +118,31 @@ def copy_rank(rank: int, world_size: int) -> list[str]:
 def test_copy_and_pickle(pools):
     messages = pools(2).run(copy_rank)
     assert messages[0] == messages[1] and "state_dict" in messages[0][0], messages
+
+
+def after_group_destroyed_rank(rank: int, world_size: int) -> list[str]:
+    """After `destroy_process_group()` every call of a buffer on it raises one clear RuntimeError (dispatch raised
+    torch's "Group <object at 0x...> is not registered", barrier returned as if the group were there); destroy()
+    still releases it."""
+    import torch.distributed as dist
+
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=5)
+    x, idx, w = rank_inputs(GOOD, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=GOOD.num_experts)
+    buf.pp_set_config(64, 1)
+    dist.destroy_process_group()
+    messages = []
+    for call in (lambda: buf.dispatch(x, idx, w, num_experts=GOOD.num_experts), lambda: buf.combine(recv_x, handle),
+                 buf.barrier, lambda: buf.pp_send(torch.zeros(2), 1 - rank), lambda: buf.all_gather(torch.zeros(2))):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        messages.append(str(info.value))
+    buf.destroy()
+    return messages
+
+
+def test_calls_after_the_group_was_destroyed():
+    for messages in parallel_launch(2, after_group_destroyed_rank, timeout_s=120):
+        assert messages == ["moe_comm: this Buffer's process group was destroyed (torch.distributed."
+                            "destroy_process_group): make a new Buffer on a new process group"] * 5, messages

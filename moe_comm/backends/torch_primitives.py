@@ -65,7 +65,8 @@ class TorchPrimitives(PrimitivesBase):
         super().close()
         if sends and self.backend.broken is None:
             self.backend._wait([(work, description) for work, description, _ in sends])
-        if channels is not None and self.backend.device.type == "cuda" and self.backend.broken is None:
+        if channels is not None and self.backend.device.type == "cuda" and self.backend.broken is None \
+                and dist.is_initialized():
             _FREE_PP_GROUPS[self.backend.group.group_name].append(tuple(group for group, _ in channels))
 
     # ------------------------------------------------------------------------------------------------
