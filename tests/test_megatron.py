@@ -468,7 +468,7 @@ def buffer_cache_rank(rank: int, world_size: int) -> dict:
 
     import torch.distributed as dist
 
-    from moe_comm.integrations.megatron import MoECommConfig, clear_buffers, get_buffer
+    from moe_comm.integrations.megatron import MoECommConfig, buffer_domain_sizes, clear_buffers, get_buffer
 
     options = MoECommConfig(backend="torch")
     group, other_group = dist.new_group(list(range(world_size))), dist.new_group(list(range(world_size)))
@@ -491,6 +491,12 @@ def buffer_cache_rank(rank: int, world_size: int) -> dict:
             result[name] = name in str(exc) and str(value) in str(exc)
     clear_buffers()
     result["cleared"] = _is_destroyed(grown) and _is_destroyed(other)
+    # A group destroyed without clear_buffers(): its buffer goes when the next one is made (it kept its memory).
+    dead = get_buffer(group, 8, 64, 4, 2, options)
+    dist.destroy_process_group(group)
+    get_buffer(other_group, 8, 64, 4, 2, options)
+    result["dead_group_released"] = _is_destroyed(dead) and len(buffer_domain_sizes()) == 1
+    clear_buffers()
     return result
 
 

@@ -3,7 +3,8 @@ deterministic), grown when a call needs more, as Megatron's DeepEP path does.
 
 Keys hold the group object itself, not `id(group)`: an id can be reused by a new group once the old one is
 garbage, and would hand it a buffer on a dead group. The cache keeps its groups and buffers alive until
-`clear_buffers()`.
+`clear_buffers()`, or until a buffer is made while their group was destroyed meanwhile (a job that makes its
+process groups anew, as after a failure, gets its memory back without calling `clear_buffers()`).
 """
 
 from __future__ import annotations
@@ -69,12 +70,22 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
         use_fp8 = use_fp8 or buf.use_fp8_dispatch
         del _buffers[key]  # not destroyed: a backward may still hold it
     else:
+        _forget_destroyed_groups()
         num_max_tokens = options.num_max_tokens_per_rank or _max_over_ranks(group, max(num_tokens, 1))
     buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
                  use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
                  num_cpu_timeout_secs=options.num_cpu_timeout_secs, sl_idx=options.sl_idx)
     _buffers[key] = buf
     return buf
+
+
+def _forget_destroyed_groups() -> None:
+    """Destroy and forget the buffers whose process group was destroyed (`destroy_process_group`)."""
+    for key in list(_buffers):
+        try:
+            dist.get_process_group_ranks(key[0])
+        except (KeyError, ValueError, RuntimeError):  # KeyError: not registered any more
+            _buffers.pop(key).destroy()
 
 
 def buffer_domain_sizes() -> list[tuple[int, int]]:
