@@ -538,6 +538,13 @@ def test_host_extension_raises_the_launchers_message(kernels):
         cuda_kernels.host_extension().Launcher(0, 0, 0, 0, 0)
 
 
+def test_host_extension_file_is_its_cache_file(kernels):
+    """A fresh build is imported from its temp folder, then renamed into the cache: `__file__` names the cache file
+    (it named the temp folder, gone)."""
+    path = Path(cuda_kernels.host_extension().__file__)
+    assert path.is_file() and not path.parent.name.startswith(".tmp-"), path
+
+
 def test_host_extension_builds_with_the_ninja_package(kernels, monkeypatch):
     """Without a ninja on PATH the build takes the pip package's binary (a dependency of moe_comm). It is this
     process's second build (the fixture built one): it still produces `moe_comm_host.so` in its cache folder (torch's

@@ -88,7 +88,10 @@ def _key(name: str, sources: Sequence[Path], include_dirs: Sequence[Path], gener
 def _build_or_load(name: str, key: str, sources, include_dirs, generated, root: Path, timeout_s: float) -> ModuleType:
     path, built = build_once(root, f"{name}-{key[:16]}", f"{name}.so",
                              lambda tmp: _compile(name, sources, include_dirs, generated, tmp), timeout_s)
-    return built if built is not None else _import(name, path)  # a fresh build is loaded already
+    if built is None:
+        return _import(name, path)
+    built.__file__ = str(path)  # a fresh build was imported from its temp folder, renamed into `path` since
+    return built
 
 
 def _compile(name: str, sources, include_dirs, generated, folder: Path) -> ModuleType:
