@@ -146,6 +146,26 @@ def topology_rank(rank: int, world_size: int) -> dict:
     return out
 
 
+def dead_leg_groups_rank(rank: int, world_size: int) -> list[bool]:
+    """The CUDA hybrid path's leg subgroups are kept per parent group (buffers that grow reuse them); a parent group
+    destroyed meanwhile is forgotten with its legs when the next legs are made (they held its dead communicators)."""
+    import torch.distributed as dist
+
+    from moe_comm.backends.hybrid import _LEG_GROUPS, leg_groups
+
+    first, second = dist.new_group(list(range(world_size))), dist.new_group(list(range(world_size)))
+    cpu = torch.device("cpu")
+    reused = leg_groups(first, cpu, world_size, 1, 30.0) is leg_groups(first, cpu, world_size, 1, 30.0)
+    dist.destroy_process_group(first)
+    leg_groups(second, cpu, world_size, 1, 30.0)
+    return [reused, any(key[0] is first for key in _LEG_GROUPS)]
+
+
+def test_legs_of_a_destroyed_group_are_forgotten():
+    # Processes of its own: after a group is destroyed, torch may give a new subgroup the hashed name of a live one.
+    assert parallel_launch(2, dead_leg_groups_rank, timeout_s=120) == [[True, False]] * 2
+
+
 def test_topology_getters_and_override_errors(pools):
     results = pools(4).run(topology_rank)
     assert all(r == results[0] for r in results), results

@@ -460,6 +460,22 @@ def subgroup_of(group: dist.ProcessGroup, device: torch.device, partition: Seque
                           backend=dist.get_backend(group), pg_options=options, use_local_synchronization=True)
 
 
+def group_is_live(group: dist.ProcessGroup) -> bool:
+    """Whether `group` is still registered with torch.distributed (not destroyed by `destroy_process_group`)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # KeyError: not registered any more
+        return False
+    return True
+
+
+def forget_dead_groups(cache: dict) -> list:
+    """Remove from `cache` the entries whose key is, or starts with, a process group that was destroyed (the
+    processes that make their groups anew hold no dead communicators through it); returns their values."""
+    dead = [key for key in cache if not group_is_live(key[0] if isinstance(key, tuple) else key)]
+    return [cache.pop(key) for key in dead]
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What sums of rows of `dtype` accumulate in (DESIGN 2.2): float64 for float64 rows, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32

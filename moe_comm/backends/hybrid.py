@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from ..handle import EPHandle
 from ..layout import SIGNATURE_LEN
-from .common import Backend, accumulation_dtype, disagreement, subgroup_of
+from .common import Backend, accumulation_dtype, disagreement, forget_dead_groups, subgroup_of
 
 MAX_SIGNATURES = 64  # signature tensors kept on the device per buffer (one per call shape)
 
@@ -80,6 +80,7 @@ def leg_groups(group: dist.ProcessGroup, device: torch.device, num_hosts: int, r
     S, U = num_hosts, ranks_per_host
     key = (group, S, U, timeout_secs)
     if key not in _LEG_GROUPS:
+        forget_dead_groups(_LEG_GROUPS)
         hosts = [[h * U + u for u in range(U)] for h in range(S)]
         rails = [[h * U + u for h in range(S)] for u in range(U)]
         _LEG_GROUPS[key] = tuple(subgroup_of(group, device, split, timeout_secs) for split in (hosts, rails))

@@ -31,11 +31,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .common import PP_TAG, accumulation_dtype, subgroup_of
+from .common import PP_TAG, accumulation_dtype, forget_dead_groups, subgroup_of
 from .primitives_base import PrimitivesBase
 
-# Per process group (by name): NCCL pipeline groups of destroyed buffers, for the next buffer's pipeline.
-_FREE_PP_GROUPS: dict[str, list[tuple[dist.ProcessGroup, dist.ProcessGroup]]] = collections.defaultdict(list)
+# Per process group (the object: a group made after `destroy_process_group` may reuse a name): NCCL pipeline groups
+# of destroyed buffers, for the next buffer's pipeline.
+_FREE_PP_GROUPS: dict[dist.ProcessGroup, list[tuple[dist.ProcessGroup, dist.ProcessGroup]]] = {}
 
 
 class TorchPrimitives(PrimitivesBase):
@@ -65,9 +66,9 @@ class TorchPrimitives(PrimitivesBase):
         super().close()
         if sends and self.backend.broken is None:
             self.backend._wait([(work, description) for work, description, _ in sends])
-        if channels is not None and self.backend.device.type == "cuda" and self.backend.broken is None \
-                and dist.is_initialized():
-            _FREE_PP_GROUPS[self.backend.group.group_name].append(tuple(group for group, _ in channels))
+        own_groups = channels is not None and channels[0][0] is not self.backend.group
+        if own_groups and self.backend.broken is None and dist.is_initialized():
+            _FREE_PP_GROUPS.setdefault(self.backend.group, []).append(tuple(group for group, _ in channels))
 
     # ------------------------------------------------------------------------------------------------
     # Pipeline send/recv
@@ -90,7 +91,8 @@ class TorchPrimitives(PrimitivesBase):
         kept and lent to one buffer at a time. Every rank takes the same: ranks make and destroy buffers in the same
         order (a rank whose sends timed out keeps none back, but its group is broken then)."""
         b = self.backend
-        free = _FREE_PP_GROUPS[b.group.group_name]
+        forget_dead_groups(_FREE_PP_GROUPS)
+        free = _FREE_PP_GROUPS.get(b.group)
         if free:
             return free.pop()
         groups = tuple(subgroup_of(b.group, b.device, [list(range(b.num_ranks))], b.timeout_secs) for _ in range(2))

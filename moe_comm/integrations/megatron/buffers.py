@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...backends.common import forget_dead_groups
 from ...buffer import Buffer
 from .options import MoECommConfig
 
@@ -70,22 +71,14 @@ def get_buffer(group: dist.ProcessGroup, num_tokens: int, hidden: int, elem_size
         use_fp8 = use_fp8 or buf.use_fp8_dispatch
         del _buffers[key]  # not destroyed: a backward may still hold it
     else:
-        _forget_destroyed_groups()
+        for dead in forget_dead_groups(_buffers):  # their group was destroyed: they hold device memory
+            dead.destroy()
         num_max_tokens = options.num_max_tokens_per_rank or _max_over_ranks(group, max(num_tokens, 1))
     buf = Buffer(group, num_max_tokens_per_rank=num_max_tokens, hidden=hidden_bf16, num_topk=num_topk,
                  use_fp8_dispatch=use_fp8, backend=options.backend, deterministic=options.deterministic,
                  num_cpu_timeout_secs=options.num_cpu_timeout_secs, sl_idx=options.sl_idx)
     _buffers[key] = buf
     return buf
-
-
-def _forget_destroyed_groups() -> None:
-    """Destroy and forget the buffers whose process group was destroyed (`destroy_process_group`)."""
-    for key in list(_buffers):
-        try:
-            dist.get_process_group_ranks(key[0])
-        except (KeyError, ValueError, RuntimeError):  # KeyError: not registered any more
-            _buffers.pop(key).destroy()
 
 
 def buffer_domain_sizes() -> list[tuple[int, int]]:
