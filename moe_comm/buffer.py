@@ -885,6 +885,7 @@ class Buffer(PrimitivesMixin):
         """
         try:
             if self._impl is not None:
+                self._impl.pending_hook = None  # its hook raises (on the CPU it could still receive)
                 self._prims.close()
         finally:
             if self._impl is not None:

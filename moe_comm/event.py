@@ -120,7 +120,7 @@ class RecvHook:
             raise RuntimeError("moe_comm: this receive hook was already called")
         backend = self._backend()
         self._receive = None
-        if backend is None:
+        if backend is None or backend.pending_hook is not self:  # `Buffer.destroy` let go of it
             raise RuntimeError("moe_comm: the buffer of this receive hook was destroyed")
         backend.pending_hook = None
         backend.after_host_sync()  # a destroyed buffer, or a fault recorded since the call

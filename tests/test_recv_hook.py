@@ -72,6 +72,11 @@ def hook_rules_rank(rank: int, world_size: int) -> list[str]:
     plain, plain_cw, _ = buf.combine(y, handle, topk_weights=recv_w)
     assert torch.equal(combined, plain) and torch.equal(combined_w, plain_cw)
     buf.barrier()
+    # A hook of a buffer destroyed since raises (as on the CUDA backend, whose memory is gone; it received before).
+    hook = buf.dispatch(x, idx, w, num_experts=4, return_recv_hook=True)[-1]
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="the buffer of this receive hook was destroyed"):
+        hook()
     return messages
 
 
