@@ -22,7 +22,7 @@ from . import domains, env, layout, quant, sizing, traffic_class
 from .args import check_bool, check_group, check_int
 from .backends import cuda as cuda_backend
 from .backends.cuda_primitives import CudaPrimitives
-from .backends.common import ARRIVAL_TAG, DTYPE_CODES, OPERATIONS, buffer_serial, padded_signature
+from .backends.common import ARRIVAL_TAG, DTYPE_CODES, OPERATIONS, buffer_serial, group_is_live, padded_signature
 from .backends.hybrid import HybridBackend, leg_groups
 from .backends.torch_hybrid import HybridRefBackend
 from .backends.torch_primitives import TorchPrimitives
@@ -478,7 +478,7 @@ class Buffer(PrimitivesMixin):
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this moe_comm.Buffer was destroyed")
-        if not dist.is_initialized():  # its group went with the default one (a raw torch error, or a barrier passed)
+        if not group_is_live(self.group):  # destroyed, or gone with the default group (~0.3 us a call)
             raise RuntimeError("moe_comm: this Buffer's process group was destroyed "
                                "(torch.distributed.destroy_process_group): make a new Buffer on a new process group")
 

@@ -148,7 +148,7 @@ def topology_rank(rank: int, world_size: int) -> dict:
 
 def dead_leg_groups_rank(rank: int, world_size: int) -> list[bool]:
     """The CUDA hybrid path's leg subgroups are kept per parent group (buffers that grow reuse them); a parent group
-    destroyed meanwhile is forgotten with its legs when the next legs are made (they held its dead communicators)."""
+    destroyed meanwhile is forgotten with its legs when the next legs are made (the cache kept them for ever)."""
     import torch.distributed as dist
 
     from moe_comm.backends.hybrid import _LEG_GROUPS, leg_groups

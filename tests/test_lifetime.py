@@ -120,18 +120,21 @@ def test_copy_and_pickle(pools):
     assert messages[0] == messages[1] and "state_dict" in messages[0][0], messages
 
 
-def after_group_destroyed_rank(rank: int, world_size: int) -> list[str]:
-    """After `destroy_process_group()` every call of a buffer on it raises one clear RuntimeError (dispatch raised
-    torch's "Group <object at 0x...> is not registered", barrier returned as if the group were there); destroy()
-    still releases it."""
+def after_group_destroyed_rank(rank: int, world_size: int, which: str) -> list[str]:
+    """After `destroy_process_group()` (`which`: of the default group, or of the buffer's own subgroup) every call of
+    a buffer on it raises one clear RuntimeError (dispatch raised torch's "Group <object at 0x...> is not
+    registered", barrier returned as if the group were there); destroy() still releases it, with a send unreceived."""
     import torch.distributed as dist
 
-    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+    group = None if which == "default" else dist.new_group(list(range(world_size)))
+    buf = moe_comm.Buffer(group, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
                           num_cpu_timeout_secs=5)
     x, idx, w = rank_inputs(GOOD, rank)
     recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=GOOD.num_experts)
     buf.pp_set_config(64, 1)
-    dist.destroy_process_group()
+    buf.pp_send(torch.zeros(2), 1 - rank)
+    buf.barrier()
+    dist.destroy_process_group(group)
     messages = []
     for call in (lambda: buf.dispatch(x, idx, w, num_experts=GOOD.num_experts), lambda: buf.combine(recv_x, handle),
                  buf.barrier, lambda: buf.pp_send(torch.zeros(2), 1 - rank), lambda: buf.all_gather(torch.zeros(2))):
@@ -142,7 +145,8 @@ def after_group_destroyed_rank(rank: int, world_size: int) -> list[str]:
     return messages
 
 
-def test_calls_after_the_group_was_destroyed():
-    for messages in parallel_launch(2, after_group_destroyed_rank, timeout_s=120):
+@pytest.mark.parametrize("which", ["default", "subgroup"])
+def test_calls_after_the_group_was_destroyed(which):
+    for messages in parallel_launch(2, after_group_destroyed_rank, which, timeout_s=120):
         assert messages == ["moe_comm: this Buffer's process group was destroyed (torch.distributed."
                             "destroy_process_group): make a new Buffer on a new process group"] * 5, messages

@@ -470,8 +470,9 @@ def group_is_live(group: dist.ProcessGroup) -> bool:
 
 
 def forget_dead_groups(cache: dict) -> list:
-    """Remove from `cache` the entries whose key is, or starts with, a process group that was destroyed (the
-    processes that make their groups anew hold no dead communicators through it); returns their values."""
+    """Remove from `cache` the entries whose key is, or starts with, a process group that was destroyed, so that a
+    process that makes its groups anew does not keep them through the cache; returns their values. (Subgroups made
+    from such a group stay registered with torch until the default group is destroyed.)"""
     dead = [key for key in cache if not group_is_live(key[0] if isinstance(key, tuple) else key)]
     return [cache.pop(key) for key in dead]
 

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .. import layout as lay
-from .common import DTYPE_CODES, MAX_TENSOR_DIMS, tensor_words
+from .common import DTYPE_CODES, MAX_TENSOR_DIMS, group_is_live, tensor_words
 from .cuda import _PHASE, CudaBackend
 from .cuda_ipc import IpcMemory
 from .primitives_base import PrimitivesBase
@@ -129,6 +129,10 @@ class CudaPrimitives(PrimitivesBase):
         peer writes into it any more)."""
         b = self.backend
         torch.cuda.synchronize(b.device)
+        if not group_is_live(b.group):  # the ranks cannot meet: this rank's memory stays, as when dropped (`_drop`)
+            self._finalizers.pop(id(region)).detach()
+            region.close_peers()
+            return
         dist.barrier(group=b.group)
         self._finalizers.pop(id(region)).detach()
         region.free()

@@ -31,13 +31,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .common import PP_TAG, accumulation_dtype, forget_dead_groups, subgroup_of
+from .common import PP_TAG, accumulation_dtype, group_is_live, subgroup_of
 from .primitives_base import PrimitivesBase
-
-# Per process group (the object: a group made after `destroy_process_group` may reuse a name): NCCL pipeline groups
-# of destroyed buffers, for the next buffer's pipeline.
-_FREE_PP_GROUPS: dict[dist.ProcessGroup, list[tuple[dist.ProcessGroup, dist.ProcessGroup]]] = {}
-
 
 class TorchPrimitives(PrimitivesBase):
     """The primitives of one Buffer over its backend's group (module docstring).
@@ -58,17 +53,14 @@ class TorchPrimitives(PrimitivesBase):
 
     def close(self) -> None:
         """Wait until every tensor sent was received (a send dropped here would be lost: its receiver would time
-        out; on the CPU a receiver that never comes is the TimeoutError naming it), then drop the table; NCCL
-        pipeline groups go back to their parent's free list once every send arrived (`_nccl_pp_groups`)."""
+        out; on the CPU a receiver that never comes is the TimeoutError naming it), then drop the table. Not on a
+        destroyed group: its sends went with it."""
         sends = [send for queue in self._sends.values() for send in queue]  # the staged copies live until the end
         self._sends.clear()
-        channels, self._pp_channels = self._pp_channels, None
+        self._pp_channels = None
         super().close()
-        if sends and self.backend.broken is None:
+        if sends and self.backend.broken is None and group_is_live(self.backend.group):
             self.backend._wait([(work, description) for work, description, _ in sends])
-        own_groups = channels is not None and channels[0][0] is not self.backend.group
-        if own_groups and self.backend.broken is None and dist.is_initialized():
-            _FREE_PP_GROUPS.setdefault(self.backend.group, []).append(tuple(group for group, _ in channels))
 
     # ------------------------------------------------------------------------------------------------
     # Pipeline send/recv
@@ -86,15 +78,11 @@ class TorchPrimitives(PrimitivesBase):
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
 
     def _nccl_pp_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """Two groups of the buffer's ranks: a destroyed buffer's, or new ones. torch cannot destroy and remake such a
-        group (the new one's hashed name is the old one's, whose rendezvous keys it finds in the store), so they are
-        kept and lent to one buffer at a time. Every rank takes the same: ranks make and destroy buffers in the same
-        order (a rank whose sends timed out keeps none back, but its group is broken then)."""
+        """Two new groups of the buffer's ranks, connected. They stay until the process ends: torch cannot destroy
+        and remake such a group (the next one's hashed name is the destroyed one's, whose rendezvous keys it finds in
+        the store), and lending them to later buffers would need every rank to agree on which pair is free and empty
+        (a destroyed buffer's unreceived send would pair with the next buffer's first receive)."""
         b = self.backend
-        forget_dead_groups(_FREE_PP_GROUPS)
-        free = _FREE_PP_GROUPS.get(b.group)
-        if free:
-            return free.pop()
         groups = tuple(subgroup_of(b.group, b.device, [list(range(b.num_ranks))], b.timeout_secs) for _ in range(2))
         self._connect_neighbours(groups)
         return groups
