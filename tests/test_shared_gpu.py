@@ -436,3 +436,37 @@ def engram_rank(rank: int, world_size: int) -> list[str]:
 
 def test_engram_one_sided(pool):
     assert pool.run(engram_rank) == [[], []]
+
+
+def destroyed_group_rank(rank: int, world_size: int) -> tuple:
+    """A CUDA buffer with primitive regions on a subgroup that is then destroyed: its calls raise the clear error,
+    and destroy() meets no peer (it would wait in a barrier on the dead group), keeping this rank's regions."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world_size)))
+    with on_gpu0():
+        buf = moe_comm.Buffer(group, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="cuda",
+                              num_cpu_timeout_secs=30, cuda_tuning=IPC)
+        t = torch.full((4,), float(rank), device="cuda")
+        gathered = buf.all_gather(t).cpu()
+        buf.pp_set_config(64, 1)
+        buf.barrier()
+        dist.destroy_process_group(group)
+        messages = []
+        for call in (buf.barrier, lambda: buf.all_gather(t)):
+            with pytest.raises(RuntimeError) as info:
+                call()
+            messages.append(str(info.value))
+        start = time.monotonic()
+        buf.destroy()
+        took = time.monotonic() - start
+    return torch.equal(gathered, torch.arange(world_size, dtype=torch.float32)[:, None].expand(-1, 4)), messages, took
+
+
+def test_destroyed_group():
+    # Processes of their own: destroying a group shifts torch's hashed names of later subgroups in that process.
+    with WorkerPool(2, backend="gloo", timeout_s=300) as workers:
+        for gathered, messages, took in workers.run(destroyed_group_rank):
+            assert gathered and took < 5, (gathered, took)
+            assert messages == ["moe_comm: this Buffer's process group was destroyed (torch.distributed."
+                                "destroy_process_group): make a new Buffer on a new process group"] * 2, messages
