@@ -448,7 +448,7 @@ def destroyed_group_rank(rank: int, world_size: int) -> tuple:
         buf = moe_comm.Buffer(group, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="cuda",
                               num_cpu_timeout_secs=30, cuda_tuning=IPC)
         t = torch.full((4,), float(rank), device="cuda")
-        gathered = buf.all_gather(t).cpu()
+        gathered = buf.all_gather(t)[0].cpu()
         buf.pp_set_config(64, 1)
         buf.barrier()
         dist.destroy_process_group(group)
