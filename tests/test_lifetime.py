@@ -150,3 +150,36 @@ def test_calls_after_the_group_was_destroyed(which):
     for messages in parallel_launch(2, after_group_destroyed_rank, which, timeout_s=120):
         assert messages == ["moe_comm: this Buffer's process group was destroyed (torch.distributed."
                             "destroy_process_group): make a new Buffer on a new process group"] * 5, messages
+
+
+def dropped_exchanges_rank(rank: int, world_size: int, what: str) -> bool:
+    """An exchange posted and then dropped unwaited (a receive hook of a destroyed buffer, an async call's event, an
+    Engram fetch never called, a buffer with a pipeline receive posted) leaves the group usable: gloo's connection
+    stalled on the data of a receive whose work was freed, and the next buffer's first exchange timed out."""
+    import gc
+
+    buf = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                          num_cpu_timeout_secs=5)
+    x, idx, w = rank_inputs(GOOD, rank)
+    if what == "hook":
+        buf.dispatch(x, idx, w, num_experts=GOOD.num_experts, return_recv_hook=True)
+        buf.destroy()
+    elif what == "event":
+        buf.dispatch(x, idx, w, num_experts=GOOD.num_experts, async_with_compute_stream=True)
+    elif what == "engram":
+        buf.engram_write(torch.arange(8.0 * (rank + 1)).view(-1, 2))
+        buf.engram_fetch(torch.tensor([0, 5]))
+    else:  # "pipeline": each posts a receive, then sends; the buffer is dropped with both in flight
+        buf.pp_set_config(64, 1)
+        buf.pp_recv(torch.empty(4), 1 - rank, async_with_compute_stream=True)
+        buf.pp_send(torch.ones(4), 1 - rank)
+    del buf
+    gc.collect()
+    again = moe_comm.Buffer(None, num_max_tokens_per_rank=8, hidden=128, num_topk=2, backend="torch",
+                            num_cpu_timeout_secs=5)
+    return check_case(again, GOOD, rank) is not None
+
+
+@pytest.mark.parametrize("what", ["hook", "event", "engram", "pipeline"])
+def test_dropped_exchanges_leave_the_group_usable(pools, what):
+    assert pools(2).run(dropped_exchanges_rank, what) == [True, True]

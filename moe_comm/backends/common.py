@@ -408,6 +408,8 @@ class Backend:
             error = wait_error(f"rank {me} {phase}: posting the exchange", self.timeout_secs, 0.0, exc, who)
             self.mark_broken(str(error))
             raise error from exc
+        if self.device.type == "cpu":
+            keep_until_done(self.group, works)
         return recv, list(zip(works, descriptions))
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
@@ -458,6 +460,19 @@ def subgroup_of(group: dist.ProcessGroup, device: torch.device, partition: Seque
     (members,) = [part for part in partition if me in part]
     return dist.new_group([dist.get_global_rank(group, r) for r in members], timeout=timeout,
                           backend=dist.get_backend(group), pg_options=options, use_local_synchronization=True)
+
+
+# Per gloo process group: point-to-point works posted and not yet seen complete. A receive whose work is freed before
+# its data came stalls gloo's connection with that peer (its data has nowhere to go), and every later message between
+# the two ranks waits behind it: a dropped async event, receive hook, Engram fetch or buffer must not free them.
+_IN_FLIGHT: dict[dist.ProcessGroup, list] = {}
+
+
+def keep_until_done(group: dist.ProcessGroup, works: Sequence) -> None:
+    """Hold `works` until they complete (checked whenever more are posted on `group`)."""
+    pending = [work for work in (*_IN_FLIGHT.pop(group, ()), *works) if not work.is_completed()]
+    if pending:
+        _IN_FLIGHT[group] = pending
 
 
 def group_is_live(group: dist.ProcessGroup) -> bool:

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .common import PP_TAG, accumulation_dtype, group_is_live, subgroup_of
+from .common import PP_TAG, accumulation_dtype, group_is_live, keep_until_done, subgroup_of
 from .primitives_base import PrimitivesBase
 
 class TorchPrimitives(PrimitivesBase):
@@ -120,6 +120,8 @@ class TorchPrimitives(PrimitivesBase):
                 staged.record_stream(torch.cuda.current_stream(b.device))
         staged = t.clone()
         work = dist.isend(staged, dist.get_global_rank(b.group, dst), **self._pp_channel(b.rank, dst))
+        if b.device.type == "cpu":
+            keep_until_done(b.group, [work])
         sends.append((work, f"rank {b.rank} pp_send: send to peer {dst}", staged))
         self.num_sent[dst] += 1
         return (), [], []
@@ -128,6 +130,8 @@ class TorchPrimitives(PrimitivesBase):
         """`Backend.run` steps of a receive into `t`."""
         b = self.backend
         work = dist.irecv(t, dist.get_global_rank(b.group, src), **self._pp_channel(src, b.rank))
+        if b.device.type == "cpu":
+            keep_until_done(b.group, [work])
         self.num_received[src] += 1
         return (), [(work, f"rank {b.rank} pp_recv: receive from peer {src}")], []
 
