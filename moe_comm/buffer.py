@@ -315,7 +315,13 @@ class Buffer(PrimitivesMixin):
             peer = dist.get_global_rank(self.group, p)
             ops += [dist.P2POp(dist.irecv, inbox[i:i + 1], peer, self.group, tag=ARRIVAL_TAG),
                     dist.P2POp(dist.isend, token, peer, self.group, tag=ARRIVAL_TAG)]
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:  # gloo: a peer gave up before this rank came, and closed its connections
+            raise ConnectionError(f"moe_comm: rank {self.rank} Buffer(...): a peer closed the connection before this "
+                                  f"rank arrived (it gave up waiting: the ranks reached Buffer(...) more than "
+                                  f"num_cpu_timeout_secs={self.num_cpu_timeout_secs:g} apart); the group cannot be "
+                                  f"used further: create a new process group ({exc})") from exc
         deadline = time.monotonic() + self.num_cpu_timeout_secs
         missing = []
         for p, work in zip(peers * 2, works[::2] + works[1::2]):  # the receives, then the sends (done by then)

@@ -174,3 +174,22 @@ def test_construction_and_a_call_do_not_pair():
     made, called = parallel_launch(2, construct_or_call_rank, timeout_s=120)
     assert "rank 0 Buffer(...): peer(s) [1] did not answer at the construction" in made, made
     assert "rank 1 dispatch argument agreement: receive from peer 0" in called, called
+
+
+def late_arrival_rank(rank: int, world_size: int):
+    """Rank 1 reaches Buffer(...) after rank 0 gave up: rank 0 names it, rank 1 hears that a peer closed the
+    connection before it came (a raw gloo RuntimeError before)."""
+    dist.barrier()  # the two start together: rank 1 then comes 2 s after rank 0's deadline
+    if rank == 1:
+        time.sleep(4)
+    with pytest.raises((TimeoutError, ConnectionError)) as info:
+        moe_comm.Buffer(None, num_max_tokens_per_rank=4, hidden=16, num_topk=2, backend="torch",
+                        num_cpu_timeout_secs=2)
+    return type(info.value).__name__, str(info.value)
+
+
+def test_late_arrival_at_construction():
+    (early_type, early), (late_type, late) = parallel_launch(2, late_arrival_rank, timeout_s=120)
+    assert early_type == "TimeoutError" and "rank 0 Buffer(...): peer(s) [1] did not answer" in early, early
+    assert late_type == "ConnectionError" and late.startswith(
+        "moe_comm: rank 1 Buffer(...): a peer closed the connection before this rank arrived"), late
