@@ -220,6 +220,8 @@ class Backend:
             self._busy_streams.discard(side)
         if return_recv_hook:
             outputs, works, finalizers = body()
+            if self.comm_stream is None:
+                keep_until_done(self.group, [work for work, _ in works])
 
             def receive(backend: "Backend") -> None:  # not `self`: the hook holds the backend weakly
                 backend._wait(works)
@@ -235,11 +237,14 @@ class Backend:
                                              _flatten_tensors(outputs))
             return outputs, DONE, self.pending_hook
         if self.comm_stream is None:
+            keep_until_done(self.group, [])  # let go of what completed since
             outputs, works, finalizers = body()
             event = EventOverlap(works=works, finalizers=finalizers, timeout_secs=self.timeout_secs,
                                  on_fault=self.mark_broken)
             if not async_with_compute_stream:
                 event.current_stream_wait()
+            else:
+                keep_until_done(self.group, [work for work, _ in works])
             return outputs, event, None
         if not async_with_compute_stream:
             outputs, works, finalizers = body()
@@ -408,8 +413,6 @@ class Backend:
             error = wait_error(f"rank {me} {phase}: posting the exchange", self.timeout_secs, 0.0, exc, who)
             self.mark_broken(str(error))
             raise error from exc
-        if self.device.type == "cpu":
-            keep_until_done(self.group, works)
         return recv, list(zip(works, descriptions))
 
     def gather_values(self, mine: torch.Tensor, phase: str) -> torch.Tensor:
@@ -462,9 +465,11 @@ def subgroup_of(group: dist.ProcessGroup, device: torch.device, partition: Seque
                           backend=dist.get_backend(group), pg_options=options, use_local_synchronization=True)
 
 
-# Per gloo process group: point-to-point works posted and not yet seen complete. A receive whose work is freed before
-# its data came stalls gloo's connection with that peer (its data has nowhere to go), and every later message between
-# the two ranks waits behind it: a dropped async event, receive hook, Engram fetch or buffer must not free them.
+# Per gloo process group: point-to-point works handed out unwaited (async events, receive hooks, Engram fetches,
+# pipeline sends) and not yet seen complete. A receive whose work is freed before its data came stalls gloo's
+# connection with that peer (its data has nowhere to go), and every later message between the two ranks waits behind
+# it: dropping one of those must not free them. (Waited works are not held: a held work keeps the group's connections
+# open after `destroy_process_group`, where a peer should see them close.)
 _IN_FLIGHT: dict[dist.ProcessGroup, list] = {}
 
 

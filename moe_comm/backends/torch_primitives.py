@@ -130,8 +130,6 @@ class TorchPrimitives(PrimitivesBase):
         """`Backend.run` steps of a receive into `t`."""
         b = self.backend
         work = dist.irecv(t, dist.get_global_rank(b.group, src), **self._pp_channel(src, b.rank))
-        if b.device.type == "cpu":
-            keep_until_done(b.group, [work])
         self.num_received[src] += 1
         return (), [(work, f"rank {b.rank} pp_recv: receive from peer {src}")], []
 
@@ -194,6 +192,8 @@ class TorchPrimitives(PrimitivesBase):
         width = math.prod(row_shape)  # elements per row
         answer = table.index_select(0, requests.view(-1)).view(requests.shape[0], width).view(torch.uint8)
         got, works = b._exchange(answer, send_counts, recv_counts, "engram_fetch row exchange")
+        if b.device.type == "cpu":
+            keep_until_done(b.group, [work for work, _ in works])
         out = table.new_empty(indices.shape[0], *row_shape)
         done = []
 
