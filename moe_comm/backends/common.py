@@ -151,7 +151,7 @@ class Backend:
         The serial also keeps the buffer's gloo messages apart from other buffers' (`PP_TAG`)."""
         _BUFFERS_MADE[_group_name(self.group)] = serial + 1
         self.serial = serial % NUM_BUFFER_SERIALS
-        self.epoch_base = self.epoch = (serial % NUM_BUFFER_SERIALS) << EPOCH_BASE_SHIFT
+        self.epoch_base = self.epoch = self.serial << EPOCH_BASE_SHIFT
 
     def close(self) -> None:
         """Release what the backend holds."""

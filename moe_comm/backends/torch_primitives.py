@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .common import PP_TAG, accumulation_dtype, group_is_live, keep_until_done, subgroup_of
 from .primitives_base import PrimitivesBase
 
+
 class TorchPrimitives(PrimitivesBase):
     """The primitives of one Buffer over its backend's group (module docstring).
 
@@ -75,23 +76,22 @@ class TorchPrimitives(PrimitivesBase):
                 self._pp_channels = ((b.group, tag), (b.group, tag + 1))
             else:
                 self._pp_channels = tuple((group, 0) for group in self._nccl_pp_groups())
+                self._connect_neighbours()
         self.pp_config = (num_max_tensor_bytes, num_max_inflight_tensors)
 
     def _nccl_pp_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """Two new groups of the buffer's ranks, connected. They stay until the process ends: torch cannot destroy
-        and remake such a group (the next one's hashed name is the destroyed one's, whose rendezvous keys it finds in
-        the store), and lending them to later buffers would need every rank to agree on which pair is free and empty
-        (a destroyed buffer's unreceived send would pair with the next buffer's first receive)."""
+        """Two new groups of the buffer's ranks. They stay until the process ends: torch cannot destroy and remake such
+        a group (the next one's hashed name is the destroyed one's, whose rendezvous keys it finds in the store), and
+        lending them to later buffers would need every rank to agree on which pair is free and empty (a destroyed
+        buffer's unreceived send would pair with the next buffer's first receive)."""
         b = self.backend
-        groups = tuple(subgroup_of(b.group, b.device, [list(range(b.num_ranks))], b.timeout_secs) for _ in range(2))
-        self._connect_neighbours(groups)
-        return groups
+        return tuple(subgroup_of(b.group, b.device, [list(range(b.num_ranks))], b.timeout_secs) for _ in range(2))
 
     def _pp_channel(self, src: int, dst: int) -> dict:
         group, tag = self._pp_channels[0 if src < dst else 1]
         return {"group": group, "tag": tag}
 
-    def _connect_neighbours(self, groups: tuple[dist.ProcessGroup, dist.ProcessGroup]) -> None:
+    def _connect_neighbours(self) -> None:
         """One message each way between every pair of ring neighbours on new pipeline groups, pairs in one global
         order (pair (r, r + 1) is number r, pair (0, R - 1) number R - 1): NCCL makes a pair's communicator at its
         first message, which blocks until both ranks are there, so ranks that first sent along the ring would wait
@@ -104,7 +104,7 @@ class TorchPrimitives(PrimitivesBase):
             for src, dst in ((lo, hi), (hi, lo)):
                 token = torch.zeros(1, device=b.device)
                 post = dist.isend if me == src else dist.irecv
-                work = post(token, dist.get_global_rank(b.group, other), group=groups[0 if src < dst else 1])
+                work = post(token, dist.get_global_rank(b.group, other), **self._pp_channel(src, dst))
                 b._wait([(work, f"rank {me} pp_set_config: connecting with peer {other}")])
 
     def pp_send(self, t: torch.Tensor, dst: int):
